@@ -1,0 +1,69 @@
+"""A per-slot key/value cache for ragged batches (one slot per session).
+
+Each slot is a rectangle of ``max_len`` positions; a session's valid length is
+``lengths[slot]``. Rolling back rejected draft positions is setting the length: the stale
+entries are masked out and overwritten by the next write. One extra scratch position
+absorbs the writes of padded query positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_layers, num_slots, num_kv_heads, max_len + 1, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.lengths = torch.zeros(num_slots, dtype=torch.long)
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("KV cache is full: no free session slot")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots [B], positions [B, T] (positions >= max_len go to the scratch column),
+        k/v [B, KVH, T, hd]."""
+        pos = positions.clamp(max=self.max_len)
+        self.k[layer, slots[:, None], :, pos] = k.transpose(1, 2)
+        self.v[layer, slots[:, None], :, pos] = v.transpose(1, 2)
+
+    def read(self, layer: int, slots: torch.Tensor, length: int):
+        """Keys/values of positions [0, length) -> [B, KVH, length, hd] each."""
+        return self.k[layer, slots, :, :length], self.v[layer, slots, :, :length]
+
+    def per_layer_kv(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """For positions [start, end) of one slot: [n, num_layers, KVH * 2 * hd], each layer's
+        vector being, per KV head, that head's key followed by its value (the layout of the
+        reference implementation's ``torch.cat((k, v), -1)``)."""
+        k = self.k[:, slot, :, start:end]  # [L, KVH, n, hd]
+        v = self.v[:, slot, :, start:end]
+        kv = torch.cat((k, v), dim=-1)  # [L, KVH, n, 2hd]
+        n_layers, heads, n, width = kv.shape
+        return kv.permute(2, 0, 1, 3).reshape(n, n_layers, heads * width)
+
+
+def ragged_causal_mask(lengths: torch.Tensor, query_lens: torch.Tensor, total: int) -> torch.Tensor:
+    """Bool mask [B, 1, T, total] for queries at positions lengths[b] + t: a query sees every
+    cached position before it and itself; padded queries (t >= query_lens[b]) see the same
+    (their outputs are discarded)."""
+    t = int(query_lens.max())
+    q_pos = lengths[:, None] + torch.arange(t)[None, :]  # [B, T]
+    k_pos = torch.arange(total)
+    return (k_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)

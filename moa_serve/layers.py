@@ -1,0 +1,144 @@
+"""Llama-family building blocks shared by the target runner and the MoA drafter.
+
+Parameter names follow Hugging Face's ``LlamaDecoderLayer`` (``self_attn.q_proj``,
+``mlp.gate_proj``, ``input_layernorm`` ...) so that Hugging Face target weights and the
+reference MoA checkpoint layout load without renaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-5
+    qkv_bias: bool = False
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding; ``inv_freq`` comes from transformers' rope initialisers so that
+    every rope_scaling type a Hugging Face config names (llama3, linear, dynamic, ...) is exact."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = attention_scaling
+
+    @classmethod
+    def plain(cls, head_dim: int, theta: float) -> "Rotary":
+        return cls(1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [..., T] (long) -> cos, sin [..., 1, T, head_dim] ready to broadcast over heads."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)
+        sin = (emb.sin() * self.attention_scaling).to(dtype)
+        return cos.unsqueeze(-3), sin.unsqueeze(-3)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Projections of one attention block; the attention itself is done by the caller, which
+    owns the cache and the mask (ragged batches, cross-attention, attention across layers)."""
+
+    def __init__(self, shape: LayerShape):
+        super().__init__()
+        self.shape = shape
+        s = shape
+        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+
+    def split_heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        # [B, T, heads*hd] -> [B, heads, T, hd]
+        b, t, _ = x.shape
+        return x.view(b, t, heads, self.shape.head_dim).transpose(1, 2)
+
+    def query(self, h, cos, sin):
+        return apply_rope(self.split_heads(self.q_proj(h), self.shape.num_heads), cos, sin)
+
+    def key_value(self, h, cos, sin):
+        k = apply_rope(self.split_heads(self.k_proj(h), self.shape.num_kv_heads), cos, sin)
+        v = self.split_heads(self.v_proj(h), self.shape.num_kv_heads)
+        return k, v
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        # [B, H, T, hd] -> [B, T, hidden]
+        b, _, t, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [B,H,T,hd], k/v [B,KVH,L,hd], mask bool [B,1,T,L] (True = may attend) or None."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama decoder layer. ``forward`` takes a function that, given this step's
+    rope'd keys/values, returns all keys/values to attend to plus the mask (cache policy
+    belongs to the caller)."""
+
+    def __init__(self, shape: LayerShape):
+        super().__init__()
+        self.self_attn = Attention(shape)
+        self.mlp = MLP(shape.hidden_size, shape.intermediate_size)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_and_mask):
+        h = self.input_layernorm(x)
+        q = self.self_attn.query(h, cos, sin)
+        k, v = self.self_attn.key_value(h, cos, sin)
+        k_all, v_all, mask = kv_and_mask(k, v)
+        x = x + self.self_attn.output(attend(q, k_all, v_all, mask))
+        return x + self.mlp(self.post_attention_layernorm(x))

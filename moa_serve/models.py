@@ -1,0 +1,136 @@
+"""Finding and loading target models.
+
+A model is named as a user would name it to Hugging Face (``HuggingFaceTB/SmolLM2-135M-Instruct``)
+or by a local path. ``MOA_MODEL_DIR`` maps names to local copies (this environment has no hub):
+``$MOA_MODEL_DIR/<name>``, ``$MOA_MODEL_DIR/<basename>`` and its lower-case form are tried.
+GGUF-only folders are de-quantized once through transformers and cached as safetensors under
+``$MOA_CACHE_DIR`` (default ``~/.cache/moa-serve``).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class ModelNotFoundError(ValueError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MOA_CACHE_DIR", Path.home() / ".cache" / "moa-serve"))
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """Local folder holding ``config.json`` for a model name or path; downloads from the hub
+    when the name is not local (and says clearly when that is impossible)."""
+    if not name_or_path or not str(name_or_path).strip():
+        raise ModelNotFoundError("model name is empty")
+    p = Path(name_or_path).expanduser()
+    if (p / "config.json").is_file():
+        return p.resolve()
+    model_dir = os.environ.get("MOA_MODEL_DIR")
+    tried = [str(p)]
+    if model_dir:
+        base = Path(model_dir).expanduser()
+        short = str(name_or_path).rstrip("/").split("/")[-1]
+        for cand in (base / name_or_path, base / short, base / short.lower()):
+            tried.append(str(cand))
+            if (cand / "config.json").is_file():
+                return cand.resolve()
+    looks_like_path = p.is_absolute() or str(name_or_path).startswith((".", "~")) or p.exists()
+    if not looks_like_path and str(name_or_path).count("/") == 1:
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(str(name_or_path)))
+        except Exception as exc:  # offline, gated, unknown id
+            raise ModelNotFoundError(
+                f"model {name_or_path!r} is not a local folder (tried {', '.join(tried)}) and could not be "
+                f"fetched from the Hugging Face hub ({type(exc).__name__}). Set MOA_MODEL_DIR to a folder of "
+                f"local copies or pass a path.") from exc
+    raise ModelNotFoundError(
+        f"model {name_or_path!r} not found: no config.json at {', '.join(tried)}")
+
+
+def read_config(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _safetensors_files(path: Path) -> list[str]:
+    return sorted(glob.glob(str(path / "*.safetensors")))
+
+
+def _converted_gguf(path: Path, gguf: str) -> Path:
+    """De-quantize a GGUF once (through transformers) into a cached safetensors file."""
+    st = os.stat(gguf)
+    key = hashlib.sha256(f"{os.path.abspath(gguf)}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    out = cache_dir() / "converted" / f"{path.name}-{key}"
+    target = out / "model.safetensors"
+    if target.is_file():
+        return target
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    log.warning("de-quantizing %s once into %s (about 15 s)", gguf, target)
+    model = AutoModelForCausalLM.from_pretrained(str(path), gguf_file=os.path.basename(gguf), dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"model.safetensors.tmp{os.getpid()}"
+    save_file(state, str(tmp))
+    os.replace(tmp, target)
+    return target
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The Hugging Face state dict of a causal LM folder (safetensors, GGUF, or anything
+    ``from_pretrained`` reads), on CPU in the stored dtype."""
+    from safetensors.torch import load_file
+
+    files = _safetensors_files(path)
+    if not files:
+        ggufs = sorted(glob.glob(str(path / "*.gguf")))
+        if ggufs:
+            files = [str(_converted_gguf(path, ggufs[0]))]
+    if files:
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(f))
+        return state
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {name!r}")
+    return table[name]
+
+
+def describe(path: Path) -> dict:
+    with open(path / "config.json") as f:
+        cfg = json.load(f)
+    return {"path": str(path), "model_type": cfg.get("model_type"), "layers": cfg.get("num_hidden_layers")}

@@ -1,0 +1,138 @@
+"""A compact Llama-family causal LM (Llama, Mistral without sliding window, Qwen2) that loads
+Hugging Face weights and runs ragged batches against a per-slot KV cache with explicit
+positions. Owning the forward (as gpt-fast and vLLM do) gives us the per-layer K/V that the
+MoA feature head reads, and per-session rollback."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moa_serve.kv_cache import SlotKVCache, ragged_causal_mask
+from moa_serve.layers import DecoderLayer, LayerShape, RMSNorm, Rotary
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class TargetArch:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "TargetArch":
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported target model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if model_type == "mistral" and getattr(cfg, "sliding_window", None):
+            raise ValueError("Mistral models with a sliding window are not supported")
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        return cls(
+            model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
+            intermediate_size=cfg.intermediate_size, rms_norm_eps=cfg.rms_norm_eps, rope_theta=float(theta),
+            qkv_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
+
+    def layer_shape(self) -> LayerShape:
+        return LayerShape(self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                          self.intermediate_size, self.rms_norm_eps, self.qkv_bias)
+
+    @property
+    def kv_width(self) -> int:
+        """Width of one layer's K and V for one token: the LSA's model width."""
+        return 2 * self.num_kv_heads * self.head_dim
+
+
+def rotary_for(cfg, arch: TargetArch) -> Rotary:
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        return Rotary.plain(arch.head_dim, arch.rope_theta)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    return Rotary(inv_freq, scaling)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, arch: TargetArch):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch.layer_shape()) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, arch: TargetArch, rotary: Rotary):
+        super().__init__()
+        self.arch = arch
+        self.model = _Backbone(arch)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = rotary
+
+    @classmethod
+    def from_state_dict(cls, cfg, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                        device: str | torch.device = "cpu") -> "TargetModel":
+        arch = TargetArch.from_hf_config(cfg)
+        with torch.device("meta"):
+            model = cls(arch, Rotary(torch.zeros(arch.head_dim // 2)))
+        state = {k: v for k, v in state.items() if "rotary_emb" not in k}
+        if arch.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        missing = [k for k in missing if not (arch.tie_word_embeddings and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"target weights do not match a {arch.model_type} model: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if arch.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.rotary = rotary_for(cfg, arch)
+        return model.to(device=device, dtype=dtype).eval()
+
+    def new_cache(self, num_slots: int, max_len: int) -> SlotKVCache:
+        p = self.lm_head.weight
+        return SlotKVCache(self.arch.num_layers, num_slots, self.arch.num_kv_heads, self.arch.head_dim,
+                           max_len, p.dtype, p.device)
+
+    def forward_ragged(self, tokens: torch.Tensor, query_lens: torch.Tensor, slots: torch.Tensor,
+                       cache: SlotKVCache) -> torch.Tensor:
+        """tokens [B, T] (padded), query_lens [B]: session b's new tokens sit at positions
+        cache.lengths[slot_b] + t. Writes their K/V into the cache (lengths are not advanced:
+        the caller commits what it accepts) and returns final-norm hidden states [B, T, H]."""
+        starts = cache.lengths[slots]
+        t = tokens.shape[1]
+        positions = starts[:, None] + torch.arange(t)[None, :]
+        total = int((starts + query_lens).max())
+        mask = ragged_causal_mask(starts, query_lens, total).to(tokens.device)
+        dev_positions = positions.to(tokens.device)
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.rotary(dev_positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            def kv_and_mask(k, v, i=i):
+                cache.write(i, slots, positions, k, v)
+                k_all, v_all = cache.read(i, slots, total)
+                return k_all, v_all, mask
+            x = layer(x, cos, sin, kv_and_mask)
+        return self.model.norm(x)
