@@ -59,6 +59,29 @@ class SlotKVCache:
         return kv.permute(2, 0, 1, 3).reshape(n, n_layers, heads * width)
 
 
+    def positions_for(self, slots: torch.Tensor, width: int) -> torch.Tensor:
+        """Positions [B, width] of the next ``width`` tokens of each slot."""
+        return self.lengths[slots][:, None] + torch.arange(width)[None, :]
+
+    def run_layers(self, layers, x: torch.Tensor, cos, sin, slots: torch.Tensor, query_lens: torch.Tensor,
+                   first_layer: int = 0) -> torch.Tensor:
+        """Runs decoder ``layers`` over a ragged batch x [B, T, H] whose session b's tokens sit at
+        positions lengths[slot_b] + t (t < query_lens[b]); each layer writes its keys/values to
+        cache layer ``first_layer + i`` and attends causally over the slot's cached prefix.
+        Lengths are not advanced: the caller commits what it keeps."""
+        starts = self.lengths[slots]
+        positions = self.positions_for(slots, x.shape[1])
+        total = int((starts + query_lens).max())
+        mask = ragged_causal_mask(starts, query_lens, total).to(x.device)
+        for i, layer in enumerate(layers):
+            def kv_and_mask(k, v, li=first_layer + i):
+                self.write(li, slots, positions, k, v)
+                k_all, v_all = self.read(li, slots, total)
+                return k_all, v_all, mask
+            x = layer(x, cos, sin, kv_and_mask)
+        return x
+
+
 def ragged_causal_mask(lengths: torch.Tensor, query_lens: torch.Tensor, total: int) -> torch.Tensor:
     """Bool mask [B, 1, T, total] for queries at positions lengths[b] + t: a query sees every
     cached position before it and itself; padded queries (t >= query_lens[b]) see the same

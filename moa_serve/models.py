@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import logging
 import os
 from pathlib import Path
@@ -129,8 +128,3 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {name!r}")
     return table[name]
 
-
-def describe(path: Path) -> dict:
-    with open(path / "config.json") as f:
-        cfg = json.load(f)
-    return {"path": str(path), "model_type": cfg.get("model_type"), "layers": cfg.get("num_hidden_layers")}

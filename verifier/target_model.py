@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moa_serve.kv_cache import SlotKVCache, ragged_causal_mask
+from moa_serve.kv_cache import SlotKVCache
 from moa_serve.layers import DecoderLayer, LayerShape, RMSNorm, Rotary
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -121,18 +121,8 @@ class TargetModel(nn.Module):
         """tokens [B, T] (padded), query_lens [B]: session b's new tokens sit at positions
         cache.lengths[slot_b] + t. Writes their K/V into the cache (lengths are not advanced:
         the caller commits what it accepts) and returns final-norm hidden states [B, T, H]."""
-        starts = cache.lengths[slots]
-        t = tokens.shape[1]
-        positions = starts[:, None] + torch.arange(t)[None, :]
-        total = int((starts + query_lens).max())
-        mask = ragged_causal_mask(starts, query_lens, total).to(tokens.device)
-        dev_positions = positions.to(tokens.device)
+        positions = cache.positions_for(slots, tokens.shape[1]).to(tokens.device)
         x = self.model.embed_tokens(tokens)
-        cos, sin = self.rotary(dev_positions, x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            def kv_and_mask(k, v, i=i):
-                cache.write(i, slots, positions, k, v)
-                k_all, v_all = cache.read(i, slots, total)
-                return k_all, v_all, mask
-            x = layer(x, cos, sin, kv_and_mask)
+        cos, sin = self.rotary(positions, x.dtype)
+        x = cache.run_layers(self.model.layers, x, cos, sin, slots, query_lens)
         return self.model.norm(x)

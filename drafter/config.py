@@ -1,0 +1,79 @@
+"""Configuration of a MoA drafter: the target dimensions it reads plus its own sizes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from moa_serve.layers import LayerShape
+from moa_serve.verifier.target_model import TargetArch
+
+FORMAT = "moa-serve-drafter"
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    target: TargetArch
+    target_name_or_path: str = ""
+    layer_self_attention_num_key_value_heads: int = 0  # 0 = target's num_kv_heads
+    layer_self_attention_intermediate_size: int = 0  # 0 = 2 x LSA width
+    self_attention_num_key_value_heads: int = 0
+    self_attention_intermediate_size: int = 0  # 0 = target's intermediate size
+    cross_attention_num_key_value_heads: int = 0
+    cross_attention_intermediate_size: int = 0
+    target_layer_inference: int = 0
+    draft_vocab_size: int = 0  # 0 = full vocabulary; else the drafter's LM head keeps a subset
+
+    def __post_init__(self):
+        t = self.target
+        defaults = {
+            "layer_self_attention_num_key_value_heads": t.num_kv_heads,
+            "layer_self_attention_intermediate_size": 2 * t.kv_width,
+            "self_attention_num_key_value_heads": t.num_kv_heads,
+            "self_attention_intermediate_size": t.intermediate_size,
+            "cross_attention_num_key_value_heads": t.num_kv_heads,
+            "cross_attention_intermediate_size": t.intermediate_size,
+        }
+        for name, value in defaults.items():
+            if not getattr(self, name):
+                object.__setattr__(self, name, value)
+        if self.target_layer_inference not in range(0, t.num_layers + 1):
+            raise ValueError(f"target_layer_inference must be in [0, {t.num_layers}], got {self.target_layer_inference}")
+        if self.draft_vocab_size < 0 or self.draft_vocab_size > t.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [0, {t.vocab_size}]")
+
+    # --- shapes of the three layers (the reference code's config2 variations) ---
+    def lsa_shape(self) -> LayerShape:
+        t = self.target
+        width = t.kv_width
+        return LayerShape(width, t.num_heads, self.layer_self_attention_num_key_value_heads, width // t.num_heads,
+                          self.layer_self_attention_intermediate_size, t.rms_norm_eps, t.qkv_bias)
+
+    def sa_shape(self) -> LayerShape:
+        t = self.target
+        return LayerShape(t.hidden_size, t.num_heads, self.self_attention_num_key_value_heads, t.head_dim,
+                          self.self_attention_intermediate_size, t.rms_norm_eps, t.qkv_bias)
+
+    def ca_shape(self) -> LayerShape:
+        t = self.target
+        return LayerShape(t.hidden_size, t.num_heads, self.cross_attention_num_key_value_heads, t.head_dim,
+                          self.cross_attention_intermediate_size, t.rms_norm_eps, False)
+
+    @property
+    def feature_dim(self) -> int:
+        return self.target.hidden_size
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["format"] = FORMAT
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterConfig":
+        d = dict(d)
+        d.pop("format", None)
+        target = TargetArch(**d.pop("target"))
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown drafter config fields: {sorted(unknown)}")
+        return cls(target=target, **d)

@@ -1,0 +1,144 @@
+"""The MoA drafter (Zimmer et al., ICLR 2025) as two halves that live in different places:
+
+* ``FeatureHead`` — Layer Self-Attention (LSA) over the target's per-layer K/V of a token
+  (attention *across layers*, no mask, rope over layer index), mean-pooled over layers, then
+  ``Ekv2E`` to the target's hidden size. It runs beside the target (in the verifier), which
+  holds those K/V anyway, so only one ``hidden_size`` vector per token leaves the verifier.
+* ``DraftHead`` — Self-Attention (SA) decoder layer over the target's input embeddings, then a
+  Cross-Attention (CA) decoder layer whose keys/values are the features of verified tokens,
+  then optionally the target's last N layers + final norm (Target Layer Inference), then the
+  target's LM head.
+
+Parameter names equal the reference implementation's (``layer_self_attention.*``, ``Ekv2E.*``,
+``self_attention.*``, ``cross_attention.*``); the target's embeddings, layers and LM head are
+shared and never part of a drafter checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moa_serve.drafter.config import DrafterConfig
+from moa_serve.layers import MLP, Attention, DecoderLayer, LayerShape, RMSNorm, Rotary, attend
+from moa_serve.verifier.target_model import TargetModel
+
+
+class FeatureHead(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        shape = cfg.lsa_shape()
+        self.layer_self_attention = DecoderLayer(shape)
+        self.Ekv2E = nn.Linear(shape.hidden_size, cfg.target.hidden_size)
+        self.rotary = Rotary.plain(shape.head_dim, cfg.target.rope_theta)
+
+    def forward(self, per_layer_kv: torch.Tensor) -> torch.Tensor:
+        """per_layer_kv [..., num_layers, kv_width] -> features [..., hidden_size]."""
+        lead = per_layer_kv.shape[:-2]
+        x = per_layer_kv.reshape(-1, *per_layer_kv.shape[-2:])
+        cos, sin = self.rotary(torch.arange(x.shape[1], device=x.device), x.dtype)
+        x = self.layer_self_attention(x, cos, sin, lambda k, v: (k, v, None))
+        return self.Ekv2E(x.mean(1)).reshape(*lead, -1)
+
+
+class CrossAttentionLayer(nn.Module):
+    """A decoder layer whose attention reads keys/values projected from MoA features; the
+    same ``input_layernorm`` normalises queries' inputs and features (as the reference)."""
+
+    def __init__(self, shape: LayerShape):
+        super().__init__()
+        self.self_attn = Attention(shape)
+        self.mlp = MLP(shape.hidden_size, shape.intermediate_size)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+    def project_features(self, features: torch.Tensor, cos, sin):
+        """features [B, N, H] at positions given by cos/sin -> keys, values [B, KVH, N, hd]."""
+        return self.self_attn.key_value(self.input_layernorm(features), cos, sin)
+
+    def forward(self, x, cos, sin, keys, values, mask):
+        q = self.self_attn.query(self.input_layernorm(x), cos, sin)
+        x = x + self.self_attn.output(attend(q, keys, values, mask))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TargetParts(nn.Module):
+    """What the drafter borrows from the target, frozen: embeddings, rotary, LM head, final
+    norm and (TLI) its last N layers."""
+
+    def __init__(self, target: TargetModel, tli_layers: int):
+        super().__init__()
+        self.embed_tokens = target.model.embed_tokens
+        self.lm_head = target.lm_head
+        self.norm = target.model.norm
+        self.rotary = target.rotary
+        self.tli = nn.ModuleList(target.model.layers[len(target.model.layers) - tli_layers:] if tli_layers else [])
+        self.requires_grad_(False)
+
+
+class DraftHead(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.self_attention = DecoderLayer(cfg.sa_shape())
+        self.cross_attention = CrossAttentionLayer(cfg.ca_shape())
+
+    def forward_parallel(self, parts: TargetParts, tokens: torch.Tensor, features: torch.Tensor,
+                         positions: torch.Tensor, sa_mask: torch.Tensor, ca_mask: torch.Tensor,
+                         tli_inputs: torch.Tensor | None = None, tli_keep: torch.Tensor | None = None):
+        """Teacher-forced pass over whole sequences (training, tests).
+
+        tokens/positions [B, S]; features [B, S, H] (feature j belongs to position j);
+        sa_mask/ca_mask bool [B, 1, S, S]: the staircase/causal SA mask and the T-step bounded
+        CA mask. With TLI, positions where ``tli_keep`` is False take ``tli_inputs`` (the
+        target's true hidden state entering its last N layers) as the reference does.
+        Returns (hidden before the LM head [B, S, H], CA output [B, S, H])."""
+        x = parts.embed_tokens(tokens)
+        cos, sin = parts.rotary(positions, x.dtype)
+        x = self.self_attention(x, cos, sin, lambda k, v: (k, v, sa_mask))
+        keys, values = self.cross_attention.project_features(features, cos, sin)
+        ca_out = self.cross_attention(x, cos, sin, keys, values, ca_mask)
+        if not len(parts.tli):
+            return ca_out, ca_out
+        x = ca_out
+        if tli_inputs is not None:
+            x = torch.where(tli_keep.unsqueeze(-1), x, tli_inputs)
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()[None, None]
+        for layer in parts.tli:
+            x = layer(x, cos, sin, lambda k, v: (k, v, causal))
+        return parts.norm(x), ca_out
+
+
+class MoADrafter(nn.Module):
+    """Both halves together, for training and checkpoint I/O (flat reference key layout)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.feature_head = FeatureHead(cfg)
+        self.draft_head = DraftHead(cfg)
+
+    def flat_state_dict(self) -> dict[str, torch.Tensor]:
+        return {**self.feature_head.state_dict(), **self.draft_head.state_dict()}
+
+    def load_flat_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        fh = {k: v for k, v in state.items() if k.startswith(("layer_self_attention.", "Ekv2E."))}
+        dh = {k: v for k, v in state.items() if k.startswith(("self_attention.", "cross_attention."))}
+        unexpected = set(state) - set(fh) - set(dh)
+        if unexpected:
+            raise ValueError(f"unexpected drafter weights: {sorted(unexpected)[:5]}")
+        self.feature_head.load_state_dict(fh)
+        self.draft_head.load_state_dict(dh)
+
+
+def init_weights(module: nn.Module, std: float = 0.02, seed: int | None = None) -> None:
+    """Normal(0, std) linear weights, zero biases, unit norms."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            with torch.no_grad():
+                m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * std)
+                if m.bias is not None:
+                    m.bias.zero_()
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+

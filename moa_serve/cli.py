@@ -1,0 +1,143 @@
+"""``moa`` — the command line of MoA-Serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+DEFAULT_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_DRAFTER = "smollm2-135m-instruct-moa"
+
+
+class CLIError(Exception):
+    pass
+
+
+def _model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help="Hugging Face id or path of the target LLM")
+    if drafter:
+        p.add_argument("--drafter", default=DEFAULT_DRAFTER,
+                       help="MoA drafter checkpoint folder (or a packaged one's name); 'none' = target only")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--max-model-len", type=int, default=2048)
+
+
+def _sampling(args):
+    from pydantic import ValidationError
+
+    from moa_serve.engine.sampling import SamplingParams
+
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise CLIError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
+
+
+def _drafter_arg(value: str | None) -> str | None:
+    return None if value is None or value.lower() == "none" else value
+
+
+def prompt_tokens(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                  add_generation_prompt=True, tokenize=True, return_dict=False))
+    return tokenizer.encode(prompt)
+
+
+def cmd_generate(args) -> int:
+    from moa_serve.engine.engine import SpeculativeEngine
+
+    if args.num_speculative_tokens < 1:
+        raise CLIError("--num-speculative-tokens must be >= 1")
+    if args.max_new_tokens < 1:
+        raise CLIError("--max-new-tokens must be >= 1")
+    sampling = _sampling(args)
+    engine = SpeculativeEngine.load(args.target, _drafter_arg(args.drafter), args.dtype, args.device,
+                                    max_sessions=1, max_model_len=args.max_model_len)
+    prompt = prompt_tokens(engine.tokenizer, args.prompt, args.chat)
+    if len(prompt) >= engine.max_model_len:
+        raise CLIError(f"--prompt: {len(prompt)} tokens do not fit the context of {engine.max_model_len} tokens")
+    res = engine.generate([prompt], args.max_new_tokens, sampling, args.num_speculative_tokens,
+                          ignore_eos=args.ignore_eos)[0]
+    if args.json:
+        print(json.dumps({
+            "text": res.text, "token_ids": res.token_ids, "num_tokens": res.num_tokens,
+            "finish_reason": res.finish_reason, "rounds": res.rounds,
+            "mean_accepted_length": round(res.mean_accepted_length, 4),
+            "drafted_tokens": res.drafted_tokens, "accepted_tokens": res.accepted_tokens,
+            "elapsed_s": round(res.elapsed_s, 4), "tokens_per_s": round(res.tokens_per_s, 2),
+            "target": args.target, "drafter": _drafter_arg(args.drafter), "dtype": args.dtype,
+        }))
+    else:
+        print(res.text)
+        print(f"[{res.num_tokens} tokens, {res.tokens_per_s:.1f} tok/s, {res.rounds} rounds, "
+              f"mean accepted length {res.mean_accepted_length:.2f}]", file=sys.stderr)
+    return 0
+
+
+def cmd_drafter_init(args) -> int:
+    from moa_serve.drafter.checkpoint import init_drafter
+
+    if args.target_layer_inference < 0:
+        raise CLIError("--target-layer-inference must be >= 0")
+    out = init_drafter(args.target, args.out, seed=args.seed, target_layer_inference=args.target_layer_inference)
+    print(f"wrote an untrained MoA drafter for {args.target} to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moa", description="MoA-Serve: Mixture-of-Attentions speculative decoding")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text in one process (speculative or plain)")
+    _model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("drafter", help="drafter checkpoints")
+    dsub = d.add_subparsers(dest="drafter_command", required=True)
+    di = dsub.add_parser("init", help="write an untrained MoA drafter sized for a target")
+    di.add_argument("--target", required=True)
+    di.add_argument("--out", required=True)
+    di.add_argument("--seed", type=int, default=0)
+    di.add_argument("--target-layer-inference", type=int, default=0, choices=[0, 1, 2, 3])
+    di.set_defaults(func=cmd_drafter_init)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+_EXTRA_COMMANDS: list = []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    from moa_serve.drafter.checkpoint import DrafterNotFoundError
+    from moa_serve.models import ModelNotFoundError
+
+    try:
+        return args.func(args)
+    except (CLIError, ModelNotFoundError, DrafterNotFoundError) as exc:
+        print(f"moa: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
