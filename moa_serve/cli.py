@@ -125,16 +125,32 @@ def build_parser() -> argparse.ArgumentParser:
 _EXTRA_COMMANDS: list = []
 
 
+def _register_loadtest(sub) -> None:
+    def cmd_loadtest(args) -> int:
+        from moa_serve.loadtest.runner import LoadTestError, run
+
+        try:
+            return run(args)
+        except LoadTestError as exc:
+            raise CLIError(str(exc)) from None
+
+    from moa_serve.loadtest.runner import add_arguments
+
+    lt = sub.add_parser("loadtest", help="Locust load test at several user levels (starts a cluster from --config)")
+    add_arguments(lt)
+    lt.set_defaults(func=cmd_loadtest)
+
+
+_EXTRA_COMMANDS.append(_register_loadtest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    from moa_serve.drafter.checkpoint import DrafterNotFoundError
-    from moa_serve.models import ModelNotFoundError
-
     try:
         return args.func(args)
-    except (CLIError, ModelNotFoundError, DrafterNotFoundError) as exc:
+    except (CLIError, ValueError) as exc:  # bad arguments, unknown models, mismatched checkpoints
         print(f"moa: error: {exc}", file=sys.stderr)
         return 2
 

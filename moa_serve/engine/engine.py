@@ -91,7 +91,8 @@ class SpeculativeEngine:
             raise ValueError("num_speculative_tokens must be >= 1")
         return Session(f"s{next(self._ids)}", list(prompt), max_new_tokens, sampling,
                        num_speculative_tokens if self.proposer is not None else 0,
-                       frozenset() if ignore_eos else self.stop_ids, self.max_model_len)
+                       frozenset() if ignore_eos else self.stop_ids, self.max_model_len,
+                       drafter_needs_features=getattr(self.proposer, "needs_features", True))
 
     def run_round(self, active: list[Session]) -> list[rounds.Committed]:
         by_id = {s.id: s for s in active}

@@ -19,6 +19,7 @@ class Session:
     num_speculative_tokens: int = 4
     stop_token_ids: frozenset[int] = frozenset()
     max_model_len: int = 2048
+    drafter_needs_features: bool = True  # MoA drafts only once the prompt's features exist
     tokens: list[int] = field(default_factory=list)
     feature_chunks: list[torch.Tensor] = field(default_factory=list)
     num_features: int = 0  # features held for positions [0, num_features)
@@ -56,7 +57,7 @@ class Session:
     def speculation_length(self) -> int:
         """Drafts worth asking for this round: none before the prompt is verified (no
         features yet); never more than the output or the context can still take."""
-        if self.num_features == 0:
+        if self.drafter_needs_features and self.num_features == 0:
             return 0
         room = min(self.max_new_tokens - len(self.generated), self.max_model_len - len(self.tokens)) - 1
         return max(0, min(self.num_speculative_tokens, room))

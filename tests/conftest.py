@@ -1,0 +1,48 @@
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("MOA_SHARED_DIR", REPO.parent / "shared"))
+MODELS = SHARED / "models"
+os.environ.setdefault("MOA_MODEL_DIR", str(MODELS))
+STORIES = MODELS / "stories260k"
+SMOLLM = MODELS / "smollm2-135m-instruct"
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> Path:
+    if not (STORIES / "config.json").is_file():
+        pytest.fail(f"stories260k not found at {STORIES}: tests need ../shared beside the repo")
+    return STORIES
+
+
+@pytest.fixture(scope="session")
+def stories_drafter(tmp_path_factory, stories_path) -> Path:
+    from moa_serve.drafter.checkpoint import init_drafter
+
+    return init_drafter(str(stories_path), tmp_path_factory.mktemp("drafter-260k"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A random Llama with a 16-token vocabulary: exact distributions are enumerable."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=15)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # sharpen the logits a little so distributions are far from uniform
+        model.lm_head.weight.mul_(40)
+    out = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(STORIES / f, out / f)  # any tokenizer decodes ids < 16
+    return out

@@ -1,0 +1,183 @@
+"""The locustfile, runner and report against a fake server (test scaffolding, no model).
+
+The fake server (tests/fake_llm_server.py) only checks the plumbing: its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+pytest.importorskip("locust")
+pytest.importorskip("matplotlib")
+
+from moa_serve.loadtest import report, runner  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+SPECBENCH = REPO.parent / "shared" / "data" / "specbench" / "question.jsonl"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def fake_server(request):
+    """Start the fake server (params: fail_every) in its own process group; yield its URL."""
+    fail_every = getattr(request, "param", 0)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, str(HERE / "fake_llm_server.py"), "--port", str(port),
+                             "--fail-every", str(fail_every)], start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                pytest.fail("fake server exited")
+            time.sleep(0.2)
+        else:
+            pytest.fail("fake server did not start")
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def _check_level(lv: dict) -> None:
+    for key in ("users", "requests", "failures", "output_tokens_per_s", "output_tokens_per_s_per_user",
+                "mean_accepted_length"):
+        assert key in lv, key
+    for key in ("ttft_ms", "latency_ms", "itl_ms"):
+        assert set(lv[key]) >= {"p50", "p95", "p99"}, key
+
+
+def test_runner_all_user_classes(fake_server, tmp_path):
+    out = tmp_path / "run"
+    classes = ",".join(runner.USER_CLASSES)
+    rc = runner.main(["--host", fake_server, "--users", "1,5", "--duration", "5s", "--max-tokens", "16",
+                      "--user-class", classes, "--out", str(out), "--fail-on-failures", "--label", "fake"])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["label"] == "fake" and s["speculation"] is None
+    assert [lv["users"] for lv in s["levels"]] == [1, 5]
+    for lv in s["levels"]:
+        _check_level(lv)
+        assert lv["requests"] > 0 and lv["failures"] == 0
+        assert lv["output_tokens_per_s"] > 0
+        assert lv["ttft_ms"]["p50"] is not None and lv["latency_ms"]["p99"] >= lv["latency_ms"]["p50"]
+        assert lv["mean_accepted_length"] == pytest.approx(16 / 6, abs=0.01)
+        assert (out / f"u{lv['users']}.html").exists() and (out / f"u{lv['users']}_stats.csv").exists()
+    # every route was exercised (5 users, 5 classes)
+    names = {json.loads(line).get("name") for line in (out / "metrics_u5.jsonl").read_text().splitlines()}
+    assert {"/v1/generate", "/v1/generate [stream]", "/v1/chat/completions", "/v1/chat/completions [stream]",
+            "/v1/completions [stream]"} <= names
+    for png in ("throughput.png", "latency.png"):
+        assert (out / png).stat().st_size > 1000
+    # plots only: compare two runs
+    both = tmp_path / "both"
+    assert runner.main(["--compare", str(out), "--compare", str(out), "--out", str(both)]) == 0
+    assert (both / "throughput.png").exists() and "| fake | 5 |" in (both / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("fake_server", [2], indirect=True)
+def test_failures_are_counted(fake_server, tmp_path):
+    out = tmp_path / "run"
+    rc = runner.main(["--host", fake_server, "--users", "2", "--duration", "4s", "--max-tokens", "8",
+                      "--out", str(out), "--fail-on-failures", "--no-warmup"])
+    assert rc == 1
+    lv = json.loads((out / "summary.json").read_text())["levels"][0]
+    assert lv["requests"] > 0 and 0 < lv["failures"] < lv["requests"]
+    assert any("500" in k for k in lv["errors"])
+
+
+def test_cli_registration(fake_server, tmp_path):
+    from moa_serve.cli import main
+
+    out = tmp_path / "cli"
+    rc = main(["loadtest", "--host", fake_server, "--users", "1", "--duration", "2s", "--max-tokens", "4",
+               "--out", str(out), "--no-warmup"])
+    assert rc == 0 and (out / "summary.json").exists()
+    assert main(["loadtest", "--users", "1", "--out", str(out)]) == 2  # neither --config nor --host
+
+
+def test_parse_arguments():
+    assert runner.parse_users("1,4,16") == [1, 4, 16]
+    assert runner.parse_duration("60s") == 60 and runner.parse_duration("1m30s") == 90
+    assert runner.parse_duration("45") == 45 and runner.parse_duration("2m") == 120
+    for bad in ("", "x", "0s"):
+        with pytest.raises(runner.LoadTestError):
+            runner.parse_duration(bad)
+    with pytest.raises(runner.LoadTestError):
+        runner.parse_users("1,a")
+
+
+def test_derived_config_no_speculation(tmp_path):
+    src = REPO / "deployments" / "configs" / "local-cpu.yaml"
+    path, url = runner.derived_config(src, no_speculation=True, port=8765, out=tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    orig = yaml.safe_load(src.read_text())
+    assert cfg["applications"][0]["args"]["drafter"] is None
+    assert url == "http://127.0.0.1:8765" and cfg["http_options"]["port"] == 8765
+    # nothing else changed
+    cfg["applications"][0]["args"]["drafter"] = orig["applications"][0]["args"]["drafter"]
+    cfg["http_options"]["port"] = orig["http_options"]["port"]
+    assert cfg == orig
+    path, url = runner.derived_config(src, no_speculation=False, port=None, out=tmp_path)
+    assert yaml.safe_load(path.read_text()) == orig and url.endswith(":8000")
+
+
+def test_prompts(tmp_path):
+    from moa_serve.loadtest import locustfile
+
+    if SPECBENCH.exists():
+        ps = locustfile.load_prompts(SPECBENCH)
+        assert len(ps) == 240 and ps[0]["messages"][0]["role"] == "user"
+        assert {p["category"] for p in locustfile.load_prompts(SPECBENCH, {"qa", "rag"})} == {"qa", "rag"}
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "a"}, {"messages": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]},
+        {"turns": ["d", "e"]}, {"nothing": 1}]) + "\n")
+    ps = locustfile.load_prompts(f)
+    assert [p["messages"][-1]["content"] for p in ps] == ["a", "b", "d"]
+    with pytest.raises(ValueError):
+        locustfile.load_prompts(f, {"nope"})
+
+
+def test_summarize_level_window():
+    t0 = 1000.0
+    recs = [  # a streamed request inside the window, one straddling its end, one failure
+        {"t_start": t0 + 1, "latency_ms": 2000, "ttft_ms": 1000, "itl_ms": 10, "output_tokens": 100, "ok": True,
+         "accepted_length": 2.0, "rounds": 50, "tokens_per_s": 50},
+        {"t_start": t0 + 9, "latency_ms": 3000, "ttft_ms": 1000, "itl_ms": 20, "output_tokens": 100, "ok": True,
+         "accepted_length": 4.0, "rounds": 25, "tokens_per_s": 33},
+        {"t_start": t0 + 2, "latency_ms": 5, "ttft_ms": None, "output_tokens": 0, "ok": False, "error": "HTTP 429"},
+    ]
+    lv = report.summarize_level(2, recs, duration_s=10, t_start=t0, t_stop=t0 + 12)
+    assert lv["requests"] == 3 and lv["failures"] == 1 and lv["errors"] == {"HTTP 429": 1}
+    assert lv["output_tokens_per_s"] == pytest.approx((100 + 100 * 0 / 2) / 10)  # 2nd streams from t0+10
+    assert lv["output_tokens_per_s_per_user"] == pytest.approx(5.0)
+    assert lv["mean_accepted_length"] == pytest.approx(200 / 75, abs=1e-3)
+    assert lv["ttft_ms"]["p50"] == 1000 and lv["latency_ms"]["p99"] == pytest.approx(2990)
+    empty = report.summarize_level(1, [], duration_s=10, t_start=t0)
+    assert empty["requests"] == 0 and empty["output_tokens_per_s"] == 0 and empty["ttft_ms"]["p50"] is None
