@@ -1,0 +1,50 @@
+"""CI smoke load test against the real cluster: `serve run deployments/configs/local-cpu.yaml`
+started and stopped by the runner, 2 users for ~20 s; any failed request fails the test."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("locust")
+
+REPO = Path(__file__).resolve().parents[1]
+
+try:
+    importlib.import_module("moa_serve.deployments.app")
+    _APP_ERROR = None
+except ImportError as exc:  # the Ray Serve application is not written yet
+    _APP_ERROR = exc
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_APP_ERROR is not None,
+                    reason=f"moa_serve.deployments.app cannot be imported yet ({_APP_ERROR})")
+def test_smoke_load_local_cpu_cluster(tmp_path):
+    from moa_serve.loadtest import runner
+
+    out = tmp_path / "smoke"
+    # one streaming chat user and one streaming /v1/generate user; a free port, so a
+    # cluster that someone runs on :8000 is left alone
+    rc = runner.main(["--config", str(REPO / "deployments" / "configs" / "local-cpu.yaml"),
+                      "--port", str(_free_port()), "--users", "2", "--duration", "20s", "--max-tokens", "64",
+                      "--user-class", "ChatStreamUser,GenerateStreamUser", "--out", str(out),
+                      "--fail-on-failures"])
+    s = json.loads((out / "summary.json").read_text())
+    lv = s["levels"][0]
+    assert lv["failures"] == 0, lv["errors"]
+    assert rc == 0
+    assert lv["requests"] > 0 and lv["output_tokens_per_s"] > 0
+    assert lv["ttft_ms"]["p50"] is not None
+    assert lv["mean_accepted_length"] is not None and lv["mean_accepted_length"] >= 1.0
+    assert (out / "throughput.png").exists() and (out / "latency.png").exists()
