@@ -40,6 +40,7 @@ class PoolConfig(_Strict):
     ray_actor_options: RayActorOptions = RayActorOptions()
     max_ongoing_requests: int = Field(8, ge=1)
     max_sessions: int = Field(16, ge=1, description="sessions whose caches one replica holds")
+    torch_threads: int | None = Field(None, ge=1, description="default: ray_actor_options.num_cpus")
 
 
 class RouterConfig(_Strict):
@@ -48,6 +49,7 @@ class RouterConfig(_Strict):
     max_ongoing_requests: int = Field(256, ge=1)
     max_queued_requests: int = Field(64, ge=0, description="waiting requests beyond which new ones get 429")
     max_sessions_per_round: int = Field(16, ge=1)
+    session_groups: int = Field(2, ge=1, description="round loops; >= 2 lets one group draft while another verifies")
     retry_after_s: int = Field(2, ge=1)
 
 

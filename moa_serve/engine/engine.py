@@ -36,6 +36,23 @@ class GenerationResult:
         return self.num_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
+def load_feature_head(drafter: str | None):
+    """The verifier-side half of a drafter checkpoint (LSA + Ekv2E), or None."""
+    if drafter is None:
+        return None
+    from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
+    from moa_serve.drafter.model import MoADrafter
+
+    cfg, state = load_drafter(drafter)
+    if cfg.kind != "moa":  # baselines: EAGLE-style reads the target's hidden states, independent nothing
+        from moa_serve.drafter.baselines import HiddenFeatures
+
+        return HiddenFeatures() if cfg.kind == "eagle" else None
+    moa = MoADrafter(cfg)
+    moa.load_flat_state_dict({k: v for k, v in state.items() if k != DRAFT_VOCAB_KEY})
+    return moa.feature_head
+
+
 def stop_token_ids(path, tokenizer) -> frozenset[int]:
     ids = set()
     try:
@@ -63,20 +80,14 @@ class SpeculativeEngine:
     @classmethod
     def load(cls, target: str, drafter: str | None, dtype="float32", device="cpu", max_sessions=16,
              max_model_len=2048) -> "SpeculativeEngine":
-        from moa_serve.drafter.checkpoint import load_drafter
-        from moa_serve.drafter.model import MoADrafter
-
         path = resolve_model_path(target)
-        feature_head = None
-        if drafter is not None:
-            cfg, state = load_drafter(drafter)
-            moa = MoADrafter(cfg)
-            moa.load_flat_state_dict({k: v for k, v in state.items() if k != "draft_vocab_ids"})
-            feature_head = moa.feature_head
-        verifier = TorchTargetRunner(str(path), dtype, device, max_sessions, max_model_len, feature_head)
+        verifier = TorchTargetRunner(str(path), dtype, device, max_sessions, max_model_len,
+                                     load_feature_head(drafter))
         proposer = None
         if drafter is not None:
-            proposer = MoAProposer.load(drafter, dtype=dtype, device=device, max_sessions=max_sessions,
+            from moa_serve.drafter.baselines import load_proposer  # picks MoA / EAGLE / independent by kind
+
+            proposer = load_proposer(drafter, dtype=dtype, device=device, max_sessions=max_sessions,
                                         max_model_len=verifier.max_model_len, target_model=verifier.model)
         tok = load_tokenizer(path)
         return cls(verifier, proposer, tok, stop_token_ids(path, tok), max_sessions)

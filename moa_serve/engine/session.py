@@ -88,6 +88,8 @@ class Session:
     # -- commit --------------------------------------------------------------------
     def commit(self, new_tokens: list[int], drafted: int, accepted: int) -> list[int]:
         """Appends the round's tokens up to a stop condition; returns those kept."""
+        if self.finished:  # aborted while the round was in flight
+            return []
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
