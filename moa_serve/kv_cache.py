@@ -45,7 +45,11 @@ class SlotKVCache:
         self.v[layer, slots[:, None], :, pos] = v.transpose(1, 2)
 
     def read(self, layer: int, slots: torch.Tensor, length: int):
-        """Keys/values of positions [0, length) -> [B, KVH, length, hd] each."""
+        """Keys/values of positions [0, length) -> [B, KVH, length, hd] each (a view, no copy,
+        for a single session)."""
+        if len(slots) == 1:
+            s = int(slots[0])
+            return self.k[layer, s:s + 1, :, :length], self.v[layer, s:s + 1, :, :length]
         return self.k[layer, slots, :, :length], self.v[layer, slots, :, :length]
 
     def per_layer_kv(self, slot: int, start: int, end: int) -> torch.Tensor:
@@ -72,7 +76,9 @@ class SlotKVCache:
         starts = self.lengths[slots]
         positions = self.positions_for(slots, x.shape[1])
         total = int((starts + query_lens).max())
-        mask = ragged_causal_mask(starts, query_lens, total).to(x.device)
+        # a single query per session that sees its whole prefix needs no mask
+        single = x.shape[1] == 1 and bool((starts + query_lens == total).all())
+        mask = None if single else ragged_causal_mask(starts, query_lens, total).to(x.device)
         for i, layer in enumerate(layers):
             def kv_and_mask(k, v, li=first_layer + i):
                 self.write(li, slots, positions, k, v)
