@@ -86,6 +86,8 @@ def load_drafter(name_or_path: str) -> tuple[DrafterConfig, dict[str, torch.Tens
     path = resolve_drafter_path(name_or_path)
     raw = json.loads((path / "config.json").read_text())
     state = _state(path)
+    if raw.get("format") == FORMAT and raw.get("kind", "moa") != "moa":  # baseline drafters
+        return DrafterConfig.from_dict(raw), state
     missing = [p for p in _PARTS if not any(k.startswith(p + ".") for k in state)]
     if missing or not any(k.startswith("Ekv2E.") for k in state):
         raise ValueError(f"{path} is not a MoA drafter checkpoint: no weights for {missing or ['Ekv2E']}")

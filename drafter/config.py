@@ -8,6 +8,7 @@ from moa_serve.layers import LayerShape
 from moa_serve.verifier.target_model import TargetArch
 
 FORMAT = "moa-serve-drafter"
+KINDS = ("moa", "eagle", "independent")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class DrafterConfig:
     cross_attention_intermediate_size: int = 0
     target_layer_inference: int = 0
     draft_vocab_size: int = 0  # 0 = full vocabulary; else the drafter's LM head keeps a subset
+    kind: str = "moa"  # "moa" | "eagle" (EAGLE-style baseline) | "independent" (small LM baseline)
+    num_layers: int = 0  # decoder layers of the "independent" baseline (0 = 2)
 
     def __post_init__(self):
         t = self.target
@@ -38,6 +41,8 @@ class DrafterConfig:
                 object.__setattr__(self, name, value)
         if self.target_layer_inference not in range(0, t.num_layers + 1):
             raise ValueError(f"target_layer_inference must be in [0, {t.num_layers}], got {self.target_layer_inference}")
+        if self.kind not in KINDS:
+            raise ValueError(f"drafter kind must be one of {KINDS}, got {self.kind!r}")
         if self.draft_vocab_size < 0 or self.draft_vocab_size > t.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [0, {t.vocab_size}]")
 

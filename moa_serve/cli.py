@@ -117,9 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("--target-layer-inference", type=int, default=0, choices=[0, 1, 2, 3])
     di.set_defaults(func=cmd_drafter_init)
 
-    for register in _EXTRA_COMMANDS:
+    for register in _extra_commands():
         register(sub)
     return parser
+
+
+def _extra_commands() -> list:
+    from moa_serve.bench import register as register_bench
+    from moa_serve.drafter.regenerate import register as register_regenerate
+    from moa_serve.drafter.train import register as register_train
+
+    return [register_train, register_bench, register_regenerate] + _EXTRA_COMMANDS
 
 
 _EXTRA_COMMANDS: list = []

@@ -126,3 +126,43 @@ class TargetModel(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         x = cache.run_layers(self.model.layers, x, cos, sin, slots, query_lens)
         return self.model.norm(x)
+
+    # ------------------------------------------------------------------ training (additive)
+    @torch.no_grad()
+    def forward_train(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, tli_layers: int = 0,
+                      vocab_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Teacher-forced causal pass over whole (right-padded) sequences, for drafter distillation.
+
+        tokens [B, S]; ``valid`` [B, S] bool marks real tokens (padding sits at the end, so the
+        causal mask alone keeps real positions exact). Returns a dict:
+          per_layer_kv [B, S, num_layers, kv_width] (post-rope K then V per KV head, the layout of
+          ``SlotKVCache.per_layer_kv``), embeds [B, S, H] (input embeddings), tli_input [B, S, H]
+          (hidden state entering the last ``tli_layers`` layers; the last pre-norm state when 0),
+          prenorm [B, S, H], hidden [B, S, H] (after the final norm), logits [B, S, V'] (V' = the
+          ``vocab_ids`` subset when given)."""
+        b, s = tokens.shape
+        positions = torch.arange(s, device=tokens.device)[None].expand(b, s)
+        x = self.model.embed_tokens(tokens)
+        embeds = x
+        cos, sin = self.rotary(positions, x.dtype)
+        causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()[None, None]
+        kvs = []
+        tli_input = None
+        n = len(self.model.layers)
+        for i, layer in enumerate(self.model.layers):
+            if i == n - tli_layers:
+                tli_input = x
+
+            def kv_and_mask(k, v):
+                kvs.append(torch.cat((k, v), dim=-1))  # [B, KVH, S, 2hd]
+                return k, v, causal
+            x = layer(x, cos, sin, kv_and_mask)
+        prenorm = x
+        if tli_input is None:
+            tli_input = x
+        hidden = self.model.norm(x)
+        kv = torch.stack(kvs, 1)  # [B, L, KVH, S, 2hd]
+        kv = kv.permute(0, 3, 1, 2, 4).reshape(b, s, n, -1)
+        w = self.lm_head.weight if vocab_ids is None else self.lm_head.weight[vocab_ids]
+        return {"per_layer_kv": kv, "embeds": embeds, "tli_input": tli_input, "prenorm": prenorm,
+                "hidden": hidden, "logits": hidden @ w.T}

@@ -132,7 +132,7 @@ class TorchTargetRunner(TargetBackend):
             w.session.cached.extend(w.fed[:kept])
             results.append(VerifyResult(w.req.session_id, list(w.req.drafts[:n_acc]) + [nxt], n_acc,
                                         feature_start=w.start, features=None, num_computed=len(w.fed)))
-        self._attach_features(group, results)
+        self._attach_features(group, results, hidden)
         return results
 
     def _accept(self, req: VerifyRequest, logits: torch.Tensor) -> tuple[int, int]:
@@ -148,14 +148,27 @@ class TorchTargetRunner(TargetBackend):
             raise ValueError(f"session {req.session_id}: sampling with drafts needs the drafter's probabilities")
         return accept_sampling(p, req.draft_probs.float(), list(req.drafts), gen)
 
-    def _attach_features(self, group: list[_Work], results: list[VerifyResult]) -> None:
+    @property
+    def feature_kind(self) -> str:
+        """What the feature head reads: "per_layer_kv" (MoA's FeatureHead), "hidden" (EAGLE-style:
+        the target's last hidden state, after its final norm, of newly verified positions) or
+        "none" (no features)."""
+        if self.feature_head is None:
+            return "none"
+        return getattr(self.feature_head, "input_kind", "per_layer_kv")
+
+    def _attach_features(self, group: list[_Work], results: list[VerifyResult],
+                         hidden: torch.Tensor | None = None) -> None:
         if self.feature_head is None:
             return
         spans = []
         for w, r in zip(group, results):
             end = int(self.cache.lengths[w.session.slot])
             spans.append((w.start, end) if w.req.want_features else (end, end))
-        kv = [self.cache.per_layer_kv(w.session.slot, a, b) for w, (a, b) in zip(group, spans)]
+        if self.feature_kind == "hidden":
+            kv = [hidden[b, :e - a] for b, (a, e) in enumerate(spans)]
+        else:
+            kv = [self.cache.per_layer_kv(w.session.slot, a, b) for w, (a, b) in zip(group, spans)]
         sizes = [x.shape[0] for x in kv]
         if sum(sizes) == 0:
             return

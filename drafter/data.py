@@ -1,0 +1,145 @@
+"""Training data for drafter distillation: chat conversations -> token ids + response marks.
+
+Conversations are rendered with the target's chat format *without* a system prompt (as the
+paper trains): for ChatML tokenizers ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message,
+for tokenizers without a chat template a plain ``User: ... / Assistant: ...`` format. Only
+assistant tokens are "response" tokens (the loss is counted where the next token is one).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+def _is_chatml(tok) -> bool:
+    cached = getattr(tok, "_moa_is_chatml", None)
+    if cached is None:
+        cached = "<|im_start|>" in tok.get_vocab()
+        try:
+            tok._moa_is_chatml = cached
+        except AttributeError:
+            pass
+    return cached
+
+
+def render_segments(tok, messages: list[dict], add_generation_prompt: bool = False) -> list[tuple[list[int], bool]]:
+    """[(token ids, is_response)] segments of a conversation (no system prompt unless given)."""
+    segs: list[tuple[list[int], bool]] = []
+    chatml = _is_chatml(tok)
+    if not chatml and tok.bos_token_id is not None:
+        segs.append(([tok.bos_token_id], False))
+    for m in messages:
+        role, content = m["role"], m["content"]
+        if chatml:
+            head = tok.encode(f"<|im_start|>{role}\n", add_special_tokens=False)
+            body = tok.encode(f"{content}<|im_end|>", add_special_tokens=False)
+            tail = tok.encode("\n", add_special_tokens=False)
+        else:
+            head = tok.encode(("User: " if role == "user" else "Assistant: " if role == "assistant" else f"{role}: "),
+                              add_special_tokens=False)
+            body = tok.encode(content, add_special_tokens=False) + ([tok.eos_token_id] if role == "assistant"
+                                                                    and tok.eos_token_id is not None else [])
+            tail = tok.encode("\n", add_special_tokens=False)
+        segs.append((head, False))
+        segs.append((body, role == "assistant"))
+        if role != "assistant" or m is not messages[-1]:
+            segs.append((tail, False))
+    if add_generation_prompt:
+        head = tok.encode("<|im_start|>assistant\n" if chatml else "Assistant: ", add_special_tokens=False)
+        segs.append((head, False))
+    return segs
+
+
+def prompt_ids(tok, messages: list[dict]) -> list[int]:
+    """Token ids of a prompt (conversation so far + generation prompt), no system prompt."""
+    return [t for ids, _ in render_segments(tok, messages, add_generation_prompt=True) for t in ids]
+
+
+def encode_conversation(tok, messages: list[dict], max_len: int, max_prompt: int = 0) -> tuple[list[int], list[bool]]:
+    """Token ids and response marks, truncated to ``max_len``; with ``max_prompt`` the text before
+    the first response token is cut from the left to that many tokens (spends the budget on
+    response tokens, where the loss is)."""
+    ids, resp = [], []
+    for seg, is_resp in render_segments(tok, messages):
+        ids += seg
+        resp += [is_resp] * len(seg)
+    if max_prompt and True in resp:
+        cut = max(0, resp.index(True) - max_prompt)
+        ids, resp = ids[cut:], resp[cut:]
+    return ids[:max_len], resp[:max_len]
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    response: list[bool]
+
+
+def load_conversations(data_dir: str | Path, per_file: int = 0, seed: int = 0,
+                       files: list[str] | None = None) -> list[list[dict]]:
+    """Conversations from every ``*.jsonl`` of ``data_dir`` (at most ``per_file`` each, sampled)."""
+    rng = random.Random(seed)
+    out = []
+    paths = sorted(Path(data_dir).glob("*.jsonl"))
+    if files:
+        paths = [p for p in paths if p.stem in files or p.name in files]
+    for p in paths:
+        rows = [json.loads(line)["messages"] for line in p.read_text(encoding="utf-8").split("\n") if line.strip()]
+        rng.shuffle(rows)
+        out += rows[:per_file] if per_file else rows
+    rng.shuffle(out)
+    return out
+
+
+def build_examples(tok, conversations, max_len: int, min_response: int = 4, max_prompt: int = 0) -> list[Example]:
+    out = []
+    for conv in conversations:
+        ids, resp = encode_conversation(tok, conv, max_len, max_prompt)
+        if sum(resp) >= min_response:
+            out.append(Example(ids, resp))
+    return out
+
+
+def top_vocab(examples: list[Example], size: int, always: list[int] = ()) -> tuple[torch.Tensor, float]:
+    """Most frequent response tokens (plus ``always``), sorted ids, and their share of response tokens."""
+    counts = Counter(t for e in examples for t, r in zip(e.ids, e.response) if r)
+    keep = list(dict.fromkeys(list(always) + [t for t, _ in counts.most_common(size)]))[:size]
+    covered = sum(counts[t] for t in keep) / max(1, sum(counts.values()))
+    return torch.tensor(sorted(keep), dtype=torch.long), covered
+
+
+def batches(examples: list[Example], batch_size: int, seed: int, pool: int = 16):
+    """Endless stream of (tokens [B,S], response [B,S], valid [B,S]); sequences of similar length
+    are batched together (padding is wasted compute on CPU)."""
+    rng = random.Random(seed)
+    epoch = 0
+    while True:
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        chunk = batch_size * pool
+        for c in range(0, len(order), chunk):
+            group = sorted(order[c:c + chunk], key=lambda i: len(examples[i].ids))
+            bs = [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
+            rng.shuffle(bs)
+            for b in bs:
+                yield collate([examples[i] for i in b])
+        epoch += 1
+
+
+def collate(exs: list[Example]):
+    s = max(len(e.ids) for e in exs)
+    tokens = torch.zeros(len(exs), s, dtype=torch.long)
+    resp = torch.zeros(len(exs), s, dtype=torch.bool)
+    valid = torch.zeros(len(exs), s, dtype=torch.bool)
+    for b, e in enumerate(exs):
+        n = len(e.ids)
+        tokens[b, :n] = torch.tensor(e.ids)
+        resp[b, :n] = torch.tensor(e.response)
+        valid[b, :n] = True
+    return tokens, resp, valid

@@ -1,0 +1,344 @@
+"""Distillation of MoA drafters (and the EAGLE-style / independent baselines) from a frozen target.
+
+One loop runs the frozen target once per batch (per-layer K/V, input embeddings, TLI input,
+last hidden state, logits) and steps one optimizer per drafter, so every drafter sees identical
+data and budget. Loss per drafter (response positions only, i.e. positions whose next token is
+an assistant token):  ``kl_weight · KL(target ‖ drafter) + smooth-L1(drafter hidden, target
+last hidden)`` (+ the same on the TLI input when N > 0, averaged 0.5/0.5 as the reference). The
+KL is over the drafter's restricted vocabulary (``draft_vocab_ids``), both distributions
+renormalised over it.
+
+MoA masks: CA reads features only of visible positions (prompt + every T-th, T ~ U[period_min,
+period_max] per sequence); SA uses the staircase mask with a probability falling from 1 to 0
+over the first half of training (as the reference code), plain causal afterwards.
+
+``moa train --config drafter/configs/smollm2-135m.yaml [key=value ...]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from moa_serve.drafter import masks
+from moa_serve.drafter.baselines import build_baseline
+from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, save_drafter
+from moa_serve.drafter.config import DrafterConfig
+from moa_serve.drafter.data import batches, build_examples, load_conversations, top_vocab
+from moa_serve.drafter.model import MoADrafter, TargetParts, init_weights
+from moa_serve.models import load_state_dict, load_tokenizer, read_config, resolve_model_path
+from moa_serve.verifier.target_model import TargetArch, TargetModel
+
+DEFAULTS = dict(
+    target="HuggingFaceTB/SmolLM2-135M-Instruct", data_dir="../shared/data/train", data_files=None, per_file=1500,
+    max_len=256, drafters=["moa", "eagle", "independent"], target_layer_inference=0, draft_vocab_size=8192,
+    independent_layers=2, batch_size=8, grad_accum=2, max_steps=1000, max_time_min=0.0, lr=1e-3, min_lr_ratio=0.1,
+    warmup_steps=20, weight_decay=0.0, betas=[0.9, 0.95], grad_clip=1.0, kl_weight=0.1, period_min=6,
+    period_max=14, staircase=True, eagle_noise=0.1, amp="float32", target_dtype="bfloat16", max_prompt=0, device="cpu", threads=2, seed=0,
+    out_dir="runs/drafters", export_dir="runs/drafters/export", export_prefix="drafter", save_every_min=5.0,
+    log_every=5, init_seed=0,
+)
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> dict:
+    cfg = dict(DEFAULTS)
+    if path:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        unknown = set(loaded) - set(DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown training config keys: {sorted(unknown)}")
+        cfg.update(loaded)
+    for o in overrides:
+        key, sep, value = o.lstrip("-").partition("=")
+        key = key.replace("-", "_")
+        if not sep or key not in DEFAULTS:
+            raise ValueError(f"override {o!r}: expected key=value with key in {sorted(DEFAULTS)}")
+        cfg[key] = yaml.safe_load(value)
+    return cfg
+
+
+def _lr_factor(cfg, step: int, progress: float) -> float:
+    if step < cfg["warmup_steps"]:
+        return (step + 1) / cfg["warmup_steps"]
+    m = cfg["min_lr_ratio"]
+    return m + (1 - m) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp_min(1)
+
+
+class Trainer:
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.device = torch.device(cfg["device"])
+        if self.device.type == "cpu" and cfg["threads"]:
+            torch.set_num_threads(int(cfg["threads"]))
+        torch.manual_seed(cfg["seed"])
+        self.amp = None if cfg["amp"] in (None, "float32", "none") else getattr(torch, cfg["amp"])
+        path = resolve_model_path(cfg["target"])
+        hf = read_config(path)
+        state = load_state_dict(path)
+        self.target32 = TargetModel.from_state_dict(hf, state, torch.float32, self.device)
+        self.target32.requires_grad_(False)
+        tdt = getattr(torch, cfg["target_dtype"])
+        self.target = (TargetModel.from_state_dict(hf, state, tdt, self.device) if tdt != torch.float32
+                       else self.target32)
+        self.arch: TargetArch = self.target32.arch
+        self.tok = load_tokenizer(path)
+        self.tli = int(cfg["target_layer_inference"])
+        self.parts = TargetParts(self.target32, self.tli)
+
+        convs = load_conversations(cfg["data_dir"], cfg["per_file"], cfg["seed"], cfg["data_files"])
+        self.examples = build_examples(self.tok, convs, cfg["max_len"], max_prompt=cfg["max_prompt"])
+        vsize = int(cfg["draft_vocab_size"])
+        stops = [t for t in {self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>")}
+                 if isinstance(t, int) and 0 <= t < self.arch.vocab_size]
+        if vsize and vsize < self.arch.vocab_size:
+            self.vocab, self.vocab_coverage = top_vocab(self.examples, vsize, stops)
+        else:
+            self.vocab, self.vocab_coverage = None, 1.0
+        self.vocab_dev = self.vocab.to(self.device) if self.vocab is not None else None
+        w = self.target32.lm_head.weight
+        self.head_w = (w[self.vocab_dev] if self.vocab is not None else w).detach()
+
+        self.models: dict[str, torch.nn.Module] = {}
+        self.cfgs: dict[str, DrafterConfig] = {}
+        for kind in cfg["drafters"]:
+            dcfg = DrafterConfig(target=self.arch, target_name_or_path=str(cfg["target"]),
+                                 target_layer_inference=self.tli if kind == "moa" else 0,
+                                 draft_vocab_size=len(self.vocab) if self.vocab is not None else 0, kind=kind,
+                                 num_layers=int(cfg["independent_layers"]) if kind == "independent" else 0)
+            m = MoADrafter(dcfg) if kind == "moa" else build_baseline(dcfg)
+            init_weights(m, seed=cfg["init_seed"])
+            self.models[kind] = m.to(self.device).train()
+            self.cfgs[kind] = dcfg
+        self.opts = {k: torch.optim.AdamW(m.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]),
+                                          weight_decay=cfg["weight_decay"]) for k, m in self.models.items()}
+        self.step = 0
+        self.elapsed = 0.0
+        self.tokens_seen = 0
+        self.history: list[dict] = []
+        self.out = Path(cfg["out_dir"])
+        self.rng = random.Random(cfg["seed"])
+
+    # ------------------------------------------------------------------ state
+    def state_path(self) -> Path:
+        return self.out / "train_state.pt"
+
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.out / "train_state.pt.tmp"
+        torch.save({"step": self.step, "elapsed": self.elapsed, "tokens_seen": self.tokens_seen,
+                    "models": {k: m.state_dict() for k, m in self.models.items()},
+                    "opts": {k: o.state_dict() for k, o in self.opts.items()},
+                    "history": self.history, "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(),
+                    "config": self.cfg}, tmp)
+        os.replace(tmp, self.state_path())
+        self.export()
+
+    def resume(self) -> bool:
+        p = self.state_path()
+        if not p.is_file():
+            return False
+        st = torch.load(p, map_location=self.device, weights_only=False)
+        for k, m in self.models.items():
+            m.load_state_dict(st["models"][k])
+            self.opts[k].load_state_dict(st["opts"][k])
+        self.step, self.elapsed, self.tokens_seen = st["step"], st["elapsed"], st["tokens_seen"]
+        self.history = st["history"]
+        self.rng.setstate(st["rng"])
+        torch.set_rng_state(st["torch_rng"])
+        return True
+
+    def export(self) -> dict[str, Path]:
+        """Writes each drafter as a checkpoint folder (config.json + model.safetensors + draft vocab)."""
+        out = {}
+        for kind, m in self.models.items():
+            state = m.flat_state_dict() if kind == "moa" else dict(m.state_dict())
+            if self.vocab is not None:
+                state[DRAFT_VOCAB_KEY] = self.vocab
+            d = Path(self.cfg["export_dir"]) / f"{self.cfg['export_prefix']}-{kind}"
+            save_drafter(d, self.cfgs[kind], state)
+            (d / "training.json").write_text(json.dumps(self.summary(kind), indent=2) + "\n")
+            out[kind] = d
+        return out
+
+    def summary(self, kind: str) -> dict:
+        recent = [h[kind] for h in self.history[-20:] if kind in h]
+        avg = {k: round(sum(r[k] for r in recent) / len(recent), 4) for k in recent[0]} if recent else {}
+        return {"kind": kind, "steps": self.step, "wall_time_s": round(self.elapsed, 1),
+                "tokens_seen": self.tokens_seen, "final_losses_last20": avg,
+                "draft_vocab_size": len(self.vocab) if self.vocab is not None else 0,
+                "draft_vocab_coverage": round(self.vocab_coverage, 4),
+                "num_examples": len(self.examples), "config": self.cfg}
+
+    # ------------------------------------------------------------------ one batch
+    def progress(self) -> float:
+        p = self.step / max(1, self.cfg["max_steps"])
+        if self.cfg["max_time_min"]:
+            p = max(p, self.elapsed / (60 * self.cfg["max_time_min"]))
+        return min(1.0, p)
+
+    def micro_step(self, tokens, resp, valid, scale: float) -> dict:
+        cfg, dev = self.cfg, self.device
+        tokens, resp, valid = tokens.to(dev), resp.to(dev), valid.to(dev)
+        b, s = tokens.shape
+        with torch.no_grad():
+            t = self.target.forward_train(tokens, valid, self.tli, self.vocab_dev)
+            t = {k: v.float() for k, v in t.items()}
+            p_log = F.log_softmax(t["logits"], -1)
+        loss_mask = torch.zeros_like(resp, dtype=torch.float32)
+        loss_mask[:, :-1] = (resp[:, 1:] & valid[:, 1:]).float()
+        positions = torch.arange(s, device=dev)[None].expand(b, s)
+        causal = masks.causal_mask(b, s, dev)
+        stats = {}
+        ac = (torch.autocast(dev.type, dtype=self.amp) if self.amp else torch.autocast(dev.type, enabled=False))
+
+        def losses(pred, logits, extra=None):
+            q_log = F.log_softmax(logits.float(), -1)
+            kl = _masked_mean((p_log.exp() * (p_log - q_log)).sum(-1), loss_mask)
+            feat = _masked_mean(F.smooth_l1_loss(pred.float(), t["hidden"], reduction="none").mean(-1), loss_mask)
+            if extra is not None:
+                feat = 0.5 * feat + 0.5 * extra
+            acc = _masked_mean((logits.argmax(-1) == t["logits"].argmax(-1)).float(), loss_mask)
+            return cfg["kl_weight"] * kl + feat, {"kl": kl.item(), "feat": feat.item(), "acc": acc.item()}
+
+        for kind, m in self.models.items():
+            with ac:
+                if kind == "moa":
+                    period = torch.randint(cfg["period_min"], cfg["period_max"] + 1, (b,), device=dev)
+                    visible = masks.every_t_visible(~resp, period) | ~valid
+                    visible[:, 0] = True
+                    use_stair = (torch.rand(b, device=dev) < masks.staircase_probability(self.progress())) \
+                        if cfg["staircase"] else torch.zeros(b, dtype=torch.bool, device=dev)
+                    sa = masks.self_mask(visible, use_stair)
+                    ca = masks.bounded_cross_mask(visible)
+                    sel = visible & valid
+                    fv = m.feature_head(t["per_layer_kv"][sel])
+                    feats = torch.zeros(b, s, fv.shape[-1], dtype=fv.dtype, device=dev)
+                    feats = feats.index_put((sel,), fv)
+                    hidden, ca_out = m.draft_head.forward_parallel(
+                        self.parts, tokens, feats, positions, sa, ca,
+                        t["tli_input"] if self.tli else None, ~visible if self.tli else None)
+                    extra = None
+                    if self.tli:
+                        extra = _masked_mean(F.smooth_l1_loss(ca_out.float(), t["tli_input"], reduction="none")
+                                             .mean(-1), loss_mask)
+                    logits = hidden @ self.head_w.T.to(hidden.dtype)
+                    loss, st = losses(hidden, logits, extra)
+                elif kind == "eagle":
+                    prev = torch.zeros_like(t["hidden"])
+                    prev[:, 1:] = t["hidden"][:, :-1]
+                    if cfg["eagle_noise"]:
+                        prev = prev + (torch.rand_like(prev) * 2 - 1) * cfg["eagle_noise"]
+                    pred = m.forward_parallel(self.parts, tokens, prev, positions, causal)
+                    logits = pred @ self.head_w.T.to(pred.dtype)
+                    loss, st = losses(pred, logits)
+                else:
+                    pred = m.forward_parallel(self.parts, tokens, positions, causal)
+                    logits = pred @ self.head_w.T.to(pred.dtype)
+                    loss, st = losses(pred, logits)
+            (loss * scale).backward()
+            st["loss"] = loss.item()
+            stats[kind] = st
+        return stats
+
+    def train(self, progress_bar: bool = True) -> dict[str, Path]:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        stream = batches(self.examples, cfg["batch_size"], cfg["seed"] + self.step)
+        budget = 60 * cfg["max_time_min"] if cfg["max_time_min"] else float("inf")
+        bar = tqdm(total=cfg["max_steps"], initial=self.step, disable=not progress_bar, mininterval=10,
+                   dynamic_ncols=True, file=sys.stderr)
+        last_save = time.perf_counter()
+        print(json.dumps({"event": "start", "examples": len(self.examples), "vocab_coverage": self.vocab_coverage,
+                          "step": self.step, "params": {k: sum(p.numel() for p in m.parameters())
+                                                         for k, m in self.models.items()}}), flush=True)
+        while self.step < cfg["max_steps"] and self.elapsed < budget:
+            t0 = time.perf_counter()
+            factor = _lr_factor(cfg, self.step, self.progress())
+            for o in self.opts.values():
+                for g in o.param_groups:
+                    g["lr"] = cfg["lr"] * factor
+            acc: dict[str, dict] = {}
+            ntok = 0
+            for _ in range(cfg["grad_accum"]):
+                tokens, resp, valid = next(stream)
+                ntok += int(valid.sum())
+                st = self.micro_step(tokens, resp, valid, 1.0 / cfg["grad_accum"])
+                for k, v in st.items():
+                    for kk, vv in v.items():
+                        acc.setdefault(k, {}).setdefault(kk, 0.0)
+                        acc[k][kk] += vv / cfg["grad_accum"]
+            for k, m in self.models.items():
+                acc[k]["gnorm"] = float(torch.nn.utils.clip_grad_norm_(m.parameters(), cfg["grad_clip"]))
+                self.opts[k].step()
+                self.opts[k].zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            self.elapsed += dt
+            self.step += 1
+            self.tokens_seen += ntok
+            rec = {"step": self.step, "elapsed": round(self.elapsed, 1), "lr": cfg["lr"] * factor,
+                   "tok_s": round(ntok / dt, 1), **{k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in acc.items()}}
+            self.history.append(rec)
+            eta = min((cfg["max_steps"] - self.step) * dt, budget - self.elapsed)
+            bar.update(1)
+            bar.set_postfix_str(" ".join(f"{k}:loss={v['loss']:.3f},kl={v['kl']:.2f},acc={v['acc']:.2f}"
+                                         for k, v in acc.items()) + f" tok/s={ntok / dt:.0f} eta={eta / 60:.1f}m")
+            if self.step % cfg["log_every"] == 0 or self.step == 1:
+                print(json.dumps({**rec, "eta_min": round(eta / 60, 1)}), flush=True)
+            if time.perf_counter() - last_save > 60 * cfg["save_every_min"]:
+                self.save()
+                last_save = time.perf_counter()
+        bar.close()
+        self.save()
+        print(json.dumps({"event": "done", "step": self.step, "elapsed": self.elapsed}), flush=True)
+        return self.export()
+
+
+def run(cfg: dict, resume: bool = True, progress_bar: bool = True) -> dict[str, Path]:
+    tr = Trainer(cfg)
+    if resume and tr.resume():
+        print(json.dumps({"event": "resumed", "step": tr.step, "elapsed": tr.elapsed}), flush=True)
+    return tr.train(progress_bar)
+
+
+def cmd_train(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    out = run(cfg, resume=not args.no_resume)
+    for kind, d in out.items():
+        print(f"{kind}: {d}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="distil MoA (+ EAGLE-style and independent baseline) drafters from a target")
+    p.add_argument("--config", default=None, help="YAML file of hyper-parameters (drafter/configs/*.yaml)")
+    p.add_argument("--no-resume", action="store_true", help="start over even if out_dir has a training state")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the config (e.g. max_steps=200 lr=5e-4)")
+    p.set_defaults(func=cmd_train)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="moa train")
+    sub = ap.add_subparsers(dest="cmd")
+    register(sub)
+    args = ap.parse_args(["train", *(argv if argv is not None else sys.argv[1:])])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""``moa bench`` — vanilla vs speculative decoding on Spec-Bench-format questions, in one run.
+
+For every question (turns run one after another, each method continuing its own conversation)
+the target alone and each drafter generate with the same settings, interleaved question by
+question so that load on the machine hits all methods alike. Reported per category and overall:
+τ (mean tokens committed per verify round, the target's bonus token included), tokens/s,
+speed-up over vanilla, and the fraction of greedy turns whose tokens equal vanilla's (judge it in
+float32: bf16 batched/unbatched numerics may flip near-tied logits).
+
+Writes ``--out`` (JSON), the same name with ``.md`` (table) and ``.png`` (bar chart).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+DEFAULT_QUESTIONS = "../shared/data/specbench/question.jsonl"
+
+
+def load_questions(path: str, limit: int = 0, per_category: int = 0, categories: list[str] | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").split("\n") if line.strip()]
+    if categories:
+        rows = [r for r in rows if r.get("category") in categories]
+    if per_category:
+        seen: dict[str, int] = defaultdict(int)
+        keep = []
+        for r in rows:
+            c = r.get("category", "all")
+            if seen[c] < per_category:
+                keep.append(r)
+                seen[c] += 1
+        rows = keep
+    return rows[:limit] if limit else rows
+
+
+class _Method:
+    def __init__(self, name: str, engine, k: int):
+        self.name, self.engine, self.k = name, engine, k
+        self.per_turn: list[dict] = []
+
+
+def _build_engines(args):
+    import torch
+
+    from moa_serve.drafter.baselines import load_proposer
+    from moa_serve.engine.engine import SpeculativeEngine, load_feature_head, stop_token_ids
+    from moa_serve.models import load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path
+    from moa_serve.verifier.target_model import TargetModel
+    from moa_serve.verifier.torch_runner import TorchTargetRunner
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = resolve_model_path(args.target)
+    dt = parse_dtype(args.dtype)
+    tm = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, args.device)
+    tok = load_tokenizer(path)
+    stops = stop_token_ids(path, tok)
+    mk = lambda fh: TorchTargetRunner(str(path), dt, args.device, 1, args.max_model_len, fh, model=tm)  # noqa: E731
+    methods = [_Method("vanilla", SpeculativeEngine(mk(None), None, tok, stops, 1), 0)]
+    drafters = [d for d in (args.drafter or "none").split(",") if d and d.lower() != "none"]
+    ks = [int(k) for k in str(args.num_speculative_tokens).split(",")]
+    for d in drafters:
+        for k in ks:
+            verifier = mk(load_feature_head(d))
+            proposer = load_proposer(d, dtype=dt, device=args.device, max_sessions=1,
+                                     max_model_len=verifier.max_model_len, target_model=tm)
+            name = f"{Path(d).name}@k{k}" if len(ks) > 1 or True else Path(d).name
+            methods.append(_Method(name, SpeculativeEngine(verifier, proposer, tok, stops, 1), k))
+    return tok, methods
+
+
+def _summ(turns: list[dict], vanilla: list[dict] | None) -> dict:
+    tokens = sum(t["tokens"] for t in turns)
+    rounds = sum(t["rounds"] for t in turns)
+    elapsed = sum(t["elapsed_s"] for t in turns)
+    out = {"turns": len(turns), "tokens": tokens, "rounds": rounds, "elapsed_s": round(elapsed, 3),
+           "mean_accepted_length": round(tokens / rounds, 4) if rounds else 0.0,
+           "tokens_per_s": round(tokens / elapsed, 3) if elapsed else 0.0}
+    if vanilla is not None:
+        vt = sum(t["tokens"] for t in vanilla) / max(1e-9, sum(t["elapsed_s"] for t in vanilla))
+        out["speedup"] = round(out["tokens_per_s"] / vt, 4) if vt else 0.0
+        same = [t["identical"] for t in turns if t["identical"] is not None]
+        out["greedy_identical_fraction"] = round(sum(same) / len(same), 4) if same else None
+    return out
+
+
+def run_bench(args) -> dict:
+    from tqdm import tqdm
+
+    from moa_serve.drafter.data import prompt_ids
+    from moa_serve.engine.sampling import SamplingParams
+
+    questions = load_questions(args.questions, args.limit, args.per_category)
+    if not questions:
+        raise ValueError(f"no questions in {args.questions}")
+    tok, methods = _build_engines(args)
+    sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
+    greedy = sampling.greedy
+    # warm-up (allocator, kernels) outside the measurement
+    for m in methods:
+        m.engine.generate([prompt_ids(tok, [{"role": "user", "content": "Hello"}])], 8, sampling, max(1, m.k))
+    n_turns = sum(len(q["turns"]) for q in questions)
+    bar = tqdm(total=n_turns * len(methods), desc="bench", dynamic_ncols=True)
+    for q in questions:
+        history = {m.name: [] for m in methods}
+        for ti, turn in enumerate(q["turns"]):
+            ref = None
+            for m in methods:
+                msgs = history[m.name] + [{"role": "user", "content": turn}]
+                prompt = prompt_ids(tok, msgs)[-(args.max_model_len - args.max_new_tokens - 1):]
+                res = m.engine.generate([prompt], args.max_new_tokens, sampling, max(1, m.k))[0]
+                if m.name == "vanilla":
+                    ref = res.token_ids
+                identical = (res.token_ids == ref) if greedy and m.name != "vanilla" else None
+                m.per_turn.append({"question_id": q.get("question_id"), "category": q.get("category", "all"),
+                                   "turn": ti, "tokens": res.num_tokens, "rounds": res.rounds,
+                                   "elapsed_s": res.elapsed_s, "identical": identical})
+                text = tok.decode(res.token_ids, skip_special_tokens=True)
+                history[m.name] = msgs + [{"role": "assistant", "content": text}]
+                bar.update(1)
+                bar.set_postfix_str(f"{m.name} tau={res.mean_accepted_length:.2f} {res.tokens_per_s:.1f}tok/s")
+    bar.close()
+
+    van = methods[0]
+    cats = list(dict.fromkeys(t["category"] for t in van.per_turn))
+    runs = []
+    for m in methods:
+        ref = van.per_turn if m is not van else None
+        entry = {"method": m.name, "num_speculative_tokens": m.k, **_summ(m.per_turn, ref)}
+        entry["per_category"] = {
+            c: _summ([t for t in m.per_turn if t["category"] == c],
+                     [t for t in ref if t["category"] == c] if ref is not None else None) for c in cats}
+        runs.append(entry)
+    main = runs[1] if len(runs) > 1 else runs[0]
+    result = {
+        "mean_accepted_length": main["mean_accepted_length"],
+        "speedup": main.get("speedup", 1.0),
+        "greedy_identical_fraction": main.get("greedy_identical_fraction", 1.0),
+        "tokens_per_s": main["tokens_per_s"],
+        "vanilla_tokens_per_s": runs[0]["tokens_per_s"],
+        "per_category": main["per_category"],
+        "method": main["method"],
+        "runs": runs,
+        "config": {"target": args.target, "drafter": args.drafter, "questions": args.questions,
+                   "num_questions": len(questions), "limit": args.limit, "per_category": args.per_category,
+                   "max_new_tokens": args.max_new_tokens, "num_speculative_tokens": str(args.num_speculative_tokens),
+                   "temperature": args.temperature, "dtype": args.dtype, "device": args.device,
+                   "threads": args.threads, "time": time.strftime("%Y-%m-%d %H:%M:%S")},
+        "per_turn": {m.name: m.per_turn for m in methods},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
+    plot(result, out.with_suffix(".png"))
+    return result
+
+
+def markdown(result: dict) -> str:
+    runs = result["runs"]
+    cats = list(runs[0]["per_category"])
+    cfg = result["config"]
+    lines = [f"Target `{cfg['target']}`, {cfg['num_questions']} questions, max {cfg['max_new_tokens']} new tokens, "
+             f"temperature {cfg['temperature']}, {cfg['dtype']} on {cfg['device']}.", "",
+             "| method | K | τ | tok/s | speed-up | greedy identical |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in runs:
+        ident = r.get("greedy_identical_fraction")
+        lines.append(f"| {r['method']} | {r['num_speculative_tokens']} | {r['mean_accepted_length']:.2f} | "
+                     f"{r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f}× | "
+                     f"{'–' if ident is None else f'{ident:.2f}'} |")
+    lines += ["", "τ / speed-up per category:", "",
+              "| category | " + " | ".join(r["method"] for r in runs[1:]) + " |",
+              "| --- |" + " ---: |" * (len(runs) - 1)]
+    for c in cats:
+        cells = [f"{r['per_category'][c]['mean_accepted_length']:.2f} / {r['per_category'][c].get('speedup', 1):.2f}×"
+                 for r in runs[1:]]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    runs = result["runs"][1:] or result["runs"]
+    cats = list(runs[0]["per_category"]) + ["overall"]
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, len(cats) * 0.9), 8), sharex=True)
+    width = 0.8 / len(runs)
+    x = np.arange(len(cats))
+    for i, r in enumerate(runs):
+        tau = [r["per_category"][c]["mean_accepted_length"] for c in cats[:-1]] + [r["mean_accepted_length"]]
+        sp = [r["per_category"][c].get("speedup", 1.0) for c in cats[:-1]] + [r.get("speedup", 1.0)]
+        axes[0].bar(x + i * width, tau, width, label=r["method"])
+        axes[1].bar(x + i * width, sp, width, label=r["method"])
+    axes[0].set_ylabel("τ (tokens / verify round)")
+    axes[1].set_ylabel("speed-up vs vanilla")
+    axes[1].axhline(1.0, color="k", lw=0.8)
+    axes[1].set_xticks(x + 0.4 - width / 2, cats, rotation=45, ha="right")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def cmd_bench(args) -> int:
+    r = run_bench(args)
+    print(markdown(r))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="Spec-Bench: vanilla vs speculative decoding (τ, tokens/s, speed-up, identity)")
+    p.add_argument("--target", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument("--drafter", default="smollm2-135m-instruct-moa",
+                   help="drafter checkpoint folder (or packaged name); comma-separated for several; 'none' = vanilla only")
+    p.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench-format JSONL")
+    p.add_argument("--limit", type=int, default=0, help="at most N questions (0 = all)")
+    p.add_argument("--per-category", type=int, default=0, help="at most N questions per category (0 = all)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-speculative-tokens", "-k", default="5", help="K, or a comma-separated list")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--out", default="results.json")
+    p.set_defaults(func=cmd_bench)

@@ -1,0 +1,29 @@
+"""``moa bench`` end to end on stories260k: JSON keys, markdown, chart, greedy identity in float32."""
+
+import json
+
+import pytest
+
+from moa_serve.cli import main
+
+
+@pytest.mark.slow
+def test_bench_writes_results(tmp_path, stories_path, stories_drafter):
+    q = tmp_path / "q.jsonl"
+    q.write_text("\n".join(json.dumps(r) for r in [
+        {"question_id": 1, "category": "writing", "turns": ["Once upon a time", "Then what happened?"]},
+        {"question_id": 2, "category": "qa", "turns": ["Lily had a dog"]},
+    ]) + "\n")
+    out = tmp_path / "r" / "results.json"
+    rc = main(["bench", "--target", str(stories_path), "--drafter", str(stories_drafter), "--questions", str(q),
+               "--max-new-tokens", "16", "--num-speculative-tokens", "3", "--dtype", "float32",
+               "--out", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    for key in ("mean_accepted_length", "speedup", "greedy_identical_fraction", "per_category"):
+        assert key in r
+    assert r["greedy_identical_fraction"] == 1.0
+    assert set(r["per_category"]) == {"writing", "qa"}
+    assert r["mean_accepted_length"] >= 1.0
+    assert out.with_suffix(".md").read_text().count("|") > 10
+    assert out.with_suffix(".png").stat().st_size > 1000

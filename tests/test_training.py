@@ -1,0 +1,165 @@
+"""Drafter distillation: masks, a few training steps, checkpoint round trip + resume, and the
+baseline proposers' losslessness."""
+
+import json
+
+import pytest
+import torch
+
+from moa_serve.drafter import masks
+from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
+
+from conftest import SHARED
+
+DATA = SHARED / "data" / "train"
+
+
+def _tiny_cfg(tmp_path, stories_path, **kw):
+    from moa_serve.drafter.train import load_config
+
+    cfg = load_config(None, [])
+    cfg.update(target=str(stories_path), data_dir=str(DATA), data_files=["alpaca_5k", "gsm8k_train"], per_file=24,
+               max_len=48, max_prompt=16, draft_vocab_size=256, batch_size=4, grad_accum=1, max_steps=3,
+               lr=3e-3, warmup_steps=1, amp="float32", target_dtype="float32", threads=2,
+               out_dir=str(tmp_path / "state"), export_dir=str(tmp_path / "export"), export_prefix="tiny",
+               save_every_min=100, log_every=1000)
+    cfg.update(kw)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------- masks
+def test_bounded_cross_mask_semantics():
+    visible = torch.zeros(2, 10, dtype=torch.bool)
+    visible[0, :3] = True
+    visible[0, 7] = True
+    visible[1, :1] = True
+    m = masks.bounded_cross_mask(visible)
+    assert m.shape == (2, 1, 10, 10)
+    start = masks.last_visible(visible)
+    assert start[0].tolist() == [0, 1, 2, 2, 2, 2, 2, 7, 7, 7]
+    for b in range(2):
+        for i in range(10):
+            assert m[b, 0, i].nonzero().flatten().tolist() == list(range(int(start[b, i]) + 1))
+    # never a feature of a position after the query
+    assert not (m[0, 0] & ~torch.ones(10, 10, dtype=torch.bool).tril()).any()
+    assert not m[0, 0, :7, 3:7].any()  # before the cut at 7, positions 3..6 are unverified
+
+
+def test_every_t_visible_and_staircase():
+    is_prompt = torch.zeros(1, 20, dtype=torch.bool)
+    is_prompt[0, :4] = True
+    vis = masks.every_t_visible(is_prompt, torch.tensor([6]))
+    assert vis[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 6, 12, 18]
+    st = masks.staircase_self_mask(vis)[0, 0]
+    assert st[8].nonzero().flatten().tolist() == [7, 8]  # after the last visible position (6) up to itself
+    assert st[6].nonzero().flatten().tolist() == [6]
+    sm = masks.self_mask(vis, torch.tensor([False]))
+    assert torch.equal(sm[0, 0], torch.ones(20, 20, dtype=torch.bool).tril())
+    # the reference's schedule: staircase at the start, gone by half of training
+    assert masks.staircase_probability(0.0) == 1.0
+    assert masks.staircase_probability(0.25) == pytest.approx(0.5)
+    assert masks.staircase_probability(0.5) == 0.0 == masks.staircase_probability(0.9)
+
+
+def test_forward_train_matches_cache_layout(stories_path):
+    from moa_serve.models import load_state_dict, read_config
+    from moa_serve.verifier.target_model import TargetModel
+
+    tm = TargetModel.from_state_dict(read_config(stories_path), load_state_dict(stories_path), torch.float32)
+    toks = torch.randint(1, 500, (1, 12), generator=torch.Generator().manual_seed(0))
+    out = tm.forward_train(toks)
+    cache = tm.new_cache(1, 32)
+    slot = cache.allocate()
+    h = tm.forward_ragged(toks, torch.tensor([12]), torch.tensor([slot]), cache)
+    assert torch.allclose(out["hidden"], h, atol=1e-5)
+    assert torch.allclose(out["per_layer_kv"][0], cache.per_layer_kv(slot, 0, 12), atol=1e-5)
+    assert torch.allclose(out["logits"], tm.lm_head(h), atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------- training
+@pytest.mark.slow
+def test_training_reduces_loss_and_resumes(tmp_path, stories_path):
+    from moa_serve.drafter.train import Trainer
+
+    cfg = _tiny_cfg(tmp_path, stories_path, max_steps=25)
+    tr = Trainer(cfg)
+    tr.train(progress_bar=False)
+    first = [h["moa"]["loss"] for h in tr.history[:5]]
+    last = [h["moa"]["loss"] for h in tr.history[-5:]]
+    assert sum(last) < sum(first), (first, last)
+    for kind in ("eagle", "independent"):
+        assert sum(h[kind]["loss"] for h in tr.history[-5:]) < sum(h[kind]["loss"] for h in tr.history[:5])
+
+    # checkpoint round trip: exported folders load, carry the draft vocabulary, no target weights
+    for kind in ("moa", "eagle", "independent"):
+        dcfg, state = load_drafter(str(tmp_path / "export" / f"tiny-{kind}"))
+        assert dcfg.kind == kind and DRAFT_VOCAB_KEY in state
+        assert not any(k.startswith(("model.", "lm_head", "embed_tokens")) for k in state)
+        assert json.loads((tmp_path / "export" / f"tiny-{kind}" / "training.json").read_text())["steps"] == 25
+
+    # resume: a new trainer picks up step, weights and optimizer state
+    tr2 = Trainer({**cfg, "max_steps": 27})
+    assert tr2.resume() and tr2.step == 25
+    for a, b in zip(tr.models["moa"].parameters(), tr2.models["moa"].parameters()):
+        assert torch.equal(a, b)
+    tr2.train(progress_bar=False)
+    assert tr2.step == 27
+
+
+@pytest.fixture(scope="module")
+def trained_baselines(tmp_path_factory, stories_path):
+    from moa_serve.drafter.train import Trainer
+
+    tmp = tmp_path_factory.mktemp("baselines")
+    tr = Trainer(_tiny_cfg(tmp, stories_path, max_steps=2))
+    tr.train(progress_bar=False)
+    return tmp / "export"
+
+
+@pytest.mark.parametrize("kind", ["eagle", "independent", "moa"])
+def test_baseline_proposers_keep_greedy_output(trained_baselines, stories_path, kind):
+    from moa_serve.engine.engine import SpeculativeEngine
+
+    prompts = [[1, 400, 50, 61, 300], [1, 20, 21, 22, 23, 24, 25, 26]]
+    plain = SpeculativeEngine.load(str(stories_path), None, "float32", max_sessions=2, max_model_len=128)
+    spec = SpeculativeEngine.load(str(stories_path), str(trained_baselines / f"tiny-{kind}"), "float32",
+                                  max_sessions=2, max_model_len=128)
+    want = [r.token_ids for r in plain.generate(prompts, 30, ignore_eos=True)]
+    got = spec.generate(prompts, 30, num_speculative_tokens=4, ignore_eos=True)
+    assert [r.token_ids for r in got] == want
+    assert all(r.rounds <= 30 for r in got)
+
+
+def test_eagle_incremental_drafting_equals_parallel_pass(trained_baselines, stories_path):
+    """The EAGLE proposer's cached drafting (verified positions read the target's hidden states,
+    drafted ones the drafter's own prediction) equals a teacher-forced pass built the same way,
+    also after a rollback round."""
+    from moa_serve.drafter.baselines import EagleProposer
+    from moa_serve.drafter.model import TargetParts
+    from moa_serve.drafter.proposer import DraftRequest
+    from moa_serve.models import load_state_dict, read_config
+    from moa_serve.verifier.target_model import TargetModel
+
+    tm = TargetModel.from_state_dict(read_config(stories_path), load_state_dict(stories_path), torch.float32)
+    prop = EagleProposer.load(str(trained_baselines / "tiny-eagle"), target_model=tm, max_sessions=2, max_model_len=64)
+    committed = list(range(40, 60))
+    hidden = tm.forward_train(torch.tensor([committed]))["hidden"][0]
+    n = len(committed) - 1
+    (r1,) = prop.propose([DraftRequest("x", committed[:10], 2, 0, hidden[:9])])  # an earlier round
+    (res,) = prop.propose([DraftRequest("x", committed, 3, 9, hidden[9:n])])
+    parts = TargetParts(tm, 0)
+    w = prop.lm_head_weight
+    vocab = prop.draft_vocab
+    seq = list(committed)
+    prev = torch.cat([torch.zeros(1, hidden.shape[1]), hidden[:n]])  # f_{i-1} at i
+    want = []
+    with torch.no_grad():
+        for _ in range(3):
+            s = len(seq)
+            mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
+            out = prop.model.forward_parallel(parts, torch.tensor([seq]), prev[None], torch.arange(s)[None], mask)[0]
+            tok = int(vocab[int((out[-1] @ w.T).argmax())])
+            want.append(tok)
+            seq.append(tok)
+            prev = torch.cat([prev, out[-1:]])
+    assert res.drafts == want
