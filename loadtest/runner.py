@@ -178,7 +178,8 @@ class Cluster:
             cmd = [str(serve), "run", "--address", "local", str(self.config)]
         log(f"starting the cluster: {' '.join(cmd)} (log: {self.log_path})")
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_default_sigint)  # Ctrl-C semantics even from a nohup'ed runner
         self.wait_ready()
 
     def wait_ready(self) -> None:
@@ -189,6 +190,10 @@ class Cluster:
             if self.proc is not None and self.proc.poll() is not None:
                 raise LoadTestError(f"serve run exited with code {self.proc.returncode} before it was ready; "
                                     f"see {self.log_path}:\n{_tail(self.log_path)}")
+            failed = _deploy_failure(self.log_path)
+            if failed:
+                raise LoadTestError(f"the application failed to deploy ({failed.strip()[:200]}); "
+                                    f"see {self.log_path}:\n{_tail(self.log_path, 40)}")
             try:
                 r = httpx.get(self.url + "/readyz", timeout=5)
                 if r.status_code == 200:
@@ -248,6 +253,48 @@ class Cluster:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+_DEPLOY_FAILED = re.compile(r"DEPLOY_FAILED|Failed to update the deployments|Deploying app .* failed")
+
+
+def _deploy_failure(log_path: Path) -> str | None:
+    """The first line of serve run's log that says the application cannot come up."""
+    try:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                if _DEPLOY_FAILED.search(line):
+                    return line
+    except OSError:
+        pass
+    return None
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class _InterruptOnTerm:
+    """While a cluster runs: SIGTERM (and an inherited, ignored SIGINT) end the runner through
+    its cleanup path, so that the cluster is always stopped. Restores the handlers after."""
+
+    def __enter__(self):
+        import threading
+
+        self.old = None
+        if threading.current_thread() is threading.main_thread():
+            self.old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+            def _raise(signum, frame):
+                raise KeyboardInterrupt(f"signal {signum}")
+
+            for s in self.old:
+                signal.signal(s, _raise)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in (self.old or {}).items():
+            signal.signal(s, h)
 
 
 def _tail(path: Path, n: int = 25) -> str:
@@ -363,7 +410,7 @@ def run(args) -> int:
         cfg_path, url = derived_config(args.config, args.no_speculation, args.port, out)
         summary["served_config"] = cfg_path.name
         summary["host"] = url
-        with Cluster(cfg_path, url, out / "serve.log", args.ready_timeout):
+        with _InterruptOnTerm(), Cluster(cfg_path, url, out / "serve.log", args.ready_timeout):
             _levels(url)
     else:
         _levels(args.host.rstrip("/"))

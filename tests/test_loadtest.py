@@ -181,3 +181,13 @@ def test_summarize_level_window():
     assert lv["ttft_ms"]["p50"] == 1000 and lv["latency_ms"]["p99"] == pytest.approx(2990)
     empty = report.summarize_level(1, [], duration_s=10, t_start=t0)
     assert empty["requests"] == 0 and empty["output_tokens_per_s"] == 0 and empty["ttft_ms"]["p50"] is None
+
+
+def test_deploy_failure_is_detected(tmp_path):
+    log = tmp_path / "serve.log"
+    log.write_text("INFO starting\n(ServeController pid=1) INFO application 'moa' deploying\n")
+    assert runner._deploy_failure(log) is None
+    with log.open("a") as f:
+        f.write("(ServeController pid=1) ERROR controller -- Failed to update the deployments ['Router'].\n")
+    assert "Failed to update" in runner._deploy_failure(log)
+    assert runner._deploy_failure(tmp_path / "missing.log") is None
