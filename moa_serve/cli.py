@@ -127,10 +127,7 @@ def _extra_commands() -> list:
     from moa_serve.drafter.regenerate import register as register_regenerate
     from moa_serve.drafter.train import register as register_train
 
-    return [register_train, register_bench, register_regenerate] + _EXTRA_COMMANDS
-
-
-_EXTRA_COMMANDS: list = []
+    return [register_train, register_bench, register_regenerate, _register_loadtest]
 
 
 def _register_loadtest(sub) -> None:
@@ -147,9 +144,6 @@ def _register_loadtest(sub) -> None:
     lt = sub.add_parser("loadtest", help="Locust load test at several user levels (starts a cluster from --config)")
     add_arguments(lt)
     lt.set_defaults(func=cmd_loadtest)
-
-
-_EXTRA_COMMANDS.append(_register_loadtest)
 
 
 def main(argv: list[str] | None = None) -> int:
