@@ -122,8 +122,12 @@ def run_bench(args) -> dict:
                 history[m.name] = msgs + [{"role": "assistant", "content": text}]
                 bar.update(1)
                 bar.set_postfix_str(f"{m.name} tau={res.mean_accepted_length:.2f} {res.tokens_per_s:.1f}tok/s")
+        _write(args, methods, questions, partial=True)  # results so far survive an interrupted run
     bar.close()
+    return _write(args, methods, questions, partial=False)
 
+
+def _write(args, methods, questions, partial: bool) -> dict:
     van = methods[0]
     cats = list(dict.fromkeys(t["category"] for t in van.per_turn))
     runs = []
@@ -148,14 +152,16 @@ def run_bench(args) -> dict:
                    "num_questions": len(questions), "limit": args.limit, "per_category": args.per_category,
                    "max_new_tokens": args.max_new_tokens, "num_speculative_tokens": str(args.num_speculative_tokens),
                    "temperature": args.temperature, "dtype": args.dtype, "device": args.device,
-                   "threads": args.threads, "time": time.strftime("%Y-%m-%d %H:%M:%S")},
+                   "threads": args.threads, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "questions_done": len({t["question_id"] for t in van.per_turn}), "partial": partial},
         "per_turn": {m.name: m.per_turn for m in methods},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(result))
-    plot(result, out.with_suffix(".png"))
+    if not partial:
+        plot(result, out.with_suffix(".png"))
     return result
 
 
@@ -163,7 +169,7 @@ def markdown(result: dict) -> str:
     runs = result["runs"]
     cats = list(runs[0]["per_category"])
     cfg = result["config"]
-    lines = [f"Target `{cfg['target']}`, {cfg['num_questions']} questions, max {cfg['max_new_tokens']} new tokens, "
+    lines = [f"Target `{cfg['target']}`, {cfg['questions_done']} of {cfg['num_questions']} questions, max {cfg['max_new_tokens']} new tokens, "
              f"temperature {cfg['temperature']}, {cfg['dtype']} on {cfg['device']}.", "",
              "| method | K | τ | tok/s | speed-up | greedy identical |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in runs:
