@@ -14,7 +14,6 @@ Both proposers implement the interface of :class:`MoAProposer` (``propose``/``re
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -22,10 +21,9 @@ from torch import nn
 
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.model import TargetParts
-from moa_serve.drafter.proposer import DraftRequest, DraftResult
+from moa_serve.drafter.proposer import DraftRequest, ProposerBase, rollback_point
 from moa_serve.kv_cache import SlotKVCache
 from moa_serve.layers import DecoderLayer, RMSNorm
-from moa_serve.verifier.acceptance import generator_for, sample, warp_probs
 
 
 class EagleDrafter(nn.Module):
@@ -82,7 +80,7 @@ class _Sess:
         return 0 if self.feats is None else self.feats.shape[0]
 
 
-class _BaselineProposer:
+class _BaselineProposer(ProposerBase):
     """Shared drafting loop of the baseline proposers (same interface as ``MoAProposer``):
     per session a slot KV cache over the fed tokens, rolled back to the longest prefix still
     committed; all sessions of a batch draft one token per step together."""
@@ -141,28 +139,10 @@ class _BaselineProposer:
     def _take_features(self, r: DraftRequest, s: _Sess) -> bool:
         return True
 
-    @torch.inference_mode()
-    def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
-        t0 = time.perf_counter()
-        results = {r.session_id: DraftResult(r.session_id, []) for r in requests}
-        live = []
-        for r in requests:
-            s = self._session(r.session_id)
-            if not self._take_features(r, s):
-                results[r.session_id].needs_features_from = s.num_features
-            elif r.num_drafts > 0:
-                live.append((r, s))
-        if live:
-            self._draft(live, results)
-        self.stats["draft_s"] += time.perf_counter() - t0
-        return [results[r.session_id] for r in requests]
-
     def _draft(self, live, results) -> None:
         firsts = []
         for r, s in live:
-            m, limit = 0, min(len(s.fed), len(r.committed) - 1)
-            while m < limit and s.fed[m] == r.committed[m]:
-                m += 1
+            m = rollback_point(s.fed, r.committed)
             del s.fed[m:]
             self.cache.lengths[s.slot] = m
             firsts.append(m)
@@ -184,15 +164,7 @@ class _BaselineProposer:
             prev_out = {i: out[b] for b, i in enumerate(idx)}
             logits = (out @ self.lm_head_weight.T).float()
             for b, i in enumerate(idx):
-                r, s = live[i]
-                if r.sampling.greedy:
-                    j = int(logits[b].argmax())
-                    tok = int(self.draft_vocab[j]) if self.draft_vocab is not None else j
-                else:
-                    q = self._full_vocab(warp_probs(logits[b:b + 1], r.sampling)[0])
-                    tok = sample(q, generator_for(r.sampling, len(r.committed) + len(drafts[i]), "draft"))
-                    probs[i].append(q)
-                drafts[i].append(tok)
+                self._choose(logits[b], live[i][0], drafts[i], probs[i])
             self.stats["steps"] += 1
         for i, (r, s) in enumerate(live):
             self._after_drafting(r, s, drafts[i])
@@ -225,13 +197,6 @@ class _BaselineProposer:
             self.cache.lengths[s.slot] = st + len(t)
         rows = torch.arange(len(batch), device=self.device)
         return x[rows, (qlens - 1).to(self.device)]
-
-    def _full_vocab(self, q: torch.Tensor) -> torch.Tensor:
-        if self.draft_vocab is None:
-            return q.cpu()
-        full = torch.zeros(self.vocab_size, dtype=q.dtype, device=q.device)
-        full[self.draft_vocab] = q
-        return full.cpu()
 
 
 class EagleProposer(_BaselineProposer):

@@ -51,7 +51,62 @@ class _Session:
     num_features: int = 0
 
 
-class MoAProposer:
+def rollback_point(fed: list[int], committed: list[int]) -> int:
+    """Length of the longest prefix of the fed tokens that is still committed, never covering the
+    last committed token (it is always fed again: drafting starts from its output)."""
+    m, limit = 0, min(len(fed), len(committed) - 1)
+    while m < limit and fed[m] == committed[m]:
+        m += 1
+    return m
+
+
+class ProposerBase:
+    """What every proposer shares: the propose() protocol (features first, then one batched
+    drafting loop), choosing a draft token (greedy, or sampled with its distribution kept), and
+    mapping a restricted draft vocabulary back to the target's."""
+
+    needs_features = True
+    vocab_size: int
+    draft_vocab: torch.Tensor | None
+    stats: dict
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
+        t0 = time.perf_counter()
+        results = {r.session_id: DraftResult(r.session_id, []) for r in requests}
+        live = []
+        for r in requests:
+            s = self._session(r.session_id)
+            if not self._take_features(r, s):
+                results[r.session_id].needs_features_from = s.num_features
+            elif r.num_drafts > 0:
+                live.append((r, s))
+        if live:
+            self._draft(live, results)
+        self.stats["draft_s"] += time.perf_counter() - t0
+        return [results[r.session_id] for r in requests]
+
+    def _choose(self, logits: torch.Tensor, r: DraftRequest, drafts: list[int], probs: list) -> int:
+        """One draft token from one row of draft logits; appends it (and q when sampling)."""
+        if r.sampling.greedy:
+            j = int(logits.argmax())
+            tok = int(self.draft_vocab[j]) if self.draft_vocab is not None else j
+        else:
+            q = self._full_vocab(warp_probs(logits[None], r.sampling)[0])
+            tok = sample(q, generator_for(r.sampling, len(r.committed) + len(drafts), "draft"))
+            probs.append(q)
+        drafts.append(tok)
+        return tok
+
+    def _full_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        if self.draft_vocab is None:
+            return q.cpu()
+        full = torch.zeros(self.vocab_size, dtype=q.dtype, device=q.device)
+        full[self.draft_vocab] = q
+        return full.cpu()
+
+
+class MoAProposer(ProposerBase):
     def __init__(self, cfg: DrafterConfig, head: DraftHead, parts: TargetParts, max_sessions: int = 16,
                  max_model_len: int = 2048, draft_vocab: torch.Tensor | None = None):
         self.cfg = cfg
@@ -111,22 +166,6 @@ class MoAProposer:
         return s
 
     # ------------------------------------------------------------------ drafting
-    @torch.inference_mode()
-    def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
-        t0 = time.perf_counter()
-        results = {r.session_id: DraftResult(r.session_id, []) for r in requests}
-        live: list[tuple[DraftRequest, _Session]] = []
-        for r in requests:
-            s = self._session(r.session_id)
-            if not self._take_features(r, s):
-                results[r.session_id].needs_features_from = s.num_features
-            elif r.num_drafts > 0:
-                live.append((r, s))
-        if live:
-            self._draft(live, results)
-        self.stats["draft_s"] += time.perf_counter() - t0
-        return [results[r.session_id] for r in requests]
-
     def _take_features(self, r: DraftRequest, s: _Session) -> bool:
         if r.features is None or len(r.features) == 0:
             return r.feature_start <= s.num_features
@@ -146,9 +185,7 @@ class MoAProposer:
         # roll each SA cache back to the longest prefix of its fed tokens that is still committed
         new_tokens = []
         for r, s in live:
-            m, limit = 0, min(len(s.fed), len(r.committed) - 1)
-            while m < limit and s.fed[m] == r.committed[m]:
-                m += 1
+            m = rollback_point(s.fed, r.committed)
             del s.fed[m:]
             self._set_len(s.slot, m)
             new_tokens.append(r.committed[m:])
@@ -205,23 +242,4 @@ class MoAProposer:
         for _, s in batch:
             self._set_len(s.slot, len(s.fed))
         logits = (x[:, 0] @ self.lm_head_weight.T).float()
-        out = []
-        for b, (r, s) in enumerate(batch):
-            i = idx[b]
-            if r.sampling.greedy:
-                j = int(logits[b].argmax())
-                tok = int(self.draft_vocab[j]) if self.draft_vocab is not None else j
-            else:
-                q = self._full_vocab(warp_probs(logits[b:b + 1], r.sampling)[0])
-                tok = sample(q, generator_for(r.sampling, len(r.committed) + len(drafts[i]), "draft"))
-                probs[i].append(q)
-            drafts[i].append(tok)
-            out.append(tok)
-        return out
-
-    def _full_vocab(self, q: torch.Tensor) -> torch.Tensor:
-        if self.draft_vocab is None:
-            return q.cpu()
-        full = torch.zeros(self.vocab_size, dtype=q.dtype, device=q.device)
-        full[self.draft_vocab] = q
-        return full.cpu()
+        return [self._choose(logits[b], r, drafts[idx[b]], probs[idx[b]]) for b, (r, _) in enumerate(batch)]

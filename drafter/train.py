@@ -18,7 +18,6 @@ over the first half of training (as the reference code), plain causal afterwards
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os

@@ -1,8 +1,6 @@
 """Speculative sampling follows the target's (warped) distribution exactly: checked against
 exact probabilities with a bound derived from the sample size, with a negative control."""
 
-import itertools
-import math
 
 import pytest
 import torch
