@@ -5,6 +5,7 @@ The fake server (tests/fake_llm_server.py) only checks the plumbing: its numbers
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -18,7 +19,8 @@ import httpx
 import pytest
 import yaml
 
-pytest.importorskip("locust")
+if importlib.util.find_spec("locust") is None:  # never import Locust here: gevent patches ssl
+    pytest.skip("locust is not installed", allow_module_level=True)
 pytest.importorskip("matplotlib")
 
 from moa_serve.loadtest import report, runner  # noqa: E402
@@ -148,20 +150,20 @@ def test_derived_config_no_speculation(tmp_path):
 
 
 def test_prompts(tmp_path):
-    from moa_serve.loadtest import locustfile
+    from moa_serve.loadtest import prompts
 
     if SPECBENCH.exists():
-        ps = locustfile.load_prompts(SPECBENCH)
+        ps = prompts.load_prompts(SPECBENCH)
         assert len(ps) == 240 and ps[0]["messages"][0]["role"] == "user"
-        assert {p["category"] for p in locustfile.load_prompts(SPECBENCH, {"qa", "rag"})} == {"qa", "rag"}
+        assert {p["category"] for p in prompts.load_prompts(SPECBENCH, {"qa", "rag"})} == {"qa", "rag"}
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in [
         {"prompt": "a"}, {"messages": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]},
         {"turns": ["d", "e"]}, {"nothing": 1}]) + "\n")
-    ps = locustfile.load_prompts(f)
+    ps = prompts.load_prompts(f)
     assert [p["messages"][-1]["content"] for p in ps] == ["a", "b", "d"]
     with pytest.raises(ValueError):
-        locustfile.load_prompts(f, {"nope"})
+        prompts.load_prompts(f, {"nope"})
 
 
 def test_summarize_level_window():
