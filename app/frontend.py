@@ -87,7 +87,8 @@ class Generation:
 
 class Frontend:
     def __init__(self, service: RoundService, tokenizer, *, max_model_len: int, stop_token_ids: frozenset[int],
-                 num_speculative_tokens: int, speculative: bool, model_name: str):
+                 num_speculative_tokens: int, speculative: bool, model_name: str,
+                 adaptive_speculation: bool = False):
         self.service = service
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -95,6 +96,7 @@ class Frontend:
         self.num_speculative_tokens = num_speculative_tokens
         self.speculative = speculative
         self.model_name = model_name
+        self.adaptive_speculation = adaptive_speculation
 
     def encode_prompt(self, prompt: str | None, messages: list | None) -> tuple[list[int], str]:
         if messages is not None:
@@ -116,5 +118,6 @@ class Frontend:
                              "(prompt plus at least one new token)", field)
         k = num_speculative_tokens or self.num_speculative_tokens
         session = Session(uuid.uuid4().hex, ids, max_tokens, sampling, k if self.speculative else 0,
-                          frozenset() if ignore_eos else self.stop_token_ids, self.max_model_len)
+                          frozenset() if ignore_eos else self.stop_token_ids, self.max_model_len,
+                          adaptive_speculation=self.adaptive_speculation)
         return Generation(self, session, stops)

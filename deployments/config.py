@@ -59,6 +59,7 @@ class AppConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     device: Literal["cpu", "cuda"] = "cpu"
     num_speculative_tokens: int = Field(4, ge=1, le=16)
+    adaptive_speculation: bool = Field(True, description="per session, draft about as many tokens as recently accepted (at most num_speculative_tokens)")
     max_model_len: int = Field(2048, ge=16)
     model_name: str | None = Field(None, description="name served by /v1/models; default: the target")
     router: RouterConfig = RouterConfig()

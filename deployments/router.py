@@ -42,7 +42,8 @@ class Router:
             frontend=Frontend(self.service, tokenizer, max_model_len=max_model_len,
                               stop_token_ids=stop_token_ids(path, tokenizer),
                               num_speculative_tokens=self.cfg.num_speculative_tokens,
-                              speculative=drafter is not None, model_name=self.cfg.model_name or self.cfg.target),
+                              speculative=drafter is not None, model_name=self.cfg.model_name or self.cfg.target,
+                              adaptive_speculation=self.cfg.adaptive_speculation),
             ready=self.ready, retry_after_s=r.retry_after_s)
 
     async def _verify(self, group: int, requests):

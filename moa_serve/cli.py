@@ -62,7 +62,7 @@ def cmd_generate(args) -> int:
     if len(prompt) >= engine.max_model_len:
         raise CLIError(f"--prompt: {len(prompt)} tokens do not fit the context of {engine.max_model_len} tokens")
     res = engine.generate([prompt], args.max_new_tokens, sampling, args.num_speculative_tokens,
-                          ignore_eos=args.ignore_eos)[0]
+                          ignore_eos=args.ignore_eos, adaptive_speculation=args.adaptive_k)[0]
     if args.json:
         print(json.dumps({
             "text": res.text, "token_ids": res.token_ids, "num_tokens": res.num_tokens,
@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
+    g.add_argument("--adaptive-k", action="store_true",
+                   help="draft about as many tokens as recent rounds accepted (at most -k)")
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
 

@@ -129,3 +129,18 @@ def test_smollm2_random_drafter_matches_hf(tmp_path):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p):].tolist()
         assert o.token_ids == ref
+
+
+def test_adaptive_speculation_shrinks_k_for_a_bad_drafter_and_keeps_identity(stories_setup):
+    spec, prompts, ref = stories_setup
+    bad = NoisyOracle(prompts, ref, error_rate=1.0)  # every draft is wrong
+    engine = SpeculativeEngine(spec.verifier, bad, spec.tokenizer, spec.stop_ids, max_batch=4)
+    fixed = engine.generate(prompts[:4], NEW_TOKENS, num_speculative_tokens=5)
+    adaptive = engine.generate(prompts[:4], NEW_TOKENS, num_speculative_tokens=5, adaptive_speculation=True)
+    assert [o.token_ids for o in adaptive] == [o.token_ids for o in fixed] == ref[:4]
+    assert all(a.drafted_tokens < f.drafted_tokens / 3 for a, f in zip(adaptive, fixed))
+    good = NoisyOracle(prompts, ref, error_rate=0.0)
+    engine = SpeculativeEngine(spec.verifier, good, spec.tokenizer, spec.stop_ids, max_batch=4)
+    full = engine.generate(prompts[:4], NEW_TOKENS, num_speculative_tokens=5, adaptive_speculation=True)
+    assert [o.token_ids for o in full] == ref[:4]
+    assert min(o.mean_accepted_length for o in full) > 3.0  # a good drafter keeps its long drafts

@@ -97,13 +97,15 @@ class SpeculativeEngine:
         return self.verifier.max_model_len
 
     def new_session(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
-                    num_speculative_tokens: int = 4, ignore_eos: bool = False) -> Session:
+                    num_speculative_tokens: int = 4, ignore_eos: bool = False,
+                    adaptive_speculation: bool = False) -> Session:
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         return Session(f"s{next(self._ids)}", list(prompt), max_new_tokens, sampling,
                        num_speculative_tokens if self.proposer is not None else 0,
                        frozenset() if ignore_eos else self.stop_ids, self.max_model_len,
-                       drafter_needs_features=getattr(self.proposer, "needs_features", True))
+                       drafter_needs_features=getattr(self.proposer, "needs_features", True),
+                       adaptive_speculation=adaptive_speculation)
 
     def run_round(self, active: list[Session]) -> list[rounds.Committed]:
         by_id = {s.id: s for s in active}
@@ -147,8 +149,10 @@ class SpeculativeEngine:
         return [self._result(s, ended[s.id] - started[s.id]) for s in sessions]
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = GREEDY,
-                 num_speculative_tokens: int = 4, ignore_eos: bool = False) -> list[GenerationResult]:
-        sessions = [self.new_session(p, max_new_tokens, sampling, num_speculative_tokens, ignore_eos)
+                 num_speculative_tokens: int = 4, ignore_eos: bool = False,
+                 adaptive_speculation: bool = False) -> list[GenerationResult]:
+        sessions = [self.new_session(p, max_new_tokens, sampling, num_speculative_tokens, ignore_eos,
+                                     adaptive_speculation)
                     for p in prompts]
         return self.generate_sessions(sessions)
 

@@ -3,6 +3,7 @@ needs, stop conditions and speculative statistics."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,7 @@ class Session:
     stop_token_ids: frozenset[int] = frozenset()
     max_model_len: int = 2048
     drafter_needs_features: bool = True  # MoA drafts only once the prompt's features exist
+    adaptive_speculation: bool = False  # ask for about as many drafts as recent rounds accepted
     tokens: list[int] = field(default_factory=list)
     feature_chunks: list[torch.Tensor] = field(default_factory=list)
     num_features: int = 0  # features held for positions [0, num_features)
@@ -28,6 +30,7 @@ class Session:
     drafted: int = 0
     accepted: int = 0
     finish_reason: str | None = None
+    accept_ema: float = -1.0  # moving average of drafts accepted per round (-1: none yet)
 
     def __post_init__(self):
         if not self.prompt:
@@ -60,7 +63,12 @@ class Session:
         if self.drafter_needs_features and self.num_features == 0:
             return 0
         room = min(self.max_new_tokens - len(self.generated), self.max_model_len - len(self.tokens)) - 1
-        return max(0, min(self.num_speculative_tokens, room))
+        k = self.num_speculative_tokens
+        if self.adaptive_speculation and self.accept_ema >= 0:
+            # drafts beyond what the drafter usually gets accepted cost drafter steps and
+            # verifier width for nothing; one more than the recent average keeps probing
+            k = min(k, max(1, math.ceil(self.accept_ema + 1)))
+        return max(0, min(k, room))
 
     # -- features ------------------------------------------------------------------
     def add_features(self, start: int, feats: torch.Tensor | None) -> None:
@@ -93,6 +101,8 @@ class Session:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
+        if drafted:
+            self.accept_ema = accepted if self.accept_ema < 0 else 0.7 * self.accept_ema + 0.3 * accepted
         kept = []
         for tok in new_tokens:
             kept.append(tok)
