@@ -21,7 +21,7 @@ from torch import nn
 
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.model import TargetParts
-from moa_serve.drafter.proposer import DraftRequest, ProposerBase, rollback_point
+from moa_serve.drafter.proposer import DraftRequest, ProposerBase, load_for_drafting, rollback_point
 from moa_serve.kv_cache import SlotKVCache
 from moa_serve.layers import DecoderLayer, RMSNorm
 
@@ -98,27 +98,13 @@ class _BaselineProposer(ProposerBase):
         sh = cfg.sa_shape()
         self.cache = SlotKVCache(num_layers, max_sessions, sh.num_kv_heads, sh.head_dim, max_model_len,
                                  self.dtype, self.device)
-        self.vocab_size = cfg.target.vocab_size
-        self.draft_vocab = draft_vocab.to(self.device) if draft_vocab is not None else None
-        self.lm_head_weight = p[self.draft_vocab] if self.draft_vocab is not None else p
+        self._init_lm_head(cfg, draft_vocab)
         self.sessions: dict[str, _Sess] = {}
-        self.stats = {"steps": 0, "draft_s": 0.0}
 
     @classmethod
     def load(cls, drafter: str, target: str | None = None, dtype="float32", device="cpu", max_sessions=16,
              max_model_len=2048, target_model=None):
-        from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
-        from moa_serve.models import load_state_dict, parse_dtype, read_config, resolve_model_path
-        from moa_serve.verifier.target_model import TargetModel
-
-        cfg, state = load_drafter(drafter)
-        dt = parse_dtype(dtype)
-        if target_model is None:
-            path = resolve_model_path(target or cfg.target_name_or_path)
-            target_model = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, device)
-        if target_model.arch != cfg.target:
-            raise ValueError(f"the drafter was made for another target: {cfg.target} != {target_model.arch}")
-        draft_vocab = state.pop(DRAFT_VOCAB_KEY, None)
+        cfg, state, draft_vocab, target_model, dt = load_for_drafting(drafter, target, dtype, device, target_model)
         model = build_baseline(cfg)
         model.load_state_dict(state)
         n = 1 if cfg.kind == "eagle" else len(model.layers)

@@ -51,6 +51,20 @@ class _Session:
     num_features: int = 0
 
 
+def load_for_drafting(drafter: str, target: str | None, dtype, device, target_model: TargetModel | None):
+    """A drafter checkpoint and the target it borrows from (loaded unless given), checked to match.
+    Returns (config, state without the draft vocabulary, draft vocabulary or None, target, dtype)."""
+    cfg, state = load_drafter(drafter)
+    dt = parse_dtype(dtype)
+    if target_model is None:
+        path = resolve_model_path(target or cfg.target_name_or_path)
+        target_model = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, device)
+    if target_model.arch != cfg.target:
+        raise ValueError(f"the drafter was made for another target: {cfg.target} != {target_model.arch}")
+    draft_vocab = state.pop(DRAFT_VOCAB_KEY, None)
+    return cfg, state, draft_vocab, target_model, dt
+
+
 def rollback_point(fed: list[int], committed: list[int]) -> int:
     """Length of the longest prefix of the fed tokens that is still committed, never covering the
     last committed token (it is always fed again: drafting starts from its output)."""
@@ -69,6 +83,14 @@ class ProposerBase:
     vocab_size: int
     draft_vocab: torch.Tensor | None
     stats: dict
+
+    def _init_lm_head(self, cfg: DrafterConfig, draft_vocab: torch.Tensor | None) -> None:
+        """The borrowed LM head, restricted to the draft vocabulary when the checkpoint has one."""
+        p = self.parts.lm_head.weight
+        self.vocab_size = cfg.target.vocab_size
+        self.draft_vocab = draft_vocab.to(self.device) if draft_vocab is not None else None
+        self.lm_head_weight = p[self.draft_vocab] if self.draft_vocab is not None else p
+        self.stats = {"steps": 0, "draft_s": 0.0}
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
@@ -124,24 +146,13 @@ class MoAProposer(ProposerBase):
         ca = cfg.ca_shape()
         self.ca_cache = SlotKVCache(1, max_sessions, ca.num_kv_heads, ca.head_dim, max_model_len,
                                     self.dtype, self.device)
-        self.vocab_size = cfg.target.vocab_size
-        self.draft_vocab = draft_vocab.to(self.device) if draft_vocab is not None else None
-        self.lm_head_weight = p[self.draft_vocab] if self.draft_vocab is not None else p
+        self._init_lm_head(cfg, draft_vocab)
         self.sessions: dict[str, _Session] = {}
-        self.stats = {"steps": 0, "draft_s": 0.0}
 
     @classmethod
     def load(cls, drafter: str, target: str | None = None, dtype="float32", device="cpu", max_sessions=16,
              max_model_len=2048, target_model: TargetModel | None = None) -> "MoAProposer":
-        cfg, state = load_drafter(drafter)
-        dt = parse_dtype(dtype)
-        if target_model is None:
-            path = resolve_model_path(target or cfg.target_name_or_path)
-            target_model = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, device)
-        if target_model.arch != cfg.target:
-            raise ValueError("the drafter was made for another target: "
-                             f"{cfg.target} != {target_model.arch}")
-        draft_vocab = state.pop(DRAFT_VOCAB_KEY, None)
+        cfg, state, draft_vocab, target_model, dt = load_for_drafting(drafter, target, dtype, device, target_model)
         drafter = MoADrafter(cfg)
         drafter.load_flat_state_dict(state)
         parts = TargetParts(target_model, cfg.target_layer_inference)
