@@ -163,3 +163,33 @@ def test_eagle_incremental_drafting_equals_parallel_pass(trained_baselines, stor
             seq.append(tok)
             prev = torch.cat([prev, out[-1:]])
     assert res.drafts == want
+
+
+# ---------------------------------------------------------------------------------------- self-distillation data
+def test_regenerate_writes_target_replies_and_matching_originals(tmp_path, stories_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moa_serve.drafter.data import prompt_ids
+    from moa_serve.drafter.regenerate import regenerate
+
+    data = tmp_path / "data"
+    data.mkdir()
+    convs = [[{"role": "user", "content": f"Tell me a story about a {w}."},
+              {"role": "assistant", "content": f"Once upon a time there was a {w}."}]
+             for w in ("cat", "dog", "bird", "frog", "tree")]
+    convs[2] += [{"role": "user", "content": "And then?"}, {"role": "assistant", "content": "The end."}]
+    (data / "toy.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+
+    out = regenerate(str(stories_path), str(data), str(tmp_path / "out"), per_file=5, max_new_tokens=12,
+                     batch=2, dtype="float32")
+    regen = [json.loads(line)["messages"] for line in (out / "self" / "regenerated.jsonl").read_text().splitlines()]
+    orig = [json.loads(line)["messages"] for line in (out / "original" / "original.jsonl").read_text().splitlines()]
+    assert len(regen) == len(orig) == 5
+    tok = AutoTokenizer.from_pretrained(stories_path)
+    hf = AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
+    for r, o in zip(regen, orig):
+        assert len(o) == 2 and o[0] == r[0] and o in [c[:2] for c in convs]  # first turn, dataset reply kept
+        assert [m["role"] for m in r] == ["user", "assistant"]
+        ids = prompt_ids(tok, r[:1])
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id)
+        assert r[1]["content"] == tok.decode(ref[0, len(ids):], skip_special_tokens=True)
