@@ -78,7 +78,10 @@ def _summ(turns: list[dict], vanilla: list[dict] | None) -> dict:
     elapsed = sum(t["elapsed_s"] for t in turns)
     out = {"turns": len(turns), "tokens": tokens, "rounds": rounds, "elapsed_s": round(elapsed, 3),
            "mean_accepted_length": round(tokens / rounds, 4) if rounds else 0.0,
-           "tokens_per_s": round(tokens / elapsed, 3) if elapsed else 0.0}
+           "tokens_per_s": round(tokens / elapsed, 3) if elapsed else 0.0,
+           # where a round's time goes: the drafter's K steps vs the target's verify (+ features)
+           "draft_ms_per_round": round(1000 * sum(t.get("draft_s", 0.0) for t in turns) / rounds, 2) if rounds else 0.0,
+           "verify_ms_per_round": round(1000 * sum(t.get("verify_s", 0.0) for t in turns) / rounds, 2) if rounds else 0.0}
     if vanilla is not None:
         vt = sum(t["tokens"] for t in vanilla) / max(1e-9, sum(t["elapsed_s"] for t in vanilla))
         out["speedup"] = round(out["tokens_per_s"] / vt, 4) if vt else 0.0
@@ -111,13 +114,15 @@ def run_bench(args) -> dict:
             for m in methods:
                 msgs = history[m.name] + [{"role": "user", "content": turn}]
                 prompt = prompt_ids(tok, msgs)[-(args.max_model_len - args.max_new_tokens - 1):]
+                before = dict(m.engine.timings)
                 res = m.engine.generate([prompt], args.max_new_tokens, sampling, max(1, m.k))[0]
+                spent = {k: m.engine.timings[k] - before[k] for k in ("draft_s", "verify_s")}
                 if m.name == "vanilla":
                     ref = res.token_ids
                 identical = (res.token_ids == ref) if greedy and m.name != "vanilla" else None
                 m.per_turn.append({"question_id": q.get("question_id"), "category": q.get("category", "all"),
                                    "turn": ti, "tokens": res.num_tokens, "rounds": res.rounds,
-                                   "elapsed_s": res.elapsed_s, "identical": identical})
+                                   "elapsed_s": res.elapsed_s, "identical": identical, **spent})
                 text = tok.decode(res.token_ids, skip_special_tokens=True)
                 history[m.name] = msgs + [{"role": "assistant", "content": text}]
                 bar.update(1)
@@ -171,12 +176,14 @@ def markdown(result: dict) -> str:
     cfg = result["config"]
     lines = [f"Target `{cfg['target']}`, {cfg['questions_done']} of {cfg['num_questions']} questions, max {cfg['max_new_tokens']} new tokens, "
              f"temperature {cfg['temperature']}, {cfg['dtype']} on {cfg['device']}.", "",
-             "| method | K | τ | tok/s | speed-up | greedy identical |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| method | K | τ | tok/s | speed-up | greedy identical | draft / verify ms per round |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in runs:
         ident = r.get("greedy_identical_fraction")
         lines.append(f"| {r['method']} | {r['num_speculative_tokens']} | {r['mean_accepted_length']:.2f} | "
                      f"{r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f}× | "
-                     f"{'–' if ident is None else f'{ident:.2f}'} |")
+                     f"{'–' if ident is None else f'{ident:.2f}'} | "
+                     f"{r.get('draft_ms_per_round', 0):.1f} / {r.get('verify_ms_per_round', 0):.1f} |")
     lines += ["", "τ / speed-up per category:", "",
               "| category | " + " | ".join(r["method"] for r in runs[1:]) + " |",
               "| --- |" + " ---: |" * (len(runs) - 1)]

@@ -25,5 +25,8 @@ def test_bench_writes_results(tmp_path, stories_path, stories_drafter):
     assert r["greedy_identical_fraction"] == 1.0
     assert set(r["per_category"]) == {"writing", "qa"}
     assert r["mean_accepted_length"] >= 1.0
+    van, spec = r["runs"]
+    assert van["draft_ms_per_round"] == 0 < van["verify_ms_per_round"]  # vanilla never drafts
+    assert spec["draft_ms_per_round"] > 0 and spec["verify_ms_per_round"] > 0
     assert out.with_suffix(".md").read_text().count("|") > 10
     assert out.with_suffix(".png").stat().st_size > 1000

@@ -76,6 +76,7 @@ class SpeculativeEngine:
         self.stop_ids = stop_ids
         self.max_batch = max_batch
         self._ids = itertools.count()
+        self.timings = {"draft_s": 0.0, "verify_s": 0.0, "rounds": 0}  # cumulative, for benchmarks
 
     @classmethod
     def load(cls, target: str, drafter: str | None, dtype="float32", device="cpu", max_sessions=16,
@@ -110,11 +111,16 @@ class SpeculativeEngine:
     def run_round(self, active: list[Session]) -> list[rounds.Committed]:
         by_id = {s.id: s for s in active}
         drafts = {}
+        t0 = time.perf_counter()
         if self.proposer is not None:
             reqs = rounds.draft_requests(active)
             if reqs:
                 drafts = rounds.note_drafts_delivered(by_id, self.proposer.propose(reqs))
+        t1 = time.perf_counter()
         results = self.verifier.verify(rounds.verify_requests(active, drafts, self.proposer is not None))
+        self.timings["draft_s"] += t1 - t0
+        self.timings["verify_s"] += time.perf_counter() - t1
+        self.timings["rounds"] += 1
         done = rounds.commit(by_id, results, drafts)
         for s in active:
             if s.finished:
