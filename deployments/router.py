@@ -30,7 +30,7 @@ class Router:
         self.cfg = AppConfig.model_validate(cfg)
         self.verifier = verifier
         self.drafter = drafter
-        path = resolve_model_path(self.cfg.target)
+        path = resolve_model_path(self.cfg.target, weights=False)  # tokenizer + config only
         tokenizer = load_tokenizer(path)
         max_model_len = min(self.cfg.max_model_len, read_config(path).max_position_embeddings)
         r = self.cfg.router

@@ -100,6 +100,9 @@ class Trainer:
         self.parts = TargetParts(self.target32, self.tli)
 
         convs = load_conversations(cfg["data_dir"], cfg["per_file"], cfg["seed"], cfg["data_files"])
+        if not convs:
+            raise ValueError(f"data_dir {cfg['data_dir']!r}: no conversations in *.jsonl files (for the "
+                             "self-distilled recipe run `moa regenerate --out ../runs/selfdistill` first)")
         self.examples = build_examples(self.tok, convs, cfg["max_len"], max_prompt=cfg["max_prompt"])
         vsize = int(cfg["draft_vocab_size"])
         stops = [t for t in {self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>")}

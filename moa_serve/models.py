@@ -28,7 +28,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MOA_CACHE_DIR", Path.home() / ".cache" / "moa-serve"))
 
 
-def resolve_model_path(name_or_path: str) -> Path:
+# what a hub download fetches: config, tokenizer and safetensors weights (never .bin/.pth/ONNX/GGUF
+# copies of the same weights); ``weights=False`` (the router) takes config + tokenizer only
+_HUB_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+
+
+def resolve_model_path(name_or_path: str, weights: bool = True) -> Path:
     """Local folder holding ``config.json`` for a model name or path; downloads from the hub
     when the name is not local (and says clearly when that is impossible)."""
     if not name_or_path or not str(name_or_path).strip():
@@ -50,7 +55,8 @@ def resolve_model_path(name_or_path: str) -> Path:
         try:
             from huggingface_hub import snapshot_download
 
-            return Path(snapshot_download(str(name_or_path)))
+            return Path(snapshot_download(str(name_or_path),
+                                          allow_patterns=_HUB_FILES + (["*.safetensors"] if weights else [])))
         except Exception as exc:  # offline, gated, unknown id
             raise ModelNotFoundError(
                 f"model {name_or_path!r} is not a local folder (tried {', '.join(tried)}) and could not be "

@@ -193,3 +193,10 @@ def test_regenerate_writes_target_replies_and_matching_originals(tmp_path, stori
         ids = prompt_ids(tok, r[:1])
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id)
         assert r[1]["content"] == tok.decode(ref[0, len(ids):], skip_special_tokens=True)
+
+
+def test_training_without_data_names_the_data_dir(tmp_path, stories_path):
+    from moa_serve.drafter.train import Trainer
+
+    with pytest.raises(ValueError, match="data_dir .*no conversations"):
+        Trainer(_tiny_cfg(tmp_path, stories_path, data_dir=str(tmp_path / "missing"), data_files=None))
