@@ -85,7 +85,8 @@ class ProposerBase:
     stats: dict
 
     def _init_lm_head(self, cfg: DrafterConfig, draft_vocab: torch.Tensor | None) -> None:
-        """The borrowed LM head, restricted to the draft vocabulary when the checkpoint has one."""
+        """The borrowed LM head, restricted to the draft vocabulary when the checkpoint has one, and
+        the drafting counters."""
         p = self.parts.lm_head.weight
         self.vocab_size = cfg.target.vocab_size
         self.draft_vocab = draft_vocab.to(self.device) if draft_vocab is not None else None

@@ -38,7 +38,8 @@ def regenerate(target: str, data_dir: str, out: str, per_file: int, max_new_toke
             tqdm(total=len(convs), desc="regenerate", unit="conv") as bar:
         for i in range(0, len(convs), chunk_size):
             chunk = convs[i:i + chunk_size]
-            prompts = [prompt_ids(engine.tokenizer, c[:1])[-(2048 - max_new_tokens - 1):] for c in chunk]
+            prompts = [prompt_ids(engine.tokenizer, c[:1])[-(engine.max_model_len - max_new_tokens - 1):]
+                       for c in chunk]
             for c, res in zip(chunk, engine.generate(prompts, max_new_tokens)):
                 f_self.write(json.dumps({"messages": [c[0], {"role": "assistant", "content": res.text}]}) + "\n")
                 f_orig.write(json.dumps({"messages": c}) + "\n")

@@ -76,7 +76,7 @@ class SpeculativeEngine:
         self.stop_ids = stop_ids
         self.max_batch = max_batch
         self._ids = itertools.count()
-        self.timings = {"draft_s": 0.0, "verify_s": 0.0, "rounds": 0}  # cumulative, for benchmarks
+        self.timings = {"draft_s": 0.0, "verify_s": 0.0}  # cumulative seconds, for benchmarks
 
     @classmethod
     def load(cls, target: str, drafter: str | None, dtype="float32", device="cpu", max_sessions=16,
@@ -120,7 +120,6 @@ class SpeculativeEngine:
         results = self.verifier.verify(rounds.verify_requests(active, drafts, self.proposer is not None))
         self.timings["draft_s"] += t1 - t0
         self.timings["verify_s"] += time.perf_counter() - t1
-        self.timings["rounds"] += 1
         done = rounds.commit(by_id, results, drafts)
         for s in active:
             if s.finished:
