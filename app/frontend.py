@@ -1,14 +1,23 @@
 """Between HTTP and the round service: prompts to tokens (chat templates), a session per
-request, token events to text deltas (incremental detokenization, stop strings)."""
+request, token events to text deltas (incremental detokenization, stop strings).
+
+The Router's event loop also drives every session group's rounds, so nothing here may cost
+more than a few tokens' worth per event: prompts are tokenized on a worker thread, and each
+event decodes only a small window of tokens, never the whole text so far."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 import uuid
 from dataclasses import dataclass
 
 from moa_serve.engine.sampling import SamplingParams
 from moa_serve.engine.service import RoundService
 from moa_serve.engine.session import Session
+
+log = logging.getLogger(__name__)
 
 
 class InputError(ValueError):
@@ -26,6 +35,52 @@ class Delta:
     finish_reason: str | None = None
 
 
+class IncrementalDetokenizer:
+    """The text of a growing list of token ids, decoding a small window per step (the
+    prefix/read-offset scheme of vLLM's ``detokenize_incrementally`` and transformers'
+    ``TextStreamer``): the new text is ``decode(ids[prefix:])`` minus ``decode(ids[prefix:read])``.
+    The window starts at the tokens of the previous piece, so tokenizers whose decoding depends on
+    the token before (SentencePiece's leading space) stay right; text ending in an incomplete UTF-8
+    sequence waits for the next tokens. ``finish()`` adds whatever the full decode has beyond what
+    was produced, so the final text is exactly ``decode(all ids, skip_special_tokens=True)``."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._pieces: list[str] = []  # the text so far (joined only at the end: no re-copying per step)
+        self._prefix = 0  # ids[_prefix:_read] were decoded last time: the context of the next piece
+        self._read = 0  # ids[:_read] are in ``text``
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True)
+
+    def add(self, ids: list[int]) -> str:
+        """Takes new token ids; returns the new text (possibly empty)."""
+        self.ids.extend(ids)
+        if len(self.ids) == self._read:
+            return ""
+        before = self._decode(self._prefix, self._read)
+        after = self._decode(self._prefix, len(self.ids))
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # nothing printable yet (special tokens, a split multi-byte character)
+        piece = after[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self._pieces.append(piece)
+        return piece
+
+    def finish(self) -> str:
+        """The rest of the text at the end (held incomplete characters, a literal U+FFFD): one full
+        decode per request."""
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = "".join(self._pieces)
+        self._prefix = self._read = len(self.ids)
+        if not full.startswith(text):  # never seen with byte-level BPE or SentencePiece
+            log.warning("incremental detokenization diverged from the full decode")
+            return ""
+        self._pieces = [full]
+        return full[len(text):]
+
+
 class Generation:
     """One running request: yields text deltas, then exposes the final statistics."""
 
@@ -35,9 +90,13 @@ class Generation:
         self.session = session
         self.stops = stops
         self.tracked = frontend.service.submit(session)
-        self.text = ""
+        self._pieces: list[str] = []  # the text emitted so far
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
 
     @property
     def prompt_tokens(self) -> int:
@@ -47,30 +106,31 @@ class Generation:
         return self.session.stats()
 
     async def deltas(self):
-        tok = self.frontend.tokenizer
+        """Text deltas as rounds commit tokens. Text that might still begin a stop string (its
+        longest length - 1 characters) is held back until the next tokens tell; a stop string ends
+        the text before it and frees the session at once."""
+        detok = IncrementalDetokenizer(self.frontend.tokenizer)
         hold = max((len(s) for s in self.stops), default=1) - 1
-        emitted = 0
+        pending = ""  # decoded, not yet emitted; every stop string found so far is cut already
         async for ev in self.frontend.service.stream(self.tracked):
-            self.token_ids.extend(ev.tokens)
-            full = tok.decode(self.token_ids, skip_special_tokens=True)
             finish = ev.finish_reason
-            cut = self._stop_at(full)
-            if cut is not None:
-                full, finish = full[:cut], "stop"
-            elif finish is None and full.endswith("\ufffd"):
-                continue  # an incomplete UTF-8 sequence: wait for the next tokens
             if finish is not None and finish.startswith("error"):
                 raise RuntimeError(finish)
-            limit = len(full) if finish is not None else max(emitted, len(full) - hold)
-            piece = full[emitted:limit]
-            emitted = limit
-            self.text = full[:emitted]
+            self.token_ids.extend(ev.tokens)
+            pending += detok.add(ev.tokens)
             if finish is not None:
-                self.finish_reason = "stop" if finish == "stop" else finish
+                pending += detok.finish()
+            cut = self._stop_at(pending)
+            if cut is not None:
+                pending, finish = pending[:cut], "stop"
+            n = len(pending) if finish is not None else max(0, len(pending) - hold)
+            piece, pending = pending[:n], pending[n:]
+            self._pieces.append(piece)
+            if finish is not None:
+                self.finish_reason = finish
                 if cut is not None:
                     self.frontend.service.abort(self.tracked)  # free the caches now
-                    self.finish_reason = "stop"
-                yield Delta(piece, ev.tokens, self.finish_reason)
+                yield Delta(piece, ev.tokens, finish)
                 return
             if piece or ev.tokens:
                 yield Delta(piece, ev.tokens)
@@ -97,6 +157,7 @@ class Frontend:
         self.speculative = speculative
         self.model_name = model_name
         self.adaptive_speculation = adaptive_speculation
+        self._encode_lock = threading.Lock()  # one tokenizer, used from worker threads
 
     def encode_prompt(self, prompt: str | None, messages: list | None) -> tuple[list[int], str]:
         if messages is not None:
@@ -110,9 +171,17 @@ class Frontend:
             raise InputError("prompt is empty", "prompt")
         return self.tokenizer.encode(prompt), "prompt"
 
-    def start(self, *, prompt: str | None, messages: list | None, max_tokens: int, sampling: SamplingParams,
-              stops: list[str], ignore_eos: bool, num_speculative_tokens: int | None) -> Generation:
-        ids, field = self.encode_prompt(prompt, messages)
+    def _encode_locked(self, prompt: str | None, messages: list | None) -> tuple[list[int], str]:
+        with self._encode_lock:
+            return self.encode_prompt(prompt, messages)
+
+    async def start(self, *, prompt: str | None, messages: list | None, max_tokens: int,
+                    sampling: SamplingParams, stops: list[str], ignore_eos: bool,
+                    num_speculative_tokens: int | None) -> Generation:
+        """Tokenizes (on a worker thread: a long prompt or chat template must not stall the event
+        loop that drives the rounds) and submits a session. Raises ``InputError`` naming the field
+        of a request the server cannot run, ``QueueFullError`` when the queue is full."""
+        ids, field = await asyncio.to_thread(self._encode_locked, prompt, messages)
         if len(ids) >= self.max_model_len:
             raise InputError(f"the {field} has {len(ids)} tokens; the context holds {self.max_model_len} "
                              "(prompt plus at least one new token)", field)

@@ -52,10 +52,10 @@ def create_app() -> FastAPI:
     def frontend(request: Request) -> Frontend:
         return state.get("frontend")
 
-    def start(request: Request, body, prompt, messages, max_tokens) -> Generation | JSONResponse:
+    async def start(request: Request, body, prompt, messages, max_tokens) -> Generation | JSONResponse:
         fe = frontend(request)
         try:
-            return fe.start(prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=body.sampling(),
+            return await fe.start(prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=body.sampling(),
                             stops=body.stop_strings(), ignore_eos=body.ignore_eos,
                             num_speculative_tokens=body.num_speculative_tokens)
         except InputError as exc:
@@ -100,8 +100,10 @@ def create_app() -> FastAPI:
     @api.get("/v1/stats")
     async def stats(request: Request):
         fe = frontend(request)
+        extra = state.get("stats")  # the ingress's own view (work per pool replica, call timings)
         return {**fe.service.stats.as_dict(), "queue_depth": fe.service.queue_depth,
-                "active_sessions": fe.service.active_sessions, "speculative": fe.speculative}
+                "active_sessions": fe.service.active_sessions, "speculative": fe.speculative,
+                **(extra() if extra else {})}
 
     @api.get("/v1/models")
     async def models(request: Request):
@@ -112,7 +114,7 @@ def create_app() -> FastAPI:
     # ------------------------------------------------------------------ native API
     @api.post("/v1/generate", response_model=GenerateResponse)
     async def generate(body: GenerateRequest, request: Request):
-        gen = start(request, body, body.prompt, body.messages, body.max_tokens)
+        gen = await start(request, body, body.prompt, body.messages, body.max_tokens)
         if isinstance(gen, JSONResponse):
             return gen
         if body.stream:
@@ -181,7 +183,7 @@ def create_app() -> FastAPI:
         bad = openai_model(request, body)
         if bad:
             return bad
-        gen = start(request, body, body.prompt_text(), None, body.max_tokens or 16)
+        gen = await start(request, body, body.prompt_text(), None, body.max_tokens or 16)
         if isinstance(gen, JSONResponse):
             return gen
         return await openai_response(request, body, gen, chat=False)
@@ -191,7 +193,7 @@ def create_app() -> FastAPI:
         bad = openai_model(request, body)
         if bad:
             return bad
-        gen = start(request, body, None, body.messages, body.max_completion_tokens or body.max_tokens or 256)
+        gen = await start(request, body, None, body.messages, body.max_completion_tokens or body.max_tokens or 256)
         if isinstance(gen, JSONResponse):
             return gen
         return await openai_response(request, body, gen, chat=True)

@@ -1,16 +1,29 @@
 """``build_app(args)``: the Ray Serve application from a validated ``AppConfig`` — used by
-``serve run deployments/configs/*.yaml`` (``import_path: moa_serve.deployments.app:build_app``)."""
+``serve run deployments/configs/*.yaml`` (``import_path: moa_serve.deployments.app:build_app``).
+
+A config that cannot work is refused here, with the reason and the arithmetic, before any
+replica starts: sessions the Routers admit against the sessions the pools hold (in
+``AppConfig``), and each pool replica's weights + caches against its memory (``fit.py``)."""
 
 from __future__ import annotations
+
+import logging
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from moa_serve.deployments.config import AppConfig, PoolConfig, RouterConfig
+from moa_serve.deployments import fit
+from moa_serve.deployments.autoscaling import policy_options
+from moa_serve.deployments.config import AppConfig, PoolConfig, RouterConfig, session_warnings
 from moa_serve.deployments.pools import DrafterPool, VerifierPool
 from moa_serve.deployments.router import Router
 
-AFFINITY = RequestRouterConfig(request_router_class="moa_serve.deployments.affinity:SessionGroupRouter")
+log = logging.getLogger("ray.serve")
+
+# request_routing_stats_period_s: how often pool replicas report their sessions to the routers
+# (``record_routing_stats``), used to place new groups on the least-loaded replica
+AFFINITY = RequestRouterConfig(request_router_class="moa_serve.deployments.affinity:SessionGroupRouter",
+                               request_routing_stats_period_s=2.0, request_routing_stats_timeout_s=5.0)
 
 
 # Replicas share cores (verifier, drafter, router, on small nodes all together). OpenMP's
@@ -26,15 +39,35 @@ def _options(pool: PoolConfig | RouterConfig) -> dict:
     runtime_env = dict(actor.get("runtime_env") or {})
     runtime_env["env_vars"] = {**REPLICA_ENV, **(runtime_env.get("env_vars") or {})}
     actor["runtime_env"] = runtime_env
-    return {
-        "autoscaling_config": pool.autoscaling_config.model_dump(exclude_none=True),
-        "ray_actor_options": actor,
-        "max_ongoing_requests": pool.max_ongoing_requests,
-    }
+    autoscaling = pool.autoscaling_config.model_dump(exclude_none=True)
+    if isinstance(pool, PoolConfig):  # pools scale on the sessions they hold
+        autoscaling.pop("target_sessions_per_replica", None)
+        autoscaling["policy"] = policy_options(pool.target_sessions())
+    return {"autoscaling_config": autoscaling, "ray_actor_options": actor,
+            "max_ongoing_requests": pool.max_ongoing_requests}
+
+
+def validate(cfg: AppConfig, target: fit.ModelShape | None = None,
+             drafter: fit.DrafterShape | None = None) -> list[fit.Fit]:
+    """Raises ConfigError for a config that cannot work; logs the ones that waste or thrash."""
+    results = fit.check_fit(cfg, target, drafter)
+    warnings = session_warnings(cfg)
+    if cfg.device == "cpu" and all(p.ray_actor_options.memory is None for p in cfg.pools().values()):
+        need = sum(f.total * (cfg.verifier_pool if f.pool == "verifier_pool" else cfg.drafter_pool)
+                   .autoscaling_config.max_replicas for f in results)
+        if need > fit.host_memory():
+            warnings.append(f"all pool replicas together need {need / fit.GiB:.1f} GiB, more than this host's "
+                            f"{fit.host_memory() / fit.GiB:.1f} GiB: fine on a multi-node cluster, not on one machine")
+    for w in warnings:
+        log.warning("config: %s", w)
+    for f in results:
+        log.info("memory fit: %s", f.describe())
+    return results
 
 
 def build_app(args: dict | AppConfig) -> serve.Application:
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
+    validate(cfg)
     plain = cfg.model_dump()
     verifier = VerifierPool.options(**_options(cfg.verifier_pool), request_router_config=AFFINITY).bind(plain)
     drafter = None

@@ -1,11 +1,21 @@
 """The application config that ``build_app(args)`` validates: the ``args`` block of a
-``serve run`` YAML (deployments/configs/*.yaml) and of the KubeRay ``serveConfigV2``."""
+``serve run`` YAML (deployments/configs/*.yaml) and of the KubeRay ``serveConfigV2``.
+
+Checks that need no model files (sessions a Router admits against the sessions the pools
+hold) run here, in the pydantic validator; the memory fit (KV cache + weights against a
+replica's memory) needs the model configs and runs in ``build_app`` (``deployments/fit.py``).
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot work; the message says what to change."""
 
 
 class _Strict(BaseModel):
@@ -13,19 +23,37 @@ class _Strict(BaseModel):
 
 
 class AutoscalingConfig(_Strict):
-    """Ray Serve ``autoscaling_config`` (the fields we set; Ray validates the rest)."""
+    """Ray Serve ``autoscaling_config`` (the fields we set; Ray validates the rest). The Router
+    scales on ongoing HTTP requests (one per session, streaming or not, plus the queued ones)."""
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
     initial_replicas: int | None = Field(None, ge=0)
     target_ongoing_requests: float = Field(2.0, gt=0)
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(60.0, ge=0)
+    look_back_period_s: float | None = Field(None, gt=0, description="window the metrics are averaged over (Ray's default 30 s)")
 
     @model_validator(mode="after")
     def _range(self):
         if self.min_replicas > self.max_replicas:
             raise ValueError("autoscaling_config.min_replicas must be <= max_replicas")
         return self
+
+
+class PoolAutoscalingConfig(AutoscalingConfig):
+    """A pool scales on the sessions its replicas hold (``SessionsPolicy``), not on calls: a
+    call is a whole round of a session group, so the number of calls says little about load."""
+    target_ongoing_requests: None = Field(None, exclude=True)
+    target_sessions_per_replica: float | None = Field(
+        None, gt=0, description="sessions per replica the pool scales to; default 3/4 of max_sessions")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_calls_target(cls, data):
+        if isinstance(data, dict) and data.get("target_ongoing_requests") is not None:
+            raise ValueError("pools scale on sessions, not calls: use autoscaling_config.target_sessions_per_replica "
+                             "instead of target_ongoing_requests")
+        return data
 
 
 class RayActorOptions(_Strict):
@@ -36,11 +64,21 @@ class RayActorOptions(_Strict):
 
 
 class PoolConfig(_Strict):
-    autoscaling_config: AutoscalingConfig = AutoscalingConfig()
+    autoscaling_config: PoolAutoscalingConfig = PoolAutoscalingConfig()
     ray_actor_options: RayActorOptions = RayActorOptions()
-    max_ongoing_requests: int = Field(8, ge=1)
+    max_ongoing_requests: int = Field(16, ge=1, description="calls queued at one replica (forwards + releases of its groups)")
     max_sessions: int = Field(16, ge=1, description="sessions whose caches one replica holds")
     torch_threads: int | None = Field(None, ge=1, description="default: ray_actor_options.num_cpus")
+    gpu_memory_gb: float = Field(80.0, gt=0, description="GiB of one GPU (device cuda): the memory fit check")
+    memory_utilization: float = Field(0.9, gt=0, le=1.0, description="share of the replica's memory weights + caches may take")
+
+    def target_sessions(self) -> float:
+        t = self.autoscaling_config.target_sessions_per_replica
+        return t if t is not None else max(1, math.floor(0.75 * self.max_sessions))
+
+
+class VerifierPoolConfig(PoolConfig):
+    max_num_batched_tokens: int = Field(512, ge=16, description="tokens per verify forward (chunked prefill budget)")
 
 
 class RouterConfig(_Strict):
@@ -48,20 +86,71 @@ class RouterConfig(_Strict):
     ray_actor_options: RayActorOptions = RayActorOptions(num_cpus=0.5)
     max_ongoing_requests: int = Field(256, ge=1)
     max_queued_requests: int = Field(64, ge=0, description="waiting requests beyond which new ones get 429")
-    max_sessions_per_round: int = Field(16, ge=1)
-    session_groups: int = Field(2, ge=1, description="round loops; >= 2 lets one group draft while another verifies")
+    max_sessions_per_round: int = Field(16, ge=1, description="sessions one session group admits (and verifies per round)")
+    session_groups: int = Field(2, ge=1, description="round loops per Router replica; >= 2 lets one group draft while another verifies")
+    speculation_token_budget: int = Field(32, ge=0, description="draft tokens per round of a group, over all its sessions")
     retry_after_s: int = Field(2, ge=1)
 
 
 class AppConfig(_Strict):
     target: str = Field(description="Hugging Face id or local path of the target LLM")
-    drafter: str | None = Field(None, description="MoA drafter checkpoint folder; null = no speculation")
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    drafter: str | None = Field(None, description="drafter checkpoint folder (MoA, EAGLE-style or independent); null = no speculation")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="auto: float32 on CPUs without native bf16, bfloat16 otherwise")
     device: Literal["cpu", "cuda"] = "cpu"
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     adaptive_speculation: bool = Field(True, description="per session, draft about as many tokens as recently accepted (at most num_speculative_tokens)")
     max_model_len: int = Field(2048, ge=16)
     model_name: str | None = Field(None, description="name served by /v1/models; default: the target")
     router: RouterConfig = RouterConfig()
-    verifier_pool: PoolConfig = PoolConfig()
+    verifier_pool: VerifierPoolConfig = VerifierPoolConfig()
     drafter_pool: PoolConfig = PoolConfig(ray_actor_options=RayActorOptions(num_cpus=0.5))
+
+    @model_validator(mode="after")
+    def _sessions_fit(self):
+        problems = session_problems(self)
+        if problems:
+            raise ConfigError("this config cannot work:\n  - " + "\n  - ".join(problems))
+        return self
+
+    def pools(self) -> dict[str, PoolConfig]:
+        return {"verifier_pool": self.verifier_pool, **({"drafter_pool": self.drafter_pool} if self.drafter else {})}
+
+
+def session_problems(cfg: AppConfig) -> list[str]:
+    """Sessions the Routers admit against the sessions the pools can hold."""
+    r = cfg.router
+    per_router = r.session_groups * r.max_sessions_per_round
+    total = r.autoscaling_config.max_replicas * per_router
+    out = []
+    for name, pool in cfg.pools().items():
+        if r.max_sessions_per_round > pool.max_sessions:
+            out.append(f"router.max_sessions_per_round ({r.max_sessions_per_round}) > {name}.max_sessions "
+                       f"({pool.max_sessions}): a session group lives on one {name} replica, which cannot hold all "
+                       f"of its sessions; lower router.max_sessions_per_round or raise {name}.max_sessions")
+        cap = pool.max_sessions * pool.autoscaling_config.max_replicas
+        if total > cap:
+            out.append(f"the Routers may admit {total} sessions (router max_replicas {r.autoscaling_config.max_replicas}"
+                       f" x session_groups {r.session_groups} x max_sessions_per_round {r.max_sessions_per_round}) but "
+                       f"{name} holds at most {cap} ({name}.max_sessions {pool.max_sessions} x max_replicas "
+                       f"{pool.autoscaling_config.max_replicas}); lower the Router side or raise the pool's")
+    return out
+
+
+def session_warnings(cfg: AppConfig) -> list[str]:
+    """Configs that work but waste replicas or start below their load."""
+    r = cfg.router
+    groups_max = r.autoscaling_config.max_replicas * r.session_groups
+    start_routers = r.autoscaling_config.initial_replicas or max(1, r.autoscaling_config.min_replicas)
+    out = []
+    for name, pool in cfg.pools().items():
+        a = pool.autoscaling_config
+        if a.max_replicas > groups_max:
+            out.append(f"{name}.max_replicas ({a.max_replicas}) > session groups of all Routers ({groups_max}): "
+                       f"a group lives on one replica, so replicas beyond {groups_max} never get work")
+        start = a.initial_replicas if a.initial_replicas is not None else max(1, a.min_replicas)
+        admitted = start_routers * r.session_groups * r.max_sessions_per_round
+        if admitted > start * pool.max_sessions:
+            out.append(f"at start the Routers admit {admitted} sessions but {start} {name} replica(s) hold "
+                       f"{start * pool.max_sessions}: sessions are evicted and re-prefilled until the pool scales up")
+    return out

@@ -41,3 +41,39 @@ class PrometheusObserver(Observer):
 
     def fallback(self, reason):
         self.fallbacks.inc(tags={"reason": reason})
+
+
+class PoolMetrics:
+    """Inside a pool replica: time a call's work ran on the replica's worker thread, and the time it
+    waited there behind earlier calls (other groups' forwards, releases)."""
+
+    def __init__(self, pool: str):
+        self.pool = pool
+        self.compute_ms = metrics.Histogram("moa_pool_compute_ms", description="pool forward/release compute time",
+                                            boundaries=_LATENCY_MS, tag_keys=("pool", "method"))
+        self.queue_ms = metrics.Histogram("moa_pool_queue_ms",
+                                          description="time a pool call waited for the replica's worker thread",
+                                          boundaries=_LATENCY_MS, tag_keys=("pool", "method"))
+        self.sessions = metrics.Gauge("moa_pool_sessions", description="sessions used by this replica recently",
+                                      tag_keys=("pool",))
+
+    def call(self, method: str, compute_s: float, queued_s: float) -> None:
+        tags = {"pool": self.pool, "method": method}
+        self.compute_ms.observe(compute_s * 1e3, tags=tags)
+        self.queue_ms.observe(queued_s * 1e3, tags=tags)
+
+    def set_sessions(self, n: int) -> None:
+        self.sessions.set(n, tags={"pool": self.pool})
+
+
+class CallMetrics:
+    """At the Router: per pool call, wall time minus the replica's compute = Ray transport,
+    (de)serialisation and queueing."""
+
+    def __init__(self):
+        self.overhead_ms = metrics.Histogram("moa_pool_call_overhead_ms",
+                                             description="pool call wall time minus replica compute",
+                                             boundaries=_LATENCY_MS, tag_keys=("pool",))
+
+    def call(self, pool: str, call_s: float, compute_s: float) -> None:
+        self.overhead_ms.observe(max(0.0, call_s - compute_s) * 1e3, tags={"pool": pool})

@@ -1,18 +1,45 @@
 """The two Ray Serve pools: thin async wrappers around the framework-free verifier and
-proposer. One forward runs at a time per replica (torch uses the replica's threads); calls
-from several session groups queue behind each other."""
+proposer.
+
+One worker thread per replica (a single-thread executor) runs every forward *and* every
+release, in arrival order. A caller that gives up (a draft timeout cancels the call) never lets
+a second call touch the caches while the first still runs: the next call waits in the
+executor's queue behind it. Each reply carries the replica id and where the time went
+(``PoolReply``), so the Router can count work per replica and split a round's wall time into
+compute and everything else.
+
+Each replica reports the sessions it used recently to Ray (``record_autoscaling_stats``: the
+pools autoscale on sessions; ``record_routing_stats``: the affinity router places new groups on
+the least-loaded replica).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
+import time
+from dataclasses import dataclass
+from typing import Any
 
 from ray import serve
 
+from moa_serve.deployments.autoscaling import SESSIONS_METRIC
 from moa_serve.deployments.config import AppConfig, PoolConfig
 
 log = logging.getLogger("ray.serve")
+
+ACTIVE_WINDOW_S = 15.0  # a session used within this window counts as held by the replica
+
+
+@dataclass
+class PoolReply:
+    """What a pool call returns: the backend's results plus who did the work and how long it took."""
+    results: Any
+    replica: str
+    compute_s: float  # on the replica's worker thread
+    queued_s: float  # waiting for the worker thread (behind other groups' calls)
 
 
 def _threads(pool: PoolConfig) -> None:
@@ -30,59 +57,124 @@ def _replica_name() -> str:
 
 
 class _Pool:
-    def __init__(self):
-        self._lock = asyncio.Lock()
+    pool_name = "pool"
 
-    async def _run(self, fn, *args):
-        async with self._lock:
-            return await asyncio.to_thread(fn, *args)
+    def __init__(self):
+        from moa_serve.deployments.metrics import PoolMetrics
+
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moa-forward")
+        self._replica = _replica_name()
+        self._metrics = PoolMetrics(self.pool_name)
+        self._seen: dict[str, float] = {}  # session id -> last use (monotonic)
+        self.calls = 0
+
+    # ------------------------------------------------------------------ the worker thread
+    async def _run(self, method: str, fn, *args, shield: bool = False) -> PoolReply:
+        submitted = time.perf_counter()
+
+        def work():
+            start = time.perf_counter()
+            out = fn(*args)
+            return out, time.perf_counter() - start, start - submitted
+
+        fut = asyncio.get_running_loop().run_in_executor(self._worker, work)
+        # cancelling the caller's await (a timeout) skips a call still queued; a running one finishes
+        # on the worker thread before the next call starts. Releases always run.
+        out, compute_s, queued_s = await (asyncio.shield(fut) if shield else fut)
+        self.calls += 1
+        self._metrics.call(method, compute_s, queued_s)
+        return PoolReply(out, self._replica, compute_s, queued_s)
+
+    def _touch(self, requests) -> None:
+        now = time.monotonic()
+        for r in requests:
+            self._seen[r.session_id] = now
+
+    def _release_ids(self, session_ids) -> None:
+        for sid in session_ids:
+            self._seen.pop(sid, None)
+
+    def active_sessions(self) -> int:
+        cutoff = time.monotonic() - ACTIVE_WINDOW_S
+        stale = [s for s, t in self._seen.items() if t < cutoff]
+        for s in stale:
+            del self._seen[s]
+        return len(self._seen)
+
+    # ------------------------------------------------------------------ Ray hooks
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        n = self.active_sessions()
+        self._metrics.set_sessions(n)
+        return {SESSIONS_METRIC: float(n)}
+
+    async def record_routing_stats(self) -> dict[str, float]:
+        return {"sessions": float(self.active_sessions())}
+
+    async def _release(self, backend, session_ids: list[str]) -> PoolReply:
+        self._release_ids(session_ids)
+
+        def release_all():
+            for sid in session_ids:
+                backend.release(sid)
+
+        return await self._run("release", release_all, shield=True)
 
 
 @serve.deployment(name="VerifierPool")
 class VerifierPool(_Pool):
+    pool_name = "verifier"
+
     def __init__(self, cfg: dict):
         super().__init__()
+        from moa_serve.drafter.checkpoint import load_draft_vocab
         from moa_serve.engine.engine import load_feature_head
         from moa_serve.verifier.torch_runner import TorchTargetRunner
 
         self.cfg = AppConfig.model_validate(cfg)
-        _threads(self.cfg.verifier_pool)
-        self.runner = TorchTargetRunner(self.cfg.target, self.cfg.dtype, self.cfg.device,
-                                        self.cfg.verifier_pool.max_sessions, self.cfg.max_model_len,
-                                        load_feature_head(self.cfg.drafter))
-        log.info("VerifierPool %s ready: %s", _replica_name(), self.cfg.target)
+        pool = self.cfg.verifier_pool
+        _threads(pool)
+        self.runner = TorchTargetRunner(self.cfg.target, self.cfg.dtype, self.cfg.device, pool.max_sessions,
+                                        self.cfg.max_model_len, load_feature_head(self.cfg.drafter),
+                                        max_num_batched_tokens=pool.max_num_batched_tokens,
+                                        draft_vocab=load_draft_vocab(self.cfg.drafter) if self.cfg.drafter else None)
+        log.info("VerifierPool %s ready: %s", self._replica, self.cfg.target)
 
-    async def verify(self, requests, group: int | None = None):
-        return await self._run(self.runner.verify, requests)
+    async def verify(self, requests, group=None) -> PoolReply:
+        self._touch(requests)
+        return await self._run("verify", self.runner.verify, requests)
 
-    async def release(self, session_ids: list[str], group: int | None = None) -> None:
-        for sid in session_ids:
-            self.runner.release(sid)
+    async def release(self, session_ids: list[str], group=None) -> PoolReply:
+        return await self._release(self.runner, session_ids)
 
-    async def info(self, group: int | None = None) -> dict:
-        return {"replica": _replica_name(), "max_model_len": self.runner.max_model_len,
-                "free_slots": self.runner.free_slots, "sessions": len(self.runner.sessions)}
+    async def info(self, group=None) -> dict:
+        return {"replica": self._replica, "max_model_len": self.runner.max_model_len,
+                "free_slots": self.runner.free_slots, "sessions": len(self.runner.sessions),
+                "active_sessions": self.active_sessions(), "calls": self.calls}
 
 
 @serve.deployment(name="DrafterPool")
 class DrafterPool(_Pool):
+    pool_name = "drafter"
+
     def __init__(self, cfg: dict):
         super().__init__()
-        from moa_serve.drafter.proposer import MoAProposer
+        from moa_serve.drafter.baselines import load_proposer
 
         self.cfg = AppConfig.model_validate(cfg)
-        _threads(self.cfg.drafter_pool)
-        self.proposer = MoAProposer.load(self.cfg.drafter, target=self.cfg.target, dtype=self.cfg.dtype,
-                                         device=self.cfg.device, max_sessions=self.cfg.drafter_pool.max_sessions,
-                                         max_model_len=self.cfg.max_model_len)
-        log.info("DrafterPool %s ready: %s", _replica_name(), self.cfg.drafter)
+        pool = self.cfg.drafter_pool
+        _threads(pool)
+        self.proposer = load_proposer(self.cfg.drafter, target=self.cfg.target, dtype=self.cfg.dtype,
+                                      device=self.cfg.device, max_sessions=pool.max_sessions,
+                                      max_model_len=self.cfg.max_model_len)
+        log.info("DrafterPool %s ready: %s", self._replica, self.cfg.drafter)
 
-    async def propose(self, requests, group: int | None = None):
-        return await self._run(self.proposer.propose, requests)
+    async def propose(self, requests, group=None) -> PoolReply:
+        self._touch(requests)
+        return await self._run("propose", self.proposer.propose, requests)
 
-    async def release(self, session_ids: list[str], group: int | None = None) -> None:
-        for sid in session_ids:
-            self.proposer.release(sid)
+    async def release(self, session_ids: list[str], group=None) -> PoolReply:
+        return await self._release(self.proposer, session_ids)
 
-    async def info(self, group: int | None = None) -> dict:
-        return {"replica": _replica_name(), "sessions": len(self.proposer.sessions)}
+    async def info(self, group=None) -> dict:
+        return {"replica": self._replica, "sessions": len(self.proposer.sessions),
+                "active_sessions": self.active_sessions(), "calls": self.calls}

@@ -1,10 +1,17 @@
 """The ingress: FastAPI routes around the RoundService, which batches the draft/verify rounds
-of all users; pool calls go through Ray Serve handles with session-group affinity."""
+of all users; pool calls go through Ray Serve handles with session-group affinity.
+
+Session groups are keyed ``"<this Router replica's id>/<i>"``: unique across Router replicas, so
+the affinity router (``deployments/affinity.py``) can spread the groups of all Routers over all
+pool replicas instead of every Router crowding the same ``0..n-1``."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import time
+import uuid
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -12,12 +19,45 @@ from ray.serve.handle import DeploymentHandle
 from moa_serve.app import state
 from moa_serve.app.frontend import Frontend
 from moa_serve.app.http import create_app
+from moa_serve.deployments import assignment
 from moa_serve.deployments.config import AppConfig
-from moa_serve.deployments.metrics import PrometheusObserver
+from moa_serve.deployments.metrics import CallMetrics, PrometheusObserver
+from moa_serve.deployments.stats import CallStats
 from moa_serve.engine.service import RoundService
 
 log = logging.getLogger("ray.serve")
 api = create_app()
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return uuid.uuid4().hex[:8]
+
+
+def detached(call):
+    """Runs ``call`` (a ``handle.method.remote(...)``) outside the HTTP request that happens to
+    be the current Serve request context. The group loops are tasks started while serving some
+    request, so they inherit its context, and every pool call would carry that request's
+    ``internal_request_id``. Ray's request router indexes pending requests by that id: two calls
+    in flight with one id are matched to each other's replica, or one is never matched (calls
+    hang until a timeout). A fresh context gives each call its own id."""
+    try:
+        from ray.serve.context import _RequestContext, _serve_request_context
+    except ImportError:  # a Ray without these internals: nothing to detach from
+        return call()
+
+    def run():
+        current = _serve_request_context.get()
+        _serve_request_context.set(_RequestContext(app_name=getattr(current, "app_name", "")))
+        return call()
+
+    return contextvars.copy_context().run(run)
+
+
+def group_keys(replica_id: str, n: int) -> list[str]:
+    return [f"{replica_id}/{i}" for i in range(n)]
 
 
 @serve.deployment(name="Router")
@@ -30,33 +70,55 @@ class Router:
         self.cfg = AppConfig.model_validate(cfg)
         self.verifier = verifier
         self.drafter = drafter
+        self.replica = _replica_id()
         path = resolve_model_path(self.cfg.target, weights=False)  # tokenizer + config only
         tokenizer = load_tokenizer(path)
         max_model_len = min(self.cfg.max_model_len, read_config(path).max_position_embeddings)
         r = self.cfg.router
+        self.groups = group_keys(self.replica, r.session_groups)
+        self.calls = CallStats()
+        self._call_metrics = CallMetrics()
         self.service = RoundService(
             self._verify, self._draft if drafter is not None else None, self._release,
-            num_groups=r.session_groups, max_sessions_per_round=r.max_sessions_per_round,
-            max_queued=r.max_queued_requests, observer=PrometheusObserver())
+            groups=self.groups, max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,
+            speculation_token_budget=r.speculation_token_budget, observer=PrometheusObserver())
         state.install(
             frontend=Frontend(self.service, tokenizer, max_model_len=max_model_len,
                               stop_token_ids=stop_token_ids(path, tokenizer),
                               num_speculative_tokens=self.cfg.num_speculative_tokens,
                               speculative=drafter is not None, model_name=self.cfg.model_name or self.cfg.target,
                               adaptive_speculation=self.cfg.adaptive_speculation),
-            ready=self.ready, retry_after_s=r.retry_after_s)
+            ready=self.ready, retry_after_s=r.retry_after_s, stats=self.stats)
 
-    async def _verify(self, group: int, requests):
-        return await self.verifier.verify.remote(requests, group=group)
+    async def _call(self, pool: str, method, requests, group):
+        t0 = time.perf_counter()
+        reply = await detached(lambda: method.remote(requests, group=group))
+        call_s = time.perf_counter() - t0
+        self.calls.record(pool, reply.replica, call_s, reply.compute_s, reply.queued_s)
+        self._call_metrics.call(pool, call_s, reply.compute_s)
+        return reply.results
 
-    async def _draft(self, group: int, requests):
-        return await self.drafter.propose.remote(requests, group=group)
+    async def _verify(self, group, requests):
+        return await self._call("verifier", self.verifier.verify, requests, group)
 
-    async def _release(self, group: int, session_ids: list[str]) -> None:
-        calls = [self.verifier.release.remote(session_ids, group=group)]
+    async def _draft(self, group, requests):
+        return await self._call("drafter", self.drafter.propose, requests, group)
+
+    async def _release(self, group, session_ids: list[str]) -> None:
+        calls = [detached(lambda: self.verifier.release.remote(session_ids, group=group))]
         if self.drafter is not None:
-            calls.append(self.drafter.release.remote(session_ids, group=group))
-        await asyncio.gather(*calls, return_exceptions=True)
+            calls.append(detached(lambda: self.drafter.release.remote(session_ids, group=group)))
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        if failed:
+            raise failed[0]
+
+    def stats(self) -> dict:
+        """Work per pool replica and the round-time breakdown, for ``GET /v1/stats``."""
+        d = self.calls.as_dict()
+        d["router_replica"] = self.replica
+        d["groups"] = assignment.snapshot()
+        return d
 
     async def ready(self):
         pools = {"verifier": self.verifier, **({"drafter": self.drafter} if self.drafter is not None else {})}

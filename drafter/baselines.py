@@ -21,7 +21,7 @@ from torch import nn
 
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.model import TargetParts
-from moa_serve.drafter.proposer import DraftRequest, ProposerBase, load_for_drafting, rollback_point
+from moa_serve.drafter.proposer import DraftRequest, ProposerBase, last_position, load_for_drafting
 from moa_serve.kv_cache import SlotKVCache
 from moa_serve.layers import DecoderLayer, RMSNorm
 
@@ -72,6 +72,7 @@ def build_baseline(cfg: DrafterConfig) -> nn.Module:
 @dataclass
 class _Sess:
     slot: int
+    committed: list[int] = field(default_factory=list)  # this replica's copy of the committed tokens
     fed: list[int] = field(default_factory=list)  # tokens whose K/V in the cache are kept
     feats: torch.Tensor | None = None  # verified hidden states [n, H] (EAGLE)
 
@@ -87,6 +88,7 @@ class _BaselineProposer(ProposerBase):
 
     needs_features = True
     uses_features = True
+    session_cls = _Sess
 
     def __init__(self, cfg: DrafterConfig, model: nn.Module, parts: TargetParts, num_layers: int,
                  max_sessions: int = 16, max_model_len: int = 2048, draft_vocab: torch.Tensor | None = None):
@@ -99,90 +101,50 @@ class _BaselineProposer(ProposerBase):
         self.cache = SlotKVCache(num_layers, max_sessions, sh.num_kv_heads, sh.head_dim, max_model_len,
                                  self.dtype, self.device)
         self._init_lm_head(cfg, draft_vocab)
-        self.sessions: dict[str, _Sess] = {}
+        self._init_sessions(max_sessions, max_model_len)
 
     @classmethod
     def load(cls, drafter: str, target: str | None = None, dtype="float32", device="cpu", max_sessions=16,
              max_model_len=2048, target_model=None):
-        cfg, state, draft_vocab, target_model, dt = load_for_drafting(drafter, target, dtype, device, target_model)
+        cfg, state, draft_vocab, parts, dt = load_for_drafting(drafter, target, dtype, device, target_model)
+        want = {EagleProposer: "eagle", IndependentProposer: "independent"}.get(cls)
+        if want is not None and cfg.kind != want:
+            raise ValueError(f"{drafter} is a {cfg.kind!r} drafter: load it with load_proposer")
         model = build_baseline(cfg)
         model.load_state_dict(state)
         n = 1 if cfg.kind == "eagle" else len(model.layers)
-        return cls(cfg, model.to(device, dt), TargetParts(target_model, 0), n, max_sessions, max_model_len,
-                   draft_vocab)
+        return cls(cfg, model.to(device, dt), parts, n, max_sessions, max_model_len, draft_vocab)
 
-    def release(self, session_id: str) -> None:
-        s = self.sessions.pop(session_id, None)
-        if s is not None:
-            self.cache.free(s.slot)
+    # ------------------------------------------------------------------ slots
+    def _allocate(self) -> int:
+        return self.cache.allocate()
 
-    def _session(self, sid: str) -> _Sess:
-        s = self.sessions.get(sid)
-        if s is None:
-            s = self.sessions[sid] = _Sess(self.cache.allocate())
-        return s
+    def _free_slot(self, slot: int) -> None:
+        self.cache.free(slot)
 
+    def _set_lengths(self, slots: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.cache.lengths[slots] = lengths
+
+    # ------------------------------------------------------------------ drafting
     def _take_features(self, r: DraftRequest, s: _Sess) -> bool:
         return True
 
-    def _draft(self, live, results) -> None:
-        firsts = []
-        for r, s in live:
-            m = rollback_point(s.fed, r.committed)
-            del s.fed[m:]
-            self.cache.lengths[s.slot] = m
-            firsts.append(m)
-        drafts = [[] for _ in live]
-        probs = [[] for _ in live]
-        prev_out = None
-        idx = list(range(len(live)))
-        for step in range(max(r.num_drafts for r, _ in live)):
-            idx = [i for i in idx if step < live[i][0].num_drafts]
-            if not idx:
-                break
-            if step == 0:
-                toks = [live[i][0].committed[firsts[i]:] for i in idx]
-                starts = [firsts[i] for i in idx]
-            else:
-                toks = [[drafts[i][-1]] for i in idx]
-                starts = [len(live[i][0].committed) + step - 1 for i in idx]
-            out = self._forward([live[i] for i in idx], toks, starts, prev_out, idx, step)
-            prev_out = {i: out[b] for b, i in enumerate(idx)}
-            logits = (out @ self.lm_head_weight.T).float()
-            for b, i in enumerate(idx):
-                self._choose(logits[b], live[i][0], drafts[i], probs[i])
-            self.stats["steps"] += 1
-        for i, (r, s) in enumerate(live):
-            self._after_drafting(r, s, drafts[i])
-            res = results[r.session_id]
-            res.drafts = drafts[i]
-            if not r.sampling.greedy:
-                res.probs = torch.stack(probs[i])
+    def _start(self, live, slots):
+        return {"prev": None}  # the previous step's output per batch row (EAGLE's f of a draft)
 
-    def _after_drafting(self, r, s, drafts) -> None:
-        self.cache.lengths[s.slot] = len(s.fed)
+    def _narrow(self, ctx, sel, slots):
+        return {"prev": ctx["prev"][sel.to(self.device)]}
 
-    def _forward(self, batch, toks, starts, prev_out, idx, step) -> torch.Tensor:
-        """Feeds each session its tokens at positions starts[b]...; returns the last fed
-        position's output [B, H] (before the LM head)."""
-        width = max(len(t) for t in toks)
-        tokens = torch.zeros(len(batch), width, dtype=torch.long)
-        for b, t in enumerate(toks):
-            tokens[b, :len(t)] = torch.tensor(t)
-        qlens = torch.tensor([len(t) for t in toks])
-        slots = torch.tensor([s.slot for _, s in batch])
-        self.cache.lengths[slots] = torch.tensor(starts)
-        positions = self.cache.positions_for(slots, width)
-        x = self._inputs(batch, tokens.to(self.device), toks, starts, prev_out, idx, step)
-        cos, sin = self.parts.rotary(positions.to(self.device), x.dtype)
-        x = self.cache.run_layers(self._layers(), x, cos, sin, slots, qlens)
-        x = self._final(x)
-        for (_, s), t, st in zip(batch, toks, starts):
-            if step == 0 or self.keeps_drafts:
-                s.fed.extend(t)
-            self.cache.lengths[s.slot] = st + len(t)
-        rows = torch.arange(len(batch), device=self.device)
-        return x[rows, (qlens - 1).to(self.device)]
+    def _forward(self, ctx, batch, tokens, qlens, slots, step, feed) -> torch.Tensor:
+        """Feeds each session its tokens [B, T] (qlens real ones) at the slot's next positions;
+        returns the last fed position's output [B, H] (before the LM head)."""
+        positions = self.cache.positions_for(slots, tokens.shape[1]).to(self.device)
+        x = self._inputs(ctx, batch, tokens, step, feed)
+        cos, sin = self.parts.rotary(positions, x.dtype)
+        x = self._final(self.cache.run_layers(self._layers(), x, cos, sin, slots, qlens))
+        self.cache.lengths[slots] += qlens
+        ctx["prev"] = out = last_position(x, qlens)[:, 0]
+        return out
 
 
 class EagleProposer(_BaselineProposer):
@@ -207,21 +169,22 @@ class EagleProposer(_BaselineProposer):
         elif r.feature_start > s.num_features:
             return False
         # drafting at the last committed position P needs the features of positions < P
-        return r.num_drafts == 0 or s.num_features >= len(r.committed) - 1
+        return r.num_drafts == 0 or s.num_features >= len(s.committed) - 1
 
-    def _inputs(self, batch, tokens, toks, starts, prev_out, idx, step):
+    def _inputs(self, ctx, batch, tokens, step, feed):
+        """fc(embed(token_i) ⊕ f_{i-1}): at the first step f comes from the target's hidden
+        states of the fed positions (zero before position 0), afterwards from the drafter's own
+        previous output."""
         b, w = tokens.shape
-        h = self.cfg.target.hidden_size
-        prev = torch.zeros(b, w, h, dtype=self.dtype, device=self.device)
-        for bi, ((_, s), t, st) in enumerate(zip(batch, toks, starts)):
-            if step == 0:
-                lo = max(st - 1, 0)
-                f = s.feats[lo:st - 1 + len(t)]
+        if step == 0:
+            prev = torch.zeros(b, w, self.cfg.target.hidden_size, dtype=self.dtype, device=self.device)
+            for bi, ((_, s, _), t) in enumerate(zip(batch, feed)):
+                st = len(s.fed)  # the first fed position
+                f = s.feats[max(st - 1, 0):st - 1 + len(t)]
                 prev[bi, len(t) - f.shape[0]:len(t)] = f
-            else:
-                prev[bi, 0] = prev_out[idx[bi]]
-        x = self.model.fc(torch.cat((self.parts.embed_tokens(tokens), prev), -1))
-        return x
+        else:
+            prev = ctx["prev"][:, None]
+        return self.model.fc(torch.cat((self.parts.embed_tokens(tokens), prev), -1))
 
 
 class IndependentProposer(_BaselineProposer):
@@ -237,7 +200,7 @@ class IndependentProposer(_BaselineProposer):
     def _final(self, x):
         return self.model.norm(x)
 
-    def _inputs(self, batch, tokens, toks, starts, prev_out, idx, step):
+    def _inputs(self, ctx, batch, tokens, step, feed):
         return self.parts.embed_tokens(tokens)
 
 
@@ -251,11 +214,16 @@ class HiddenFeatures(nn.Module):
         return hidden
 
 
-def load_proposer(drafter: str, **kw):
-    """The proposer of a drafter checkpoint, by its config's ``kind``."""
-    from moa_serve.drafter.checkpoint import load_drafter
+def load_proposer(drafter: str, target: str | None = None, dtype="float32", device="cpu", max_sessions: int = 16,
+                  max_model_len: int = 2048, target_model=None) -> ProposerBase:
+    """The proposer of a drafter checkpoint, by its config's ``kind`` (MoA, EAGLE-style or
+    independent). With ``target_model`` (the in-process engine) it shares that model's
+    embeddings / LM head / layers; without (a drafter replica) it reads only those tensors from
+    ``target`` (default: the checkpoint's ``target_name_or_path``), never the whole target."""
+    from moa_serve.drafter.checkpoint import drafter_kind
     from moa_serve.drafter.proposer import MoAProposer
 
-    cfg, _ = load_drafter(drafter)
-    cls = {"moa": MoAProposer, "eagle": EagleProposer, "independent": IndependentProposer}[cfg.kind]
-    return cls.load(drafter, **kw)
+    kind = drafter_kind(drafter)
+    cls = {"moa": MoAProposer, "eagle": EagleProposer, "independent": IndependentProposer}[kind]
+    return cls.load(drafter, target=target, dtype=dtype, device=device, max_sessions=max_sessions,
+                    max_model_len=max_model_len, target_model=target_model)

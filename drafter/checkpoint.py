@@ -95,6 +95,28 @@ def load_drafter(name_or_path: str) -> tuple[DrafterConfig, dict[str, torch.Tens
     return cfg, state
 
 
+def drafter_kind(name_or_path: str) -> str:
+    """The kind of a drafter checkpoint ("moa", "eagle", "independent") from its config alone
+    (the reference layout is always MoA)."""
+    raw = json.loads((resolve_drafter_path(name_or_path) / "config.json").read_text())
+    return raw.get("kind", "moa") if raw.get("format") == FORMAT else "moa"
+
+
+def load_draft_vocab(drafter: str) -> torch.Tensor | None:
+    """The draft vocabulary of a drafter checkpoint: target token ids (long, [V'], on CPU) whose
+    rows the drafter's LM head keeps, in the order of its outputs; ``None`` when the drafter
+    drafts over the whole target vocabulary. When sampling, a drafter ships q as [K, V'] over
+    this vocabulary: ``q_full[:, vocab] = q`` (every other token has probability 0). Reads only
+    that tensor of the checkpoint."""
+    from safetensors import safe_open
+
+    path = resolve_drafter_path(drafter)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as st:
+        if DRAFT_VOCAB_KEY not in st.keys():
+            return None
+        return st.get_tensor(DRAFT_VOCAB_KEY).long()
+
+
 def save_drafter(out_dir: str | Path, cfg: DrafterConfig, state: dict[str, torch.Tensor],
                  dtype: torch.dtype | None = None) -> Path:
     out = Path(out_dir)

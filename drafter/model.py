@@ -16,12 +16,14 @@ shared and never part of a drafter checkpoint.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.layers import MLP, Attention, DecoderLayer, LayerShape, RMSNorm, Rotary, attend
-from moa_serve.verifier.target_model import TargetModel
+from moa_serve.verifier.target_model import TargetArch, TargetModel, rotary_for
 
 
 class FeatureHead(nn.Module):
@@ -64,16 +66,90 @@ class CrossAttentionLayer(nn.Module):
 
 class TargetParts(nn.Module):
     """What the drafter borrows from the target, frozen: embeddings, rotary, LM head, final
-    norm and (TLI) its last N layers."""
+    norm and (TLI) its last N layers.
 
-    def __init__(self, target: TargetModel, tli_layers: int):
+    ``TargetParts(target, n)`` shares the modules of a loaded ``TargetModel`` (the in-process
+    engine and training, where the target is there anyway); ``TargetParts.load`` /
+    ``from_state_dict`` build the same parts from only the tensors they need (a drafter replica,
+    which must not hold the whole target)."""
+
+    def __init__(self, target: TargetModel | "_PartialTarget", tli_layers: int):
         super().__init__()
+        self.arch = target.arch
         self.embed_tokens = target.model.embed_tokens
         self.lm_head = target.lm_head
         self.norm = target.model.norm
         self.rotary = target.rotary
         self.tli = nn.ModuleList(target.model.layers[len(target.model.layers) - tli_layers:] if tli_layers else [])
         self.requires_grad_(False)
+
+    @staticmethod
+    def wanted(arch: TargetArch, tli_layers: int) -> Callable[[str], bool]:
+        """Which Hugging Face tensor names of the target the parts read: embeddings, LM head,
+        final norm, and the last ``tli_layers`` decoder layers."""
+        first = arch.num_layers - tli_layers
+        tli = tuple(f"model.layers.{i}." for i in range(first, arch.num_layers))
+        names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+        return lambda key: key in names or key.startswith(tli)
+
+    @classmethod
+    def from_state_dict(cls, hf_config, state: dict[str, torch.Tensor], tli_layers: int, dtype: torch.dtype,
+                        device: str | torch.device = "cpu") -> "TargetParts":
+        """The parts from a (partial) Hugging Face state dict holding at least the ``wanted`` tensors;
+        the same values, dtype and device as ``TargetParts(TargetModel.from_state_dict(...), n)``."""
+        arch = TargetArch.from_hf_config(hf_config)
+        if not 0 <= tli_layers <= arch.num_layers:
+            raise ValueError(f"tli_layers must be in [0, {arch.num_layers}], got {tli_layers}")
+        first = arch.num_layers - tli_layers
+        wanted = cls.wanted(arch, tli_layers)
+        renamed = {}
+        for k, v in state.items():
+            if not wanted(k) or (k == "lm_head.weight" and arch.tie_word_embeddings):
+                continue
+            if k.startswith("model.layers."):  # layer i of the target is layer i - first here
+                i, rest = k[len("model.layers."):].split(".", 1)
+                k = f"model.layers.{int(i) - first}.{rest}"
+            renamed[k] = v
+        with torch.device("meta"):
+            partial = _PartialTarget(arch, tli_layers)
+        missing, unexpected = partial.load_state_dict(renamed, strict=False, assign=True)
+        missing = [k for k in missing if not (arch.tie_word_embeddings and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"target weights do not match a {arch.model_type} model: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if arch.tie_word_embeddings:
+            partial.lm_head.weight = partial.model.embed_tokens.weight
+        partial.rotary = rotary_for(hf_config, arch)
+        partial = partial.to(device=device, dtype=dtype)
+        return cls(partial, tli_layers).eval()
+
+    @classmethod
+    def load(cls, target: str, tli_layers: int, dtype: torch.dtype,
+             device: str | torch.device = "cpu") -> "TargetParts":
+        """Reads only the tensors the parts need from the target's weight files (never the whole
+        target: for an 8B target, embeddings + LM head are about 1/8 of it)."""
+        from moa_serve.models import load_selected_tensors, read_config, resolve_model_path
+
+        path = resolve_model_path(target)
+        hf_config = read_config(path)
+        arch = TargetArch.from_hf_config(hf_config)
+        state = load_selected_tensors(path, cls.wanted(arch, tli_layers))
+        return cls.from_state_dict(hf_config, state, tli_layers, dtype, device)
+
+
+class _PartialTarget(nn.Module):
+    """A target with only the modules the drafter borrows (Hugging Face names, ``model.layers``
+    holding only the last N layers)."""
+
+    def __init__(self, arch: TargetArch, num_layers: int):
+        super().__init__()
+        self.arch = arch
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(arch.layer_shape()) for _ in range(num_layers))
+        self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.rotary = Rotary(torch.zeros(arch.head_dim // 2))
 
 
 class DraftHead(nn.Module):

@@ -1,17 +1,23 @@
 """Drafting with the MoA draft head for many sessions at once.
 
-Per session the proposer keeps (in slot caches): the SA keys/values of the tokens it has fed,
-the TLI layers' keys/values (when N > 0), and the CA keys/values projected from the features
-of verified positions. A round's request carries the session's committed tokens and the
-features of newly verified positions; the proposer rolls its SA cache back to the longest
-prefix still committed, feeds the rest, then drafts K tokens one step at a time, every
-session of the batch in the same step. A draft only ever sees features of verified positions
-(the inference form of the T-step bounded mask).
+Per session the proposer keeps its copy of the session's committed tokens and (in slot caches)
+the SA keys/values of the tokens it has fed, the TLI layers' keys/values (when N > 0), and the
+CA keys/values projected from the features of verified positions. A round's request carries the
+committed tokens as a delta (``copy[:base] + tokens``) and the features of newly verified
+positions; the proposer rolls its SA cache back to the longest prefix still committed, feeds the
+rest, then drafts K tokens one step at a time, every session of the batch in the same step. A
+draft only ever sees features of verified positions (the inference form of the T-step bounded
+mask).
+
+Caches never fill up: a new session takes the slot of the least recently used session that is
+not part of the current call; that session later answers ``resync`` (or asks for its features
+again) and is rebuilt from what the Router resends.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -21,48 +27,70 @@ from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.model import DraftHead, MoADrafter, TargetParts
 from moa_serve.engine.sampling import GREEDY, SamplingParams
 from moa_serve.kv_cache import SlotKVCache
-from moa_serve.models import load_state_dict, parse_dtype, read_config, resolve_model_path
+from moa_serve.models import load_selected_tensors, parse_dtype, read_config, resolve_model_path
 from moa_serve.verifier.acceptance import generator_for, sample, warp_probs
-from moa_serve.verifier.target_model import TargetModel
+from moa_serve.verifier.target_model import TargetArch, TargetModel
 
 
 @dataclass
 class DraftRequest:
+    """One session's share of a draft call. Like ``VerifyRequest``, tokens travel as deltas: the
+    session's committed tokens are ``replica_copy[:base] + tokens`` (``base=0``: the whole list)."""
     session_id: str
-    committed: list[int]
+    tokens: list[int]  # committed tokens from position ``base`` on
     num_drafts: int
     feature_start: int = 0
     features: torch.Tensor | None = None  # [n, H] for positions feature_start ...
     sampling: SamplingParams = GREEDY
+    base: int = 0
 
 
 @dataclass
 class DraftResult:
     session_id: str
     drafts: list[int]
-    probs: torch.Tensor | None = None  # [K, V] when sampling
+    # [K, V'] over the checkpoint's draft vocabulary (or [K, V] without one) when sampling
+    probs: torch.Tensor | None = None
     needs_features_from: int | None = None  # features missing: resend from this position
+    # the replica does not hold ``base`` committed tokens: resend with base=0 (nothing changed;
+    # needs_features_from then says how many features it holds: 0 for a session it lacks)
+    resync: bool = False
 
 
 @dataclass
 class _Session:
     slot: int
+    committed: list[int] = field(default_factory=list)  # this replica's copy of the committed tokens
     fed: list[int] = field(default_factory=list)  # tokens in the SA cache
     num_features: int = 0
 
 
 def load_for_drafting(drafter: str, target: str | None, dtype, device, target_model: TargetModel | None):
-    """A drafter checkpoint and the target it borrows from (loaded unless given), checked to match.
-    Returns (config, state without the draft vocabulary, draft vocabulary or None, target, dtype)."""
+    """A drafter checkpoint and the target parts it borrows, checked to match. With
+    ``target_model`` (the in-process engine) the parts share its modules; without, only the
+    tensors the drafter needs are read from the target's weights (embeddings, LM head, final
+    norm, the last N layers for TLI). Returns (config, state without the draft vocabulary, draft
+    vocabulary or None, target parts, dtype)."""
     cfg, state = load_drafter(drafter)
-    dt = parse_dtype(dtype)
-    if target_model is None:
+    dt = parse_dtype(dtype, device)
+    tli = cfg.target_layer_inference if cfg.kind == "moa" else 0
+    if target_model is not None:
+        _check_target(cfg, target_model.arch)
+        parts = TargetParts(target_model, tli)
+    else:
         path = resolve_model_path(target or cfg.target_name_or_path)
-        target_model = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, device)
-    if target_model.arch != cfg.target:
-        raise ValueError(f"the drafter was made for another target: {cfg.target} != {target_model.arch}")
+        hf_config = read_config(path)
+        arch = TargetArch.from_hf_config(hf_config)
+        _check_target(cfg, arch)  # before reading any weights
+        state_parts = load_selected_tensors(path, TargetParts.wanted(arch, tli))
+        parts = TargetParts.from_state_dict(hf_config, state_parts, tli, dt, device)
     draft_vocab = state.pop(DRAFT_VOCAB_KEY, None)
-    return cfg, state, draft_vocab, target_model, dt
+    return cfg, state, draft_vocab, parts, dt
+
+
+def _check_target(cfg: DrafterConfig, arch: TargetArch) -> None:
+    if arch != cfg.target:
+        raise ValueError(f"the drafter was made for another target: {cfg.target} != {arch}")
 
 
 def rollback_point(fed: list[int], committed: list[int]) -> int:
@@ -74,12 +102,25 @@ def rollback_point(fed: list[int], committed: list[int]) -> int:
     return m
 
 
+def last_position(x: torch.Tensor, qlens: torch.Tensor) -> torch.Tensor:
+    """x [B, T, ...] -> [B, 1, ...]: each row's last real position (qlens[b] - 1)."""
+    if x.shape[1] == 1:
+        return x
+    rows = torch.arange(x.shape[0], device=x.device)
+    return x[rows, (qlens - 1).to(x.device)][:, None]
+
+
 class ProposerBase:
-    """What every proposer shares: the propose() protocol (features first, then one batched
-    drafting loop), choosing a draft token (greedy, or sampled with its distribution kept), and
-    mapping a restricted draft vocabulary back to the target's."""
+    """What every proposer shares: the propose() protocol (token deltas and resync, features
+    first, then one batched drafting loop), sessions with least-recently-used eviction, choosing
+    draft tokens (greedy, or sampled with their distribution kept), and the draft vocabulary.
+
+    A subclass provides its slot caches (``_allocate``/``_free_slot``/``_set_lengths``), how it
+    takes features (``_take_features``), and one drafting step (``_start``/``_narrow``/``_forward``)."""
 
     needs_features = True
+    keeps_drafts = True  # drafted tokens stay in the cache (rolled back next round if rejected)
+    session_cls = _Session
     vocab_size: int
     draft_vocab: torch.Tensor | None
     stats: dict
@@ -91,42 +132,144 @@ class ProposerBase:
         self.vocab_size = cfg.target.vocab_size
         self.draft_vocab = draft_vocab.to(self.device) if draft_vocab is not None else None
         self.lm_head_weight = p[self.draft_vocab] if self.draft_vocab is not None else p
-        self.stats = {"steps": 0, "draft_s": 0.0}
+        self.stats = {"steps": 0, "draft_s": 0.0, "evicted": 0, "resync": 0}
 
+    def _init_sessions(self, max_sessions: int, max_model_len: int) -> None:
+        self.max_sessions = max_sessions
+        self.max_model_len = max_model_len
+        self.sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
+
+    # ------------------------------------------------------------------ protocol
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
         t0 = time.perf_counter()
+        self._check_capacity(requests)
+        in_call = {r.session_id for r in requests}
         results = {r.session_id: DraftResult(r.session_id, []) for r in requests}
         live = []
         for r in requests:
-            s = self._session(r.session_id)
-            if not self._take_features(r, s):
+            s = self._sync(r, in_call)
+            if s is None:
+                held = self.sessions.get(r.session_id)
+                results[r.session_id].resync = True
+                results[r.session_id].needs_features_from = held.num_features if held is not None else 0
+                self.stats["resync"] += 1
+            elif not self._take_features(r, s):
                 results[r.session_id].needs_features_from = s.num_features
-            elif r.num_drafts > 0:
-                live.append((r, s))
+            else:
+                k = min(r.num_drafts, self.max_model_len + 1 - len(s.committed))  # room in the caches
+                if k > 0 and s.committed:
+                    live.append((r, s, k))
         if live:
             self._draft(live, results)
         self.stats["draft_s"] += time.perf_counter() - t0
         return [results[r.session_id] for r in requests]
 
-    def _choose(self, logits: torch.Tensor, r: DraftRequest, drafts: list[int], probs: list) -> int:
-        """One draft token from one row of draft logits; appends it (and q when sampling)."""
-        if r.sampling.greedy:
-            j = int(logits.argmax())
-            tok = int(self.draft_vocab[j]) if self.draft_vocab is not None else j
-        else:
-            q = self._full_vocab(warp_probs(logits[None], r.sampling)[0])
-            tok = sample(q, generator_for(r.sampling, len(r.committed) + len(drafts), "draft"))
-            probs.append(q)
-        drafts.append(tok)
-        return tok
+    def _check_capacity(self, requests: list[DraftRequest]) -> None:
+        """Refuses, before changing anything, a call whose own sessions need more slots than exist
+        (every other session can be evicted)."""
+        need = {r.session_id for r in requests if r.session_id in self.sessions or r.base == 0}
+        if len(need) > self.max_sessions:
+            raise RuntimeError(f"a draft call for {len(need)} sessions exceeds this drafter's "
+                               f"max_sessions={self.max_sessions}: split the call or raise max_sessions")
 
-    def _full_vocab(self, q: torch.Tensor) -> torch.Tensor:
-        if self.draft_vocab is None:
-            return q.cpu()
-        full = torch.zeros(self.vocab_size, dtype=q.dtype, device=q.device)
-        full[self.draft_vocab] = q
-        return full.cpu()
+    def _sync(self, r: DraftRequest, in_call: set[str]) -> _Session | None:
+        """The session with its committed copy brought up to date (``copy[:base] + tokens``), or
+        None (nothing changed) when this replica holds fewer than ``base`` of its tokens."""
+        s = self.sessions.get(r.session_id)
+        if s is None:
+            if r.base > 0:
+                return None
+            s = self._new_session(r.session_id, in_call)
+        elif r.base > len(s.committed):
+            return None
+        else:
+            self.sessions.move_to_end(r.session_id)
+        del s.committed[r.base:]
+        s.committed.extend(r.tokens)
+        return s
+
+    def _new_session(self, session_id: str, in_call: set[str]) -> _Session:
+        if len(self.sessions) >= self.max_sessions:
+            victim = next((sid for sid in self.sessions if sid not in in_call), None)
+            if victim is None:
+                raise RuntimeError(f"drafter cache full: all {self.max_sessions} slots hold sessions of this call")
+            self.release(victim)
+            self.stats["evicted"] += 1
+        s = self.sessions[session_id] = self.session_cls(self._allocate())
+        return s
+
+    def release(self, session_id: str) -> None:
+        s = self.sessions.pop(session_id, None)
+        if s is not None:
+            self._free_slot(s.slot)
+
+    # ------------------------------------------------------------------ drafting
+    def _draft(self, live, results) -> None:
+        """Rolls each session's cache back to the longest prefix of its fed tokens that is still
+        committed, feeds the rest, then drafts one token per step for every session still
+        drafting. Token ids stay on the device until the end (one host transfer per call for
+        greedy batches)."""
+        feed = []
+        for _, s, _ in live:
+            m = rollback_point(s.fed, s.committed)
+            del s.fed[m:]
+            feed.append(s.committed[m:])
+        slots = torch.tensor([s.slot for _, s, _ in live])
+        self._set_lengths(slots, torch.tensor([len(s.fed) for _, s, _ in live]))
+        width = max(len(t) for t in feed)
+        tokens = torch.tensor([t + [0] * (width - len(t)) for t in feed], device=self.device)
+        qlens = torch.tensor([len(t) for t in feed])
+        want = [k for _, _, k in live]
+        rows = list(range(len(live)))  # the sessions (indices into live) of the current step
+        ctx = self._start(live, slots)
+        picked, probs = [], [[] for _ in live]
+        for step in range(max(want)):
+            if step:
+                keep = [b for b, i in enumerate(rows) if want[i] > step]
+                if len(keep) < len(rows):
+                    sel = torch.tensor(keep)
+                    rows, slots = [rows[b] for b in keep], slots[sel]
+                    tokens = tokens[sel.to(self.device)]
+                    ctx = self._narrow(ctx, sel, slots)
+                qlens = torch.ones(len(rows), dtype=torch.long)
+            batch = [live[i] for i in rows]
+            hidden = self._forward(ctx, batch, tokens, qlens, slots, step, feed)
+            tok, qs = self._pick((hidden @ self.lm_head_weight.T).float(), batch, step)
+            for b, q in qs.items():
+                probs[rows[b]].append(q)
+            picked.append((rows, tok))
+            tokens = tok[:, None]
+            self.stats["steps"] += 1
+        drafts = [[] for _ in live]
+        flat = iter(torch.cat([t for _, t in picked]).tolist())
+        for step_rows, _ in picked:
+            for i in step_rows:
+                drafts[i].append(next(flat))
+        for i, (r, s, _) in enumerate(live):
+            s.fed.extend(feed[i])
+            if self.keeps_drafts:
+                s.fed.extend(drafts[i][:-1])  # the last draft is never fed
+            res = results[r.session_id]
+            res.drafts = drafts[i]
+            if probs[i]:
+                res.probs = torch.stack(probs[i])
+        self._set_lengths(torch.tensor([s.slot for _, s, _ in live]), torch.tensor([len(s.fed) for _, s, _ in live]))
+
+    def _pick(self, logits: torch.Tensor, batch, step: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Draft tokens of one step from logits [B, V'] over the draft vocabulary: the argmax for
+        greedy sessions; for sampling ones a sample of the warped distribution q, returned (float32,
+        [V'], on CPU) by batch row. Returns (target token ids [B] on the device, {row: q})."""
+        choice = logits.argmax(-1)
+        qs = {}
+        for b, (r, s, _) in enumerate(batch):
+            if not r.sampling.greedy:
+                q = warp_probs(logits[b:b + 1], r.sampling)[0].cpu()
+                choice[b] = sample(q, generator_for(r.sampling, len(s.committed) + step, "draft"))
+                qs[b] = q
+        if self.draft_vocab is not None:
+            choice = self.draft_vocab[choice]
+        return choice, qs
 
 
 class MoAProposer(ProposerBase):
@@ -148,34 +291,35 @@ class MoAProposer(ProposerBase):
         self.ca_cache = SlotKVCache(1, max_sessions, ca.num_kv_heads, ca.head_dim, max_model_len,
                                     self.dtype, self.device)
         self._init_lm_head(cfg, draft_vocab)
-        self.sessions: dict[str, _Session] = {}
+        self._init_sessions(max_sessions, max_model_len)
 
     @classmethod
     def load(cls, drafter: str, target: str | None = None, dtype="float32", device="cpu", max_sessions=16,
              max_model_len=2048, target_model: TargetModel | None = None) -> "MoAProposer":
-        cfg, state, draft_vocab, target_model, dt = load_for_drafting(drafter, target, dtype, device, target_model)
+        cfg, state, draft_vocab, parts, dt = load_for_drafting(drafter, target, dtype, device, target_model)
+        if cfg.kind != "moa":
+            raise ValueError(f"{drafter} is a {cfg.kind!r} drafter: load it with load_proposer")
         drafter = MoADrafter(cfg)
         drafter.load_flat_state_dict(state)
-        parts = TargetParts(target_model, cfg.target_layer_inference)
         return cls(cfg, drafter.draft_head.to(device, dt), parts, max_sessions, max_model_len, draft_vocab)
 
-    # ------------------------------------------------------------------ sessions
-    def release(self, session_id: str) -> None:
-        s = self.sessions.pop(session_id, None)
-        if s is not None:
-            for c in self._caches():
-                c.free(s.slot)
-
+    # ------------------------------------------------------------------ slots
     def _caches(self):
         return [self.sa_cache, self.ca_cache] + ([self.tli_cache] if len(self.parts.tli) else [])
 
-    def _session(self, session_id: str) -> _Session:
-        s = self.sessions.get(session_id)
-        if s is None:
-            slots = {c.allocate() for c in self._caches()}
-            assert len(slots) == 1, "drafter caches out of step"
-            s = self.sessions[session_id] = _Session(slots.pop())
-        return s
+    def _allocate(self) -> int:
+        slots = {c.allocate() for c in self._caches()}
+        assert len(slots) == 1, "drafter caches out of step"
+        return slots.pop()
+
+    def _free_slot(self, slot: int) -> None:
+        for c in self._caches():
+            c.free(slot)
+
+    def _set_lengths(self, slots: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.sa_cache.lengths[slots] = lengths
+        if len(self.parts.tli):
+            self.tli_cache.lengths[slots] = lengths
 
     # ------------------------------------------------------------------ drafting
     def _take_features(self, r: DraftRequest, s: _Session) -> bool:
@@ -193,65 +337,34 @@ class MoAProposer(ProposerBase):
         self.ca_cache.lengths[s.slot] = s.num_features
         return True
 
-    def _draft(self, live, results) -> None:
-        # roll each SA cache back to the longest prefix of its fed tokens that is still committed
-        new_tokens = []
-        for r, s in live:
-            m = rollback_point(s.fed, r.committed)
-            del s.fed[m:]
-            self._set_len(s.slot, m)
-            new_tokens.append(r.committed[m:])
-        drafts = [[] for _ in live]
-        probs = [[] for _ in live]
-        active = list(range(len(live)))
-        step_tokens = new_tokens
-        for step in range(max(r.num_drafts for r, _ in live)):
-            idx = [i for i in active if step < live[i][0].num_drafts]
-            if not idx:
-                break
-            toks = self._step([live[i] for i in idx], [step_tokens[i] for i in idx], drafts, probs, idx)
-            step_tokens = {i: [t] for i, t in zip(idx, toks)}
-            active = idx
-            self.stats["steps"] += 1
-        for i, (r, s) in enumerate(live):
-            res = results[r.session_id]
-            res.drafts = drafts[i]
-            if not r.sampling.greedy:
-                res.probs = torch.stack(probs[i])
-
-    def _set_len(self, slot: int, n: int) -> None:
-        self.sa_cache.lengths[slot] = n
-        if len(self.parts.tli):
-            self.tli_cache.lengths[slot] = n
-
-    def _step(self, batch, tokens_per, drafts, probs, idx) -> list[int]:
-        """Feeds each session its tokens, drafts one token each."""
-        width = max(len(t) for t in tokens_per)
-        tokens = torch.zeros(len(batch), width, dtype=torch.long)
-        for b, t in enumerate(tokens_per):
-            tokens[b, :len(t)] = torch.tensor(t)
-        qlens = torch.tensor([len(t) for t in tokens_per])
-        slots = torch.tensor([s.slot for _, s in batch])
-        positions = self.sa_cache.positions_for(slots, width)
-        x = self.parts.embed_tokens(tokens.to(self.device))
-        cos, sin = self.parts.rotary(positions.to(self.device), x.dtype)
-        x = self.sa_cache.run_layers([self.head.self_attention], x, cos, sin, slots, qlens)
-        if not len(self.parts.tli):  # only the last fed position drafts
-            last = (qlens - 1).to(self.device)
-            rows = torch.arange(len(batch), device=self.device)
-            x, cos, sin = x[rows, last][:, None], cos[rows, :, last][:, :, None], sin[rows, :, last][:, :, None]
+    def _start(self, live, slots: torch.Tensor):
+        """The CA keys/values of the batch's verified positions and their mask: fixed while
+        drafting, so read once per call (again only when the batch shrinks)."""
         n_feat = self.ca_cache.lengths[slots]
         keys, values = self.ca_cache.read(0, slots, int(n_feat.max()))
         mask = (torch.arange(keys.shape[2])[None, :] < n_feat[:, None])[:, None, None, :].to(self.device)
-        x = self.head.cross_attention(x, cos, sin, keys, values, mask)
-        if len(self.parts.tli):
-            x = self.tli_cache.run_layers(self.parts.tli, x, cos, sin, slots, qlens)
-            x = self.parts.norm(x)
+        return keys, values, mask
+
+    def _narrow(self, ctx, sel: torch.Tensor, slots: torch.Tensor):
+        return self._start(None, slots)
+
+    def _forward(self, ctx, batch, tokens, qlens, slots, step, feed) -> torch.Tensor:
+        """Feeds each session its tokens [B, T] (qlens real ones); returns the hidden state before
+        the LM head at each session's last fed position [B, H]."""
+        keys, values, mask = ctx
+        positions = self.sa_cache.positions_for(slots, tokens.shape[1]).to(self.device)
+        x = self.parts.embed_tokens(tokens)
+        cos, sin = self.parts.rotary(positions, x.dtype)
+        x = self.sa_cache.run_layers([self.head.self_attention], x, cos, sin, slots, qlens)
+        tli = len(self.parts.tli)
+        if not tli and x.shape[1] > 1:  # only the last fed position drafts
             rows = torch.arange(len(batch), device=self.device)
-            x = x[rows, (qlens - 1).to(self.device)][:, None]
-        for (_, s), t in zip(batch, tokens_per):
-            s.fed.extend(t)
-        for _, s in batch:
-            self._set_len(s.slot, len(s.fed))
-        logits = (x[:, 0] @ self.lm_head_weight.T).float()
-        return [self._choose(logits[b], r, drafts[idx[b]], probs[idx[b]]) for b, (r, _) in enumerate(batch)]
+            last = (qlens - 1).to(self.device)
+            x, cos, sin = x[rows, last][:, None], cos[rows, :, last][:, :, None], sin[rows, :, last][:, :, None]
+        x = self.head.cross_attention(x, cos, sin, keys, values, mask)
+        if tli:
+            x = self.tli_cache.run_layers(self.parts.tli, x, cos, sin, slots, qlens)
+            x = last_position(self.parts.norm(x), qlens)
+            self.tli_cache.lengths[slots] += qlens
+        self.sa_cache.lengths[slots] += qlens
+        return x[:, 0]

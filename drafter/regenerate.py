@@ -56,7 +56,7 @@ def register(sub) -> None:
     p.add_argument("--per-file", type=int, default=30)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)

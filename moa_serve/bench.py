@@ -54,7 +54,7 @@ def _build_engines(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.target)
-    dt = parse_dtype(args.dtype)
+    dt = parse_dtype(args.dtype, args.device)
     tm = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, args.device)
     tok = load_tokenizer(path)
     stops = stop_token_ids(path, tok)
@@ -240,7 +240,7 @@ def register(sub) -> None:
     p.add_argument("--num-speculative-tokens", "-k", default="5", help="K, or a comma-separated list")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")

@@ -20,7 +20,8 @@ def _model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     if drafter:
         p.add_argument("--drafter", default=DEFAULT_DRAFTER,
                        help="MoA drafter checkpoint folder (or a packaged one's name); 'none' = target only")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto: bfloat16 on GPUs and CPUs with native bf16, float32 elsewhere")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-model-len", type=int, default=2048)
 
@@ -70,7 +71,8 @@ def cmd_generate(args) -> int:
             "mean_accepted_length": round(res.mean_accepted_length, 4),
             "drafted_tokens": res.drafted_tokens, "accepted_tokens": res.accepted_tokens,
             "elapsed_s": round(res.elapsed_s, 4), "tokens_per_s": round(res.tokens_per_s, 2),
-            "target": args.target, "drafter": _drafter_arg(args.drafter), "dtype": args.dtype,
+            "target": args.target, "drafter": _drafter_arg(args.drafter),
+            "dtype": str(engine.verifier.dtype).removeprefix("torch."),
         }))
     else:
         print(res.text)

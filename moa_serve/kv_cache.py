@@ -8,7 +8,10 @@ absorbs the writes of padded query positions.
 
 from __future__ import annotations
 
+import heapq
+
 import torch
+import torch.nn.functional as F
 
 
 class SlotKVCache:
@@ -19,7 +22,8 @@ class SlotKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.lengths = torch.zeros(num_slots, dtype=torch.long)
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.num_slots = num_slots
+        self._free = list(range(num_slots))  # a heap: the lowest free slot first keeps live slots dense
 
     @property
     def num_free(self) -> int:
@@ -28,13 +32,13 @@ class SlotKVCache:
     def allocate(self) -> int:
         if not self._free:
             raise RuntimeError("KV cache is full: no free session slot")
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self.lengths[slot] = 0
         return slot
 
     def free(self, slot: int) -> None:
         self.lengths[slot] = 0
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
@@ -97,3 +101,88 @@ def ragged_causal_mask(lengths: torch.Tensor, query_lens: torch.Tensor, total: i
     q_pos = lengths[:, None] + torch.arange(t)[None, :]  # [B, T]
     k_pos = torch.arange(total)
     return (k_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+
+
+class PackedBatch:
+    """Attention for sequences packed along one token axis (no padding in the matmuls), as
+    vLLM's ``max_num_batched_tokens`` batches mix decode steps and prefill chunks.
+
+    Sequence i has ``lens[i]`` new tokens at positions ``starts[i] ...`` of cache slot
+    ``slots[i]``. Short sequences (decode steps with their drafts) attend together in one call
+    over a *view* of the cache covering their slot range (no gather: slots are allocated lowest
+    first, so live slots are dense; rows of slots in the range but not in the batch are padding);
+    each long sequence (a prefill chunk) attends alone over its slot. The plan is built once per
+    forward and reused by every layer."""
+
+    SHORT = 16  # sequences with at most this many new tokens attend in the shared call
+
+    def __init__(self, cache: SlotKVCache, slots: list[int], starts: list[int], lens: list[int],
+                 device: torch.device | str = "cpu"):
+        self.cache = cache
+        self.n = sum(lens)
+        offsets = [0]
+        for n in lens[:-1]:
+            offsets.append(offsets[-1] + n)
+        self.positions = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lens)]).to(device)
+        self.token_slots = torch.cat([torch.full((n,), s) for s, n in zip(slots, lens)]).to(device)
+        if int(self.positions.max()) >= cache.max_len:
+            raise ValueError(f"positions up to {int(self.positions.max())} exceed the cache ({cache.max_len})")
+        short = [i for i, n in enumerate(lens) if n <= self.SHORT]
+        self.short = None
+        if short:
+            lo, hi = min(slots[i] for i in short), max(slots[i] for i in short) + 1
+            width = max(lens[i] for i in short)
+            total = max(starts[i] + lens[i] for i in short)
+            rows = hi - lo
+            gather = torch.full((rows, width), self.n, dtype=torch.long)  # index n = a zero row
+            q_pos = torch.zeros(rows, width, dtype=torch.long)  # padding queries see position 0 only
+            for i in short:
+                r = slots[i] - lo
+                gather[r, :lens[i]] = torch.arange(offsets[i], offsets[i] + lens[i])
+                q_pos[r, :lens[i]] = torch.arange(starts[i], starts[i] + lens[i])
+            flat = gather.flatten()
+            real = (flat < self.n).nonzero().flatten()
+            mask = torch.arange(total)[None, None, :] <= q_pos[:, :, None]  # [rows, width, total]
+            self.short = dict(lo=lo, hi=hi, width=width, total=total, gather=flat.to(device),
+                              real=real.to(device), dest=flat[real].to(device), mask=mask.to(device))
+        self.long = []
+        for i, n in enumerate(lens):
+            if n > self.SHORT:
+                a = starts[i]
+                mask = torch.arange(a + n)[None, :] <= torch.arange(a, a + n)[:, None]  # [n, a+n]
+                self.long.append(dict(slot=slots[i], offset=offsets[i], n=n, total=a + n, mask=mask.to(device)))
+
+    def attention(self, layer: int):
+        """The ``attention`` callable of ``DecoderLayer.forward_packed`` for cache layer ``layer``."""
+        def attend_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            c = self.cache
+            c.k[layer, self.token_slots, :, self.positions] = k
+            c.v[layer, self.token_slots, :, self.positions] = v
+            n, heads, hd = q.shape
+            kv_heads = k.shape[1]
+            groups = heads // kv_heads
+            out = torch.empty_like(q)
+            if self.short is not None:
+                p = self.short
+                rows, width, total = p["hi"] - p["lo"], p["width"], p["total"]
+                qp = torch.cat((q, q.new_zeros(1, heads, hd)))[p["gather"]]  # [rows*width, H, hd]
+                # fold the query heads sharing a KV head into the query axis (no K/V copies)
+                qp = qp.view(rows, width, kv_heads, groups, hd).permute(0, 2, 3, 1, 4).reshape(
+                    rows, kv_heads, groups * width, hd)
+                mask = p["mask"][:, None, None].expand(rows, 1, groups, width, total).reshape(
+                    rows, 1, groups * width, total)
+                keys = c.k[layer, p["lo"]:p["hi"], :, :total]
+                values = c.v[layer, p["lo"]:p["hi"], :, :total]
+                o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask)
+                o = o.view(rows, kv_heads, groups, width, hd).permute(0, 3, 1, 2, 4).reshape(rows * width, heads, hd)
+                out[p["dest"]] = o[p["real"]]
+            for p in self.long:
+                a, m = p["offset"], p["n"]
+                ql = q[a:a + m].view(m, kv_heads, groups, hd).permute(1, 2, 0, 3).reshape(1, kv_heads, groups * m, hd)
+                mask = p["mask"][None, None].expand(1, groups, m, p["total"]).reshape(1, 1, groups * m, p["total"])
+                s = p["slot"]
+                o = F.scaled_dot_product_attention(ql, c.k[layer, s:s + 1, :, :p["total"]],
+                                                   c.v[layer, s:s + 1, :, :p["total"]], attn_mask=mask)
+                out[a:a + m] = o.view(kv_heads, groups, m, hd).permute(2, 0, 1, 3).reshape(m, heads, hd)
+            return out
+        return attend_packed

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -125,12 +126,57 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+def load_selected_tensors(path: Path, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """Only the tensors of a causal LM folder whose names satisfy ``keep``, on CPU in the stored
+    dtype. Safetensors files (sharded or not) are read selectively (``safe_open``: the other
+    tensors are never read); a GGUF-only folder is converted once into the cached safetensors
+    file (as ``load_state_dict`` does), then read the same way. Anything else is loaded whole
+    through transformers and filtered."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(path)
+    if not files:
+        ggufs = sorted(glob.glob(str(path / "*.gguf")))
+        if ggufs:
+            files = [str(_converted_gguf(path, ggufs[0]))]
+    if not files:
+        return {k: v for k, v in load_state_dict(path).items() if keep(k)}
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for k in st.keys():
+                if keep(k):
+                    out[k] = st.get_tensor(k)
+    return out
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX). Without it (e.g. AVX2-only
+    CPUs) PyTorch emulates bf16 matmuls: measured on a 2-core AVX2 EPYC, a [16, 576] x [576, 1536]
+    bf16 matmul takes 2.6 ms against 0.65 ms in float32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """A dtype by name; ``auto`` is bfloat16 on GPUs and on CPUs with native bf16, float32 on
+    other CPUs (where bf16 is emulated and slower than float32)."""
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        if torch.device(device).type != "cpu" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
     if name not in table:
-        raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {name!r}")
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {name!r}")
     return table[name]
 

@@ -108,7 +108,7 @@ def test_incremental_drafting_equals_parallel_pass(stories_path, stories_drafter
     committed = list(range(40, 60))
     n = len(committed) - 1
     feats = torch.randn(n, cfg.feature_dim)
-    (res,) = proposer.propose([DraftRequest("x", committed, 3, 0, feats)])
+    (res,) = proposer.propose([DraftRequest("x", tokens=committed, num_drafts=3, feature_start=0, features=feats)])
     seq = committed + res.drafts[:2]
     s = len(seq)
     visible = torch.zeros(1, s, dtype=torch.bool)

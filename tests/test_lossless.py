@@ -69,13 +69,15 @@ class NoisyOracle:
         self.rng = random.Random(seed)
         self.error_rate = error_rate
         self.accepted_max = 0
+        self.copies = {}  # each session's committed tokens, rebuilt from the requests' deltas
 
     def propose(self, requests):
         out = []
         for r in requests:
+            committed = self.copies[r.session_id] = self.copies.get(r.session_id, [])[:r.base] + list(r.tokens)
             for p, ref in self.table.items():
-                if tuple(r.committed[:len(p)]) == p:
-                    done = len(r.committed) - len(p)
+                if tuple(committed[:len(p)]) == p:
+                    done = len(committed) - len(p)
                     drafts = list(ref[done:done + r.num_drafts])
                     drafts += [0] * (r.num_drafts - len(drafts))
                     drafts = [t if self.rng.random() > self.error_rate else (t + 1) % 512 for t in drafts]
@@ -84,7 +86,7 @@ class NoisyOracle:
         return out
 
     def release(self, session_id):
-        pass
+        self.copies.pop(session_id, None)
 
 
 @pytest.mark.parametrize("error_rate", [0.0, 0.3])

@@ -1,4 +1,6 @@
-"""RoundService (the router's core) without Ray: batching, drafter failure, queue bound, abort."""
+"""RoundService (the router's core) without Ray, over the real in-process verifier and drafter:
+batching, drafter failure, queue bound, abort. (Concurrency defects with awaiting stub pools:
+``test_service_stubs.py``.)"""
 
 import asyncio
 
@@ -18,7 +20,7 @@ def make_service(engine, *, drafter_fails_on=(), **kw):
     calls = {"draft": 0}
 
     async def verify(group, reqs):
-        return engine.verifier.verify(reqs)
+        return engine.verifier.verify(reqs)[::-1]  # results are matched by session id, not position
 
     async def draft(group, reqs):
         calls["draft"] += 1
@@ -56,7 +58,8 @@ def test_batched_rounds_with_a_failing_drafter_keep_every_token(engine):
     ref = reference(engine, sessions(engine, 5))
 
     async def main():
-        svc = make_service(engine, drafter_fails_on={2, 3, 7}, num_groups=2, max_sessions_per_round=4)
+        svc = make_service(engine, drafter_fails_on={2, 3, 7}, groups=["r/0", "r/1"], max_sessions_per_round=4,
+                           speculation_token_budget=0)
         outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
         await svc.stop()
         return outs, svc.stats

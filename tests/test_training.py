@@ -146,7 +146,8 @@ def test_eagle_incremental_drafting_equals_parallel_pass(trained_baselines, stor
     hidden = tm.forward_train(torch.tensor([committed]))["hidden"][0]
     n = len(committed) - 1
     (r1,) = prop.propose([DraftRequest("x", committed[:10], 2, 0, hidden[:9])])  # an earlier round
-    (res,) = prop.propose([DraftRequest("x", committed, 3, 9, hidden[9:n])])
+    # this round sends only the tokens committed since (a delta on the replica's 10)
+    (res,) = prop.propose([DraftRequest("x", committed[10:], 3, 9, hidden[9:n], base=10)])
     parts = TargetParts(tm, 0)
     w = prop.lm_head_weight
     vocab = prop.draft_vocab

@@ -12,12 +12,20 @@ from moa_serve.engine.sampling import GREEDY, SamplingParams
 
 @dataclass
 class VerifyRequest:
+    """One session's share of a verify call. Token lists travel as deltas: the session's committed
+    tokens are ``replica_copy[:base] + tokens``, where ``replica_copy`` is what the replica already
+    holds of the session (its previous committed tokens plus the tokens it returned last round).
+    ``base=0`` sends the whole committed list (a new session, or a resync)."""
     session_id: str
-    committed: list[int]  # every committed token of the session (prompt included)
+    tokens: list[int]  # committed tokens from position ``base`` on
     drafts: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None  # [K, V] drafter distributions when sampling
+    # drafter distributions when sampling: [K, V] over the target vocabulary, or [K, V'] over the
+    # drafter checkpoint's draft vocabulary (the verifier loads that vocabulary); None when greedy
+    # (the drafts are one-hot: the greedy acceptance rule needs no q)
+    draft_probs: torch.Tensor | None = None
     sampling: SamplingParams = GREEDY
     want_features: bool = True
+    base: int = 0
 
 
 @dataclass
@@ -28,6 +36,12 @@ class VerifyResult:
     feature_start: int  # position of features[0]
     features: torch.Tensor | None  # [n, F] MoA features of positions newly in the target cache
     num_computed: int = 0  # tokens the target forward processed for this session (prefill included)
+    # the replica does not hold ``base`` committed tokens of this session (new replica, evicted
+    # session): nothing was computed; resend with base=0
+    resync: bool = False
+    # chunked prefill: the prompt is not fully in the cache yet; ``tokens`` is empty (nothing is
+    # committed this round) and this many committed tokens still wait to be prefilled
+    prefill_remaining: int = 0
 
 
 class TargetBackend:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moa_serve.kv_cache import SlotKVCache
-from moa_serve.layers import DecoderLayer, LayerShape, RMSNorm, Rotary
+from moa_serve.kv_cache import PackedBatch, SlotKVCache
+from moa_serve.layers import DecoderLayer, LayerShape, Linear, RMSNorm, Rotary
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -87,7 +87,7 @@ class TargetModel(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = _Backbone(arch)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = rotary
@@ -125,6 +125,17 @@ class TargetModel(nn.Module):
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         x = cache.run_layers(self.model.layers, x, cos, sin, slots, query_lens)
+        return self.model.norm(x)
+
+    def forward_packed(self, tokens: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """tokens [N]: the new tokens of several sessions packed one after another (``batch`` says
+        where each sits). Writes their K/V into the cache (lengths are not advanced) and returns
+        final-norm hidden states [N, H]."""
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.rotary(batch.positions, x.dtype)  # [1, N, hd]
+        cos, sin = cos[0][:, None], sin[0][:, None]  # [N, 1, hd]: broadcast over heads
+        for i, layer in enumerate(self.model.layers):
+            x = layer.forward_packed(x, cos, sin, batch.attention(i))
         return self.model.norm(x)
 
     # ------------------------------------------------------------------ training (additive)

@@ -1,50 +1,70 @@
 """The torch verifier backend: target model + per-session KV cache + lossless acceptance + the
-MoA feature head. One ``verify`` call runs one batched target forward for every session
-whose new tokens are short (decode rounds) and one forward per long prefill."""
+MoA feature head.
+
+One ``verify`` call runs ONE target forward over every session of the call, packed along one
+token axis (no padding in the matmuls): decode steps (the last committed token and the drafts)
+first, then prefill chunks under a per-forward token budget (``max_num_batched_tokens``, as
+vLLM's chunked prefill), so a long prompt never stalls the other sessions' rounds: it is
+prefilled over several calls, and answers with no tokens (``prefill_remaining``) until done.
+
+Sessions travel as token deltas (``VerifyRequest.base``); a session this replica does not hold
+answers ``resync``. When every slot is taken, the least recently used session that is not in
+the call is evicted (it resyncs later): a full cache never fails a request.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from moa_serve.drafter.model import FeatureHead
 from moa_serve.engine.sampling import SamplingParams
+from moa_serve.kv_cache import PackedBatch
 from moa_serve.models import load_state_dict, parse_dtype, read_config, resolve_model_path
-from moa_serve.verifier.acceptance import accept_greedy, accept_sampling, generator_for, warp_probs
+from moa_serve.verifier.acceptance import accept_sampling, generator_for, warp_probs
 from moa_serve.verifier.api import TargetBackend, VerifyRequest, VerifyResult
 from moa_serve.verifier.target_model import TargetModel
 
 log = logging.getLogger(__name__)
 
-PREFILL_ALONE = 64  # sessions with more new tokens than this get a forward of their own
+MIN_PREFILL_CHUNK = 32  # a waiting prefill always advances by at least this much per call
 
 
 class ContextTooLongError(ValueError):
     pass
 
 
+class CacheFullError(RuntimeError):
+    """Every slot is held by a session of the current call: the call is too large for the replica."""
+
+
 @dataclass
 class _Session:
     slot: int
-    cached: list[int] = field(default_factory=list)  # tokens whose K/V are in the cache
+    committed: list[int] = field(default_factory=list)  # this replica's copy of the committed tokens
+    cached: int = 0  # committed[:cached] have their K/V in the cache
 
 
 @dataclass
 class _Work:
     req: VerifyRequest
     session: _Session
-    start: int  # first position fed this round
-    fed: list[int]  # committed-but-uncached tokens followed by drafts
+    start: int  # first position fed this call (= session.cached before the call)
+    fed: list[int]  # tokens fed: uncached committed tokens (maybe a chunk of them), then drafts
+    done: bool  # every committed token is in the cache after this call: the target answers
+    remaining: int = 0  # committed tokens still uncached after this call
 
 
 class TorchTargetRunner(TargetBackend):
     def __init__(self, target: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  max_sessions: int = 16, max_model_len: int = 2048, feature_head: FeatureHead | None = None,
-                 model: TargetModel | None = None):
-        self.dtype = parse_dtype(dtype)
+                 model: TargetModel | None = None, max_num_batched_tokens: int = 512,
+                 draft_vocab: torch.Tensor | None = None):
+        self.dtype = parse_dtype(dtype, device)
         self.device = torch.device(device)
         if model is None:
             path = resolve_model_path(target)
@@ -52,10 +72,12 @@ class TorchTargetRunner(TargetBackend):
         self.model = model
         self.arch = model.arch
         self.max_model_len = min(max_model_len, self.arch.max_position_embeddings)
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.cache = model.new_cache(max_sessions, self.max_model_len)
         self.feature_head = feature_head.to(self.device, self.dtype).eval() if feature_head is not None else None
-        self.sessions: dict[str, _Session] = {}
-        self.stats = {"forwards": 0, "tokens": 0, "forward_s": 0.0}
+        self.draft_vocab = draft_vocab  # maps a drafter's [K, V'] probabilities back to the vocabulary
+        self.sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
+        self.stats = {"forwards": 0, "tokens": 0, "forward_s": 0.0, "evictions": 0, "resyncs": 0}
 
     # ------------------------------------------------------------------ sessions
     def release(self, session_id: str) -> None:
@@ -67,86 +89,166 @@ class TorchTargetRunner(TargetBackend):
     def free_slots(self) -> int:
         return self.cache.num_free
 
-    def _session(self, session_id: str) -> _Session:
-        s = self.sessions.get(session_id)
-        if s is None:
-            s = self.sessions[session_id] = _Session(self.cache.allocate())
+    def _new_session(self, session_id: str, keep: set[str]) -> _Session:
+        if self.cache.num_free == 0:
+            victim = next((sid for sid in self.sessions if sid not in keep), None)
+            if victim is None:
+                raise CacheFullError(f"all {self.cache.num_slots} KV slots are used by sessions of this call; "
+                                     "send fewer sessions per call or raise max_sessions")
+            log.info("KV cache full: evicting idle session %s", victim)
+            self.release(victim)
+            self.stats["evictions"] += 1
+        s = self.sessions[session_id] = _Session(self.cache.allocate())
         return s
 
-    def _plan(self, req: VerifyRequest) -> _Work:
-        if not req.committed:
+    def _take(self, req: VerifyRequest, keep: set[str]) -> _Session | None:
+        """The session with its committed copy updated from the request's delta (None: resync)."""
+        s = self.sessions.get(req.session_id)
+        if s is None or len(s.committed) < req.base:
+            if req.base > 0:
+                return None
+            if s is None:
+                s = self._new_session(req.session_id, keep)
+        self.sessions.move_to_end(req.session_id)
+        committed = s.committed[:req.base] + list(req.tokens)
+        if not committed:
             raise ValueError(f"session {req.session_id}: no tokens to verify")
-        need = len(req.committed) + len(req.drafts)
+        need = len(committed) + len(req.drafts)
         if need > self.max_model_len:
             raise ContextTooLongError(
                 f"session {req.session_id}: {need} tokens exceed the context of {self.max_model_len}")
-        s = self._session(req.session_id)
-        m = 0
-        limit = min(len(s.cached), len(req.committed) - 1)  # the last committed token is always fed
-        while m < limit and s.cached[m] == req.committed[m]:
+        # keep the cached K/V of the longest prefix still committed; the last committed token is
+        # always fed again (its logits predict the first draft)
+        m, limit = 0, min(s.cached, len(committed) - 1)
+        old = s.committed
+        while m < limit and old[m] == committed[m]:
             m += 1
+        s.committed, s.cached = committed, m
         self.cache.lengths[s.slot] = m
-        del s.cached[m:]
-        return _Work(req, s, m, req.committed[m:] + list(req.drafts))
+        return s
+
+    # ------------------------------------------------------------------ planning
+    def _plan(self, pending: list[tuple[VerifyRequest, _Session]]) -> list[_Work]:
+        """Decode steps always run; prefills share what is left of the token budget, in order."""
+        decode, prefill = [], []
+        for req, s in pending:
+            (decode if len(s.committed) - s.cached == 1 else prefill).append((req, s))
+        work = [_Work(r, s, s.cached, s.committed[s.cached:] + list(r.drafts), True) for r, s in decode]
+        budget = self.max_num_batched_tokens - sum(len(w.fed) for w in work)
+        for i, (r, s) in enumerate(prefill):
+            uncached = len(s.committed) - s.cached
+            room = max(budget, MIN_PREFILL_CHUNK if i == 0 else 0)
+            if uncached + len(r.drafts) <= room:
+                w = _Work(r, s, s.cached, s.committed[s.cached:] + list(r.drafts), True)
+            elif room > 0:
+                chunk = min(uncached, room)
+                w = _Work(r, s, s.cached, s.committed[s.cached:s.cached + chunk], chunk == uncached,
+                          uncached - chunk)
+                if w.done:  # the prompt fits but its drafts do not: answer without drafts
+                    w.req = VerifyRequest(r.session_id, r.tokens, [], None, r.sampling, r.want_features, r.base)
+            else:
+                w = _Work(r, s, s.cached, [], False, uncached)
+            budget -= len(w.fed)
+            work.append(w)
+        return work
 
     # ------------------------------------------------------------------ verify
     @torch.inference_mode()
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        work = [self._plan(r) for r in requests]
-        short = [w for w in work if len(w.fed) <= PREFILL_ALONE]
-        groups = ([short] if short else []) + [[w] for w in work if len(w.fed) > PREFILL_ALONE]
+        keep = {r.session_id for r in requests}
+        if len(keep) != len(requests):
+            raise ValueError("a verify call names a session twice")
         results: dict[str, VerifyResult] = {}
-        for group in groups:
-            for w, res in zip(group, self._verify_group(group)):
+        pending = []
+        for r in requests:
+            s = self._take(r, keep)
+            if s is None:
+                self.stats["resyncs"] += 1
+                results[r.session_id] = VerifyResult(r.session_id, [], 0, 0, None, resync=True)
+            else:
+                pending.append((r, s))
+        work = self._plan(pending)
+        fed = [w for w in work if w.fed]
+        for w in work:
+            if not w.fed:
+                results[w.req.session_id] = VerifyResult(w.req.session_id, [], 0, w.start, None,
+                                                         prefill_remaining=w.remaining)
+        if fed:
+            for w, res in zip(fed, self._forward(fed)):
                 results[w.req.session_id] = res
         return [results[r.session_id] for r in requests]
 
-    def _verify_group(self, group: list[_Work]) -> list[VerifyResult]:
+    def _forward(self, work: list[_Work]) -> list[VerifyResult]:
         t0 = time.perf_counter()
-        width = max(len(w.fed) for w in group)
-        tokens = torch.zeros(len(group), width, dtype=torch.long)
-        for b, w in enumerate(group):
-            tokens[b, :len(w.fed)] = torch.tensor(w.fed)
-        qlens = torch.tensor([len(w.fed) for w in group])
-        slots = torch.tensor([w.session.slot for w in group])
-        hidden = self.model.forward_ragged(tokens.to(self.device), qlens, slots, self.cache)
-        # logits only where they are needed: the last committed token and each draft
-        rows, cols = [], []
-        for b, w in enumerate(group):
-            k = len(w.req.drafts)
-            first = len(w.fed) - k - 1
-            rows += [b] * (k + 1)
-            cols += list(range(first, first + k + 1))
-        logits = self.model.lm_head(hidden[rows, cols]).float().cpu()
+        batch = PackedBatch(self.cache, [w.session.slot for w in work], [w.start for w in work],
+                            [len(w.fed) for w in work], self.device)
+        tokens = torch.tensor([t for w in work for t in w.fed], device=self.device)
+        hidden = self.model.forward_packed(tokens, batch)  # [N, H]
+        # logits only where needed: the last committed token and each draft of answering sessions
+        rows, offset = [], 0
+        for w in work:
+            if w.done:
+                k = len(w.req.drafts)
+                first = offset + len(w.fed) - k - 1
+                rows.extend(range(first, first + k + 1))
+            offset += len(w.fed)
+        logits = self.model.lm_head(hidden[rows]).float().cpu() if rows else None
+        choice = logits.argmax(-1).tolist() if logits is not None else []  # one host sync for all greedy rows
         self.stats["forwards"] += 1
-        self.stats["tokens"] += int(qlens.sum())
+        self.stats["tokens"] += batch.n
         self.stats["forward_s"] += time.perf_counter() - t0
 
-        results, offset = [], 0
-        for w in group:
+        results, row = [], 0
+        for w in work:
+            s = w.session
+            if not w.done:  # a prefill chunk: cache it, answer nothing yet
+                s.cached += len(w.fed)
+                results.append(VerifyResult(w.req.session_id, [], 0, w.start, None, num_computed=len(w.fed),
+                                            prefill_remaining=w.remaining))
+                continue
             k = len(w.req.drafts)
-            n_acc, nxt = self._accept(w.req, logits[offset:offset + k + 1])
-            offset += k + 1
+            n_acc, nxt = self._accept(w.req, logits[row:row + k + 1], choice[row:row + k + 1])
+            row += k + 1
             kept = len(w.fed) - k + n_acc  # uncached committed tokens + accepted drafts
-            self.cache.lengths[w.session.slot] = w.start + kept
-            w.session.cached.extend(w.fed[:kept])
-            results.append(VerifyResult(w.req.session_id, list(w.req.drafts[:n_acc]) + [nxt], n_acc,
-                                        feature_start=w.start, features=None, num_computed=len(w.fed)))
-        self._attach_features(group, results, hidden)
+            s.cached = w.start + kept
+            out = list(w.req.drafts[:n_acc]) + [nxt]
+            s.committed.extend(out)  # the replica's copy: what it returned is committed next round
+            results.append(VerifyResult(w.req.session_id, out, n_acc, feature_start=w.start, features=None,
+                                        num_computed=len(w.fed)))
+        for w in work:
+            self.cache.lengths[w.session.slot] = w.session.cached
+        self._attach_features(work, results, hidden)
         return results
 
-    def _accept(self, req: VerifyRequest, logits: torch.Tensor) -> tuple[int, int]:
+    def _accept(self, req: VerifyRequest, logits: torch.Tensor, choice: list[int]) -> tuple[int, int]:
         params: SamplingParams = req.sampling
+        drafts = list(req.drafts)
         if params.greedy:
-            return accept_greedy(logits, list(req.drafts))
+            n = 0
+            while n < len(drafts) and drafts[n] == choice[n]:
+                n += 1
+            return n, choice[n]
         p = warp_probs(logits, params)
-        position = len(req.committed)
+        position = len(req.tokens) + req.base
         gen = generator_for(params, position, "verify")
-        if not req.drafts:
+        if not drafts:
             return accept_sampling(p, p[:0], [], gen)
         if req.draft_probs is None:
             raise ValueError(f"session {req.session_id}: sampling with drafts needs the drafter's probabilities")
-        return accept_sampling(p, req.draft_probs.float(), list(req.drafts), gen)
+        return accept_sampling(p, self._full_vocab(req.draft_probs.float(), req.session_id), drafts, gen)
+
+    def _full_vocab(self, q: torch.Tensor, session_id: str) -> torch.Tensor:
+        """Drafter probabilities over the target vocabulary ([K, V'] over a draft vocabulary are
+        scattered back; tokens outside it have probability 0 under the drafter)."""
+        vocab = self.arch.vocab_size
+        if q.shape[-1] == vocab:
+            return q
+        if self.draft_vocab is None or q.shape[-1] != len(self.draft_vocab):
+            raise ValueError(f"session {session_id}: draft_probs has {q.shape[-1]} columns; expected {vocab} "
+                             "or the drafter's draft vocabulary size")
+        full = torch.zeros(q.shape[0], vocab, dtype=q.dtype)
+        full[:, self.draft_vocab.cpu()] = q
+        return full
 
     @property
     def feature_kind(self) -> str:
@@ -157,21 +259,23 @@ class TorchTargetRunner(TargetBackend):
             return "none"
         return getattr(self.feature_head, "input_kind", "per_layer_kv")
 
-    def _attach_features(self, group: list[_Work], results: list[VerifyResult],
-                         hidden: torch.Tensor | None = None) -> None:
+    def _attach_features(self, work: list[_Work], results: list[VerifyResult], hidden: torch.Tensor) -> None:
+        """Features of the positions each session newly holds in the cache (prefill chunks too)."""
         if self.feature_head is None:
             return
-        spans = []
-        for w, r in zip(group, results):
-            end = int(self.cache.lengths[w.session.slot])
-            spans.append((w.start, end) if w.req.want_features else (end, end))
+        spans, offset, rows = [], 0, []
+        for w in work:
+            end = w.session.cached if w.req.want_features else w.start
+            spans.append((w.start, end))
+            rows.append(offset)
+            offset += len(w.fed)
         if self.feature_kind == "hidden":
-            kv = [hidden[b, :e - a] for b, (a, e) in enumerate(spans)]
+            kv = [hidden[o:o + (e - a)] for o, (a, e) in zip(rows, spans)]
         else:
-            kv = [self.cache.per_layer_kv(w.session.slot, a, b) for w, (a, b) in zip(group, spans)]
+            kv = [self.cache.per_layer_kv(w.session.slot, a, e) for w, (a, e) in zip(work, spans)]
         sizes = [x.shape[0] for x in kv]
         if sum(sizes) == 0:
             return
         feats = self.feature_head(torch.cat(kv)).cpu()
         for r, (a, _), chunk in zip(results, spans, torch.split(feats, sizes)):
-            r.feature_start, r.features = a, chunk
+            r.feature_start, r.features = a, (chunk if len(chunk) else None)

@@ -69,12 +69,15 @@ def stop_token_ids(path, tokenizer) -> frozenset[int]:
 
 class SpeculativeEngine:
     def __init__(self, verifier: TorchTargetRunner, proposer: MoAProposer | None, tokenizer=None,
-                 stop_ids: frozenset[int] = frozenset(), max_batch: int = 16):
+                 stop_ids: frozenset[int] = frozenset(), max_batch: int = 16, speculation_token_budget: int = 0):
         self.verifier = verifier
         self.proposer = proposer
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
         self.max_batch = max_batch
+        # verify tokens per round that bound every session's K (rounds.speculation_cap); 0 = no
+        # bound, so that benchmarks measure the K they ask for
+        self.speculation_token_budget = speculation_token_budget
         self._ids = itertools.count()
         self.timings = {"draft_s": 0.0, "verify_s": 0.0}  # cumulative seconds, for benchmarks
 
@@ -109,15 +112,24 @@ class SpeculativeEngine:
                        adaptive_speculation=adaptive_speculation)
 
     def run_round(self, active: list[Session]) -> list[rounds.Committed]:
+        """One draft/verify/commit round with the same functions and delta protocol as the
+        cluster's RoundService: a session the verifier no longer holds (``resync``) is verified
+        again, whole, in the same round."""
         by_id = {s.id: s for s in active}
         drafts = {}
         t0 = time.perf_counter()
         if self.proposer is not None:
-            reqs = rounds.draft_requests(active)
+            cap = rounds.speculation_cap(self.speculation_token_budget, len(active))
+            reqs = rounds.draft_requests(active, cap)
             if reqs:
-                drafts = rounds.note_drafts_delivered(by_id, self.proposer.propose(reqs))
+                drafts = rounds.drafts_delivered(by_id, reqs, self.proposer.propose(reqs))
         t1 = time.perf_counter()
-        results = self.verifier.verify(rounds.verify_requests(active, drafts, self.proposer is not None))
+        want = self.proposer is not None
+        results = rounds.by_session(by_id, self.verifier.verify(rounds.verify_requests(active, drafts, want)))
+        again = rounds.resynced(by_id, results)
+        if again:
+            more = self.verifier.verify(rounds.verify_requests(again, drafts, want))
+            results.update(rounds.by_session({s.id: s for s in again}, more))
         self.timings["draft_s"] += t1 - t0
         self.timings["verify_s"] += time.perf_counter() - t1
         done = rounds.commit(by_id, results, drafts)

@@ -2,23 +2,32 @@
 
 Sessions are pinned to a *session group* at admission; each group runs its own round loop
 (draft -> verify -> commit for all of its sessions in one call per pool) so that, with two or
-more groups, one group drafts while another verifies and neither pool idles. The pools are
-async callables: Ray Serve handles in the cluster, local objects in tests.
+more groups, one group drafts while another verifies and neither pool idles. Groups are
+hashable keys chosen by the caller: each Router replica passes keys of its own (e.g.
+``f"{replica_id}/{i}"``) so that the pools' affinity routing spreads every router's groups over
+every pool replica. The pools are async callables: Ray Serve handles in the cluster, local
+objects in tests.
 
-Reliability: the committed tokens held here are the source of truth. A failed draft call
-degrades that round to target-only decoding (and the drafter re-receives all features next
-time); a failed verify call is retried (another or a restarted replica re-prefills from the
-committed tokens the request carries). Nothing committed is ever lost or duplicated.
+Reliability: the committed tokens held here are the source of truth; a replica only ever holds
+a cache of them (see ``rounds``: requests carry deltas, any doubt resends everything). A failed
+or slow draft call degrades that round to target-only decoding; a failed or slow verify call is
+retried a bounded number of times (the retry resends whole token lists, so another or a
+restarted replica re-prefills), then errors only the sessions of that round. A failed release is
+kept and retried before the group's next round. Nothing committed is ever lost or duplicated.
+
+Speculation never loses at scale: a round's verify width is bounded by
+``speculation_token_budget`` (see ``rounds.speculation_cap``), so K shrinks as the batch grows
+and turns off when verification stops being nearly free; each session's adaptive K still applies
+below that cap.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Hashable, Sequence
 
 from moa_serve.drafter.proposer import DraftRequest, DraftResult
 from moa_serve.engine import rounds
@@ -27,13 +36,21 @@ from moa_serve.verifier.api import VerifyRequest, VerifyResult
 
 log = logging.getLogger(__name__)
 
-DraftFn = Callable[[int, list[DraftRequest]], Awaitable[list[DraftResult]]]
-VerifyFn = Callable[[int, list[VerifyRequest]], Awaitable[list[VerifyResult]]]
-ReleaseFn = Callable[[int, list[str]], Awaitable[None]]
+DraftFn = Callable[[Hashable, list[DraftRequest]], Awaitable[list[DraftResult]]]
+VerifyFn = Callable[[Hashable, list[VerifyRequest]], Awaitable[list[VerifyResult]]]
+ReleaseFn = Callable[[Hashable, list[str]], Awaitable[None]]
 
 
 class QueueFullError(RuntimeError):
     pass
+
+
+async def _within(seconds: float, aw):
+    """``aw`` with a time limit. ``asyncio.timeout``, not ``wait_for``: on Python 3.11 ``wait_for``
+    swallows a cancellation that arrives as the inner call completes, and a group loop that
+    misses ``stop()``'s cancellation runs forever."""
+    async with asyncio.timeout(seconds):
+        return await aw
 
 
 @dataclass
@@ -45,9 +62,27 @@ class TokenEvent:
 @dataclass
 class _Tracked:
     session: Session
-    group: int
+    group: Hashable | None = None  # None while queued
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class RoundProfile:
+    """What one round did and where its wall time went (router-side view: ``verify_s`` and
+    ``draft_s`` include the calls' transport and (de)serialisation)."""
+    group: Hashable
+    sessions: int
+    drafted_sessions: int = 0  # sessions that verified drafts this round
+    speculation_cap: int | None = None  # the round-wide K limit (None: no limit)
+    prefill_sessions: int = 0  # sessions that only prefilled a prompt chunk
+    resyncs: int = 0  # sessions a replica asked to resend whole (verifier or drafter)
+    tokens: int = 0  # tokens committed
+    release_s: float = 0.0  # retrying pending releases before the round
+    draft_s: float = 0.0
+    verify_s: float = 0.0  # resync follow-up and retries included
+    commit_s: float = 0.0  # committing, stop conditions, events
+    round_s: float = 0.0
 
 
 @dataclass
@@ -62,50 +97,94 @@ class ServiceStats:
     reprefills: int = 0  # a verifier replica rebuilt a session's KV cache from its committed tokens
     completed: int = 0
     aborted: int = 0
+    resyncs: int = 0  # a replica lacked a session's token base: resent whole (verifier: same round)
+    prefill_rounds: int = 0  # session-rounds that only prefilled a prompt chunk (no token, no round)
+    release_failures: int = 0  # release calls that failed (their sessions are retried later)
+    releases_dropped: int = 0  # sessions given up after bounded release attempts (pools evict LRU)
+    # cumulative seconds of the rounds' parts
+    release_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    commit_s: float = 0.0
+    round_s: float = 0.0
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["mean_sessions_per_round"] = round(self.sessions_in_rounds / self.rounds, 3) if self.rounds else 0.0
+        for part in ("release", "draft", "verify", "commit", "round"):
+            d[f"{part}_s"] = round(d[f"{part}_s"], 6)
+            d[f"mean_{part}_ms"] = round(1e3 * getattr(self, f"{part}_s") / self.rounds, 3) if self.rounds else 0.0
         return d
+
+    def add(self, p: RoundProfile) -> None:
+        self.rounds += 1
+        self.sessions_in_rounds += p.sessions
+        self.max_sessions_in_round = max(self.max_sessions_in_round, p.sessions)
+        self.multi_session_rounds += p.sessions > 1
+        self.prefill_rounds += p.prefill_sessions
+        for part in ("release", "draft", "verify", "commit", "round"):
+            setattr(self, f"{part}_s", getattr(self, f"{part}_s") + getattr(p, f"{part}_s"))
 
 
 class Observer:
-    """Hooks for metrics; the Ray layer plugs Prometheus metrics in."""
+    """Hooks for metrics; the Ray layer plugs Prometheus metrics in. ``round_done`` keeps its
+    original signature; ``round_profile`` carries the full per-round picture (a no-op unless
+    overridden)."""
 
-    def round_done(self, group: int, sessions: int, draft_s: float, verify_s: float, round_s: float) -> None: ...
+    def round_done(self, group: Hashable, sessions: int, draft_s: float, verify_s: float, round_s: float) -> None: ...
+    def round_profile(self, profile: RoundProfile) -> None: ...
     def accepted(self, length: int) -> None: ...
     def queue_depth(self, depth: int) -> None: ...
     def fallback(self, reason: str) -> None: ...
 
 
 class RoundService:
-    def __init__(self, verify: VerifyFn, draft: DraftFn | None, release: ReleaseFn, *, num_groups: int = 1,
-                 max_sessions_per_round: int = 16, max_queued: int = 64, verify_retries: int = 30,
-                 retry_backoff_s: float = 1.0, draft_timeout_s: float = 5.0, observer: Observer | None = None):
+    def __init__(self, verify: VerifyFn, draft: DraftFn | None, release: ReleaseFn, *,
+                 groups: Sequence[Hashable] | None = None, num_groups: int = 1,
+                 max_sessions_per_round: int = 16, max_queued: int = 64,
+                 verify_retries: int = 5, retry_backoff_s: float = 0.5, max_backoff_s: float = 8.0,
+                 verify_timeout_s: float = 120.0, draft_timeout_s: float = 5.0,
+                 release_timeout_s: float = 5.0, release_attempts: int = 5,
+                 speculation_token_budget: int = 32, observer: Observer | None = None):
         self._verify, self._draft, self._release = verify, draft, release
-        self.num_groups = num_groups
+        self.groups = list(groups) if groups is not None else list(range(num_groups))
+        if not self.groups or len(set(self.groups)) != len(self.groups):
+            raise ValueError(f"session groups must be a non-empty list of distinct keys: {self.groups!r}")
         self.max_sessions_per_round = max_sessions_per_round
         self.max_queued = max_queued
         self.verify_retries = verify_retries
         self.retry_backoff_s = retry_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.verify_timeout_s = verify_timeout_s
         self.draft_timeout_s = draft_timeout_s
+        self.release_timeout_s = release_timeout_s
+        self.release_attempts = release_attempts
+        self.speculation_token_budget = speculation_token_budget
         self.observer = observer or Observer()
         self.stats = ServiceStats()
         self._waiting: list[_Tracked] = []
-        self._active: dict[int, list[_Tracked]] = {g: [] for g in range(num_groups)}
-        self._wake: dict[int, asyncio.Event] = {}
+        self._active: dict[Hashable, list[_Tracked]] = {g: [] for g in self.groups}
+        self._pending_release: dict[Hashable, dict[str, int]] = {g: {} for g in self.groups}  # id -> attempts
+        self._release_backoff: dict[Hashable, tuple[int, float]] = {}  # group -> (failures in a row, retry at)
+        self._wake: dict[Hashable, asyncio.Event] = {}
         self._tasks: list[asyncio.Task] = []
-        self._ids = itertools.count()
+        self._stopping = False
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
 
     # ------------------------------------------------------------------ public API
     def start(self) -> None:
         if self._tasks:
             return
-        for g in range(self.num_groups):
+        self._stopping = False
+        for g in self.groups:
             self._wake[g] = asyncio.Event()
             self._tasks.append(asyncio.get_running_loop().create_task(self._group_loop(g)))
 
     async def stop(self) -> None:
+        self._stopping = True
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -119,12 +198,16 @@ class RoundService:
     def active_sessions(self) -> int:
         return sum(len(a) for a in self._active.values())
 
+    @property
+    def pending_releases(self) -> int:
+        return sum(len(p) for p in self._pending_release.values())
+
     def submit(self, session: Session) -> _Tracked:
         """Queues a session; raises QueueFullError when the bounded queue is full."""
         self.start()
         if len(self._waiting) >= self.max_queued and self._free_capacity() == 0:
             raise QueueFullError(f"{len(self._waiting)} requests are waiting")
-        tracked = _Tracked(session, group=-1)
+        tracked = _Tracked(session)
         self._waiting.append(tracked)
         self.observer.queue_depth(len(self._waiting))
         self._admit()
@@ -150,8 +233,8 @@ class RoundService:
         self.stats.aborted += 1
         if tracked in self._waiting:
             self._waiting.remove(tracked)
-        elif tracked.group >= 0:
-            # the group loop drops it at the next commit and frees its caches
+        elif tracked.group is not None:
+            # the group loop drops it before its next round and frees its caches
             self._wake[tracked.group].set()
 
     # ------------------------------------------------------------------ admission
@@ -161,34 +244,54 @@ class RoundService:
     def _admit(self) -> None:
         while self._waiting and self._free_capacity() > 0:
             tracked = self._waiting.pop(0)
-            g = min(self._active, key=lambda k: len(self._active[k]))
+            g = min(self.groups, key=lambda k: len(self._active[k]))
             tracked.group = g
             self._active[g].append(tracked)
             if g in self._wake:
                 self._wake[g].set()
         self.observer.queue_depth(len(self._waiting))
 
-    # ------------------------------------------------------------------ rounds
-    async def _group_loop(self, g: int) -> None:
-        while True:
-            await self._drop_finished(g)
+    # ------------------------------------------------------------------ group loop
+    async def _group_loop(self, g: Hashable) -> None:
+        while not self._stopping:
+            self._drop_finished(g)
+            t0 = time.perf_counter()
+            await self._flush_releases(g)
+            release_s = time.perf_counter() - t0
             if not self._active[g]:
-                self._wake[g].clear()
-                await self._wake[g].wait()
+                await self._idle(g)
                 continue
+            batch = list(self._active[g])
             try:
-                await self._round(g, list(self._active[g]))
+                await self._round(g, batch, release_s)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # a round that cannot complete fails its sessions, not the loop
-                log.exception("round failed for group %d", g)
-                for t in self._active[g]:
-                    if not t.session.finished:
-                        t.session.finish_reason = "error"
-                        last = (str(exc).strip().splitlines() or [""])[-1]
-                        t.events.put_nowait(TokenEvent([], f"error: {type(exc).__name__}: {last}"))
+            except Exception as exc:  # a round that cannot complete fails its own sessions, not the loop
+                log.exception("round failed for group %s", g)
+                self._fail(batch, exc)
 
-    async def _drop_finished(self, g: int) -> None:
+    async def _idle(self, g: Hashable) -> None:
+        """Sleeps until work arrives; with releases still pending, wakes up to retry them."""
+        self._wake[g].clear()
+        if not self._pending_release[g]:
+            await self._wake[g].wait()
+            return
+        try:
+            await _within(self.retry_backoff_s, self._wake[g].wait())
+        except TimeoutError:
+            pass
+
+    @staticmethod
+    def _fail(batch: list[_Tracked], exc: Exception) -> None:
+        """Errors the sessions of a failed round, and only those: sessions admitted while it ran
+        were never part of it."""
+        last = (str(exc).strip().splitlines() or [""])[-1]
+        for t in batch:
+            if not t.session.finished:
+                t.session.finish_reason = "error"
+                t.events.put_nowait(TokenEvent([], f"error: {type(exc).__name__}: {last}"))
+
+    def _drop_finished(self, g: Hashable) -> None:
         done = [t for t in self._active[g] if t.session.finished]
         if not done:
             return
@@ -196,70 +299,153 @@ class RoundService:
         for t in done:
             if t.session.finish_reason == "abort":
                 t.events.put_nowait(TokenEvent([], "abort"))
-        try:
-            await self._release(g, [t.session.id for t in done])
-        except Exception:  # a dead replica holds nothing to free
-            log.warning("release failed for group %d", g, exc_info=True)
+            self._pending_release[g][t.session.id] = 0
         self._admit()
 
-    async def _round(self, g: int, batch: list[_Tracked]) -> None:
-        t0 = time.perf_counter()
-        sessions = [t.session for t in batch]
-        by_id = {s.id: s for s in sessions}
-        drafts: dict[str, DraftResult] = {}
-        if self._draft is not None:
-            reqs = rounds.draft_requests(sessions)
-            if reqs:
-                try:
-                    res = await asyncio.wait_for(self._draft(g, reqs), self.draft_timeout_s)
-                    self.stats.drafter_resyncs += sum(r.needs_features_from is not None for r in res)
-                    drafts = rounds.note_drafts_delivered(by_id, res)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    self.stats.draft_fallbacks += 1
-                    self.observer.fallback(type(exc).__name__)
-                    log.warning("drafter unavailable (%s): group %d verifies without drafts", exc, g)
-                    for s in sessions:
-                        s.features_sent = 0  # a replacement drafter needs every feature again
-        t1 = time.perf_counter()
-        results = await self._verify_with_retry(g, rounds.verify_requests(sessions, drafts, self._draft is not None))
-        t2 = time.perf_counter()
-        for r in results:
-            s = by_id[r.session_id]
-            d = drafts.get(r.session_id)
-            if s.rounds > 0 and r.num_computed > 1 + (len(d.drafts) if d else 0):
-                self.stats.reprefills += 1
-        committed = rounds.commit(by_id, results, drafts)
-        for c, t in zip(committed, batch):
-            if t.session.finish_reason == "abort":
-                continue
-            d = drafts.get(t.session.id)
-            if d is not None:
-                self.observer.accepted(len(c.new_tokens))
-            t.events.put_nowait(TokenEvent(c.new_tokens, t.session.finish_reason))
-            if t.session.finished:
-                self.stats.completed += 1
-        n = len(batch)
-        self.stats.rounds += 1
-        self.stats.sessions_in_rounds += n
-        self.stats.max_sessions_in_round = max(self.stats.max_sessions_in_round, n)
-        self.stats.multi_session_rounds += n > 1
-        self.observer.round_done(g, n, t1 - t0, t2 - t1, time.perf_counter() - t0)
+    async def _flush_releases(self, g: Hashable) -> None:
+        """Frees the caches of finished sessions. A failed release is kept and retried before the
+        group's later rounds, a bounded number of times (the pools also evict idle sessions)."""
+        pending = self._pending_release[g]
+        fails, retry_at = self._release_backoff.get(g, (0, 0.0))
+        if not pending or time.monotonic() < retry_at:  # a failing pool is not hammered every round
+            return
+        ids = list(pending)
+        try:
+            await _within(self.release_timeout_s, self._release(g, ids))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.stats.release_failures += 1
+            log.warning("release failed for group %s (%s); %d sessions kept for a retry", g, exc, len(ids))
+            for sid in ids:
+                pending[sid] += 1
+                if pending[sid] >= self.release_attempts:
+                    del pending[sid]
+                    self.stats.releases_dropped += 1
+            delay = min(self.max_backoff_s, self.retry_backoff_s * 2 ** fails)
+            self._release_backoff[g] = (fails + 1, time.monotonic() + delay)
+            return
+        self._release_backoff.pop(g, None)
+        for sid in ids:
+            pending.pop(sid, None)
 
-    async def _verify_with_retry(self, g: int, reqs: list[VerifyRequest]) -> list[VerifyResult]:
+    # ------------------------------------------------------------------ one round
+    async def _round(self, g: Hashable, batch: list[_Tracked], release_s: float = 0.0) -> None:
+        t0 = time.perf_counter()
+        by_id = {t.session.id: t.session for t in batch}
+        sessions = list(by_id.values())
+        cap = rounds.speculation_cap(self.speculation_token_budget, len(sessions))
+        profile = RoundProfile(g, len(batch), speculation_cap=cap, release_s=release_s)
+        drafts = await self._draft_round(g, by_id, sessions, cap, profile)
+        t1 = time.perf_counter()
+        results = await self._verify_round(g, by_id, sessions, drafts, profile)
+        t2 = time.perf_counter()
+        self._note_reprefills(by_id, results, drafts)
+        self._publish(batch, rounds.commit(by_id, results, drafts), profile)
+        t3 = time.perf_counter()
+        profile.draft_s, profile.verify_s, profile.commit_s = t1 - t0, t2 - t1, t3 - t2
+        profile.round_s = t3 - t0 + release_s
+        self.stats.add(profile)
+        self.observer.round_done(g, profile.sessions, profile.draft_s, profile.verify_s, profile.round_s)
+        self.observer.round_profile(profile)
+
+    async def _draft_round(self, g, by_id: dict[str, Session], sessions: list[Session], cap: int | None,
+                           profile: RoundProfile) -> dict[str, DraftResult]:
+        """Drafts for the sessions worth it; any failure or timeout degrades the round to plain
+        target decoding (and the drafter gets everything again next time)."""
+        if self._draft is None:
+            return {}
+        reqs = rounds.draft_requests(sessions, cap)
+        if not reqs:
+            return {}
+        try:
+            res = await _within(self.draft_timeout_s, self._draft(g, reqs))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.stats.draft_fallbacks += 1
+            self.observer.fallback(type(exc).__name__)
+            log.warning("drafter unavailable (%s): group %s verifies without drafts", type(exc).__name__, g)
+            rounds.drafts_failed(by_id, reqs)
+            return {}
+        res = [r for r in res if r.session_id in by_id]
+        self.stats.drafter_resyncs += sum(r.needs_features_from is not None for r in res)
+        n_resync = sum(r.resync for r in res)
+        self.stats.resyncs += n_resync
+        profile.resyncs += n_resync
+        return rounds.drafts_delivered(by_id, reqs, res)
+
+    async def _verify_round(self, g, by_id: dict[str, Session], sessions: list[Session],
+                            drafts: dict[str, DraftResult], profile: RoundProfile) -> dict[str, VerifyResult]:
+        """One verify call for the round; sessions the replica could not place (``resync``) go
+        once more, whole, in a follow-up call of the same round."""
+        results = rounds.by_session(by_id, await self._verify_with_retry(g, sessions, drafts))
+        again = rounds.resynced(by_id, results)
+        if again:
+            self.stats.resyncs += len(again)
+            profile.resyncs += len(again)
+            ids = {s.id: s for s in again}
+            more = await self._verify_with_retry(g, again, drafts)
+            results.update(rounds.by_session(ids, more))
+        return results
+
+    async def _verify_with_retry(self, g, sessions: list[Session],
+                                 drafts: dict[str, DraftResult]) -> list[VerifyResult]:
+        """A verify call with a timeout and bounded retries (exponential backoff). A failed or timed
+        out attempt may have reached a replica that is gone: the retry sends whole token lists. A
+        ``ValueError`` means the request itself is wrong: retrying cannot help."""
+        want = self._draft is not None
         for attempt in range(self.verify_retries + 1):
+            reqs = rounds.verify_requests(sessions, drafts, want)
             try:
-                return await self._verify(g, reqs)
+                return await _within(self.verify_timeout_s, self._verify(g, reqs))
             except asyncio.CancelledError:
                 raise
             except ValueError:
-                raise  # the request itself is wrong: retrying cannot help
+                rounds.verify_failed(sessions)
+                raise
             except Exception as exc:
+                rounds.verify_failed(sessions)
                 if attempt == self.verify_retries:
                     raise
                 self.stats.verify_retries += 1
                 self.observer.fallback("verify_retry")
-                log.warning("verify failed (%s); retrying on a live replica (attempt %d)", exc, attempt + 1)
-                await asyncio.sleep(self.retry_backoff_s)
+                log.warning("verify failed (%s: %s); retrying with whole token lists (attempt %d)",
+                            type(exc).__name__, exc, attempt + 1)
+                await asyncio.sleep(min(self.max_backoff_s, self.retry_backoff_s * 2 ** attempt))
         raise AssertionError("unreachable")
+
+    def _note_reprefills(self, by_id: dict[str, Session], results: dict[str, VerifyResult],
+                         drafts: dict[str, DraftResult]) -> None:
+        for sid, r in results.items():
+            d = drafts.get(sid)
+            if by_id[sid].rounds > 0 and r.tokens and r.num_computed > 1 + (len(d.drafts) if d else 0):
+                self.stats.reprefills += 1
+
+    def _restart_on_replicas(self, t: _Tracked) -> None:
+        """Features the verifier computed never reached us (a timed-out call that ran there): the
+        drafter can only get them back from a full re-prefill, so the session is released on both
+        pools before the group's next round and resent whole."""
+        self.stats.resyncs += 1
+        t.session.forget_replicas()
+        self._pending_release[t.group].setdefault(t.session.id, 0)
+
+    def _publish(self, batch: list[_Tracked], committed: list[rounds.Committed], profile: RoundProfile) -> None:
+        """Streams each session's new tokens (matched by id) and counts the round's work."""
+        tracked = {t.session.id: t for t in batch}
+        for c in committed:
+            t = tracked[c.session.id]
+            if c.feature_gap and not t.session.finished:
+                self._restart_on_replicas(t)
+            if c.prefill:
+                profile.prefill_sessions += 1
+                continue
+            if t.session.finish_reason == "abort":
+                continue
+            if c.drafted:
+                profile.drafted_sessions += 1
+                self.observer.accepted(len(c.new_tokens))
+            profile.tokens += len(c.new_tokens)
+            t.events.put_nowait(TokenEvent(c.new_tokens, t.session.finish_reason))
+            if t.session.finished:
+                self.stats.completed += 1

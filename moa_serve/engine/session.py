@@ -1,14 +1,72 @@
-"""A generation session: the committed tokens (the source of truth), the features the drafter
-needs, stop conditions and speculative statistics."""
+"""A generation session: the committed tokens (the source of truth), what each pool replica
+already holds of them (so requests carry only deltas), the features the drafter needs, stop
+conditions and speculative statistics."""
 
 from __future__ import annotations
 
+import bisect
+import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
 
 from moa_serve.engine.sampling import GREEDY, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class FeatureStore:
+    """The verifier's features of positions ``[0, end)``, kept as the chunks they arrived in.
+
+    A round appends one small chunk and the drafter usually needs only the chunks it has not
+    seen, so appending is O(chunk) and sending is O(unsent): the whole history is concatenated
+    only when a drafter replica asks for everything again (a new or restarted replica)."""
+
+    def __init__(self):
+        self._starts: list[int] = []
+        self._chunks: list[torch.Tensor] = []
+        self.end = 0
+
+    def __len__(self) -> int:
+        return self.end
+
+    def add(self, start: int, feats: torch.Tensor) -> bool:
+        """Stores features of positions ``[start, start + len(feats))``. A start before ``end``
+        means the verifier recomputed positions (a re-prefill): the newer values replace ours. A
+        start past ``end`` would leave a hole the drafter cannot draft over: refused (False)."""
+        if start > self.end:
+            return False
+        if start < self.end:
+            self.truncate(start)
+        if feats.untyped_storage().nbytes() > feats.nbytes:
+            feats = feats.clone()  # a view into a whole batch's features would keep the batch alive
+        self._starts.append(start)
+        self._chunks.append(feats)
+        self.end = start + len(feats)
+        return True
+
+    def truncate(self, n: int) -> None:
+        """Keeps positions ``[0, n)``."""
+        if n >= self.end:
+            return
+        i = bisect.bisect_right(self._starts, n) - 1  # the chunk holding position n, if any
+        if i < 0:
+            self._starts, self._chunks, self.end = [], [], 0
+            return
+        del self._starts[i + 1:], self._chunks[i + 1:]
+        self._chunks[i] = self._chunks[i][:n - self._starts[i]]
+        if len(self._chunks[i]) == 0:
+            del self._starts[i], self._chunks[i]
+        self.end = n
+
+    def since(self, pos: int) -> torch.Tensor | None:
+        """Features of positions ``[pos, end)`` in one tensor (None when there are none)."""
+        if pos >= self.end:
+            return None
+        i = max(0, bisect.bisect_right(self._starts, pos) - 1)
+        parts = [self._chunks[i][pos - self._starts[i]:]] + self._chunks[i + 1:]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @dataclass
@@ -23,9 +81,13 @@ class Session:
     drafter_needs_features: bool = True  # MoA drafts only once the prompt's features exist
     adaptive_speculation: bool = False  # ask for about as many drafts as recent rounds accepted
     tokens: list[int] = field(default_factory=list)
-    feature_chunks: list[torch.Tensor] = field(default_factory=list)
-    num_features: int = 0  # features held for positions [0, num_features)
+    features: FeatureStore = field(default_factory=FeatureStore)
     features_sent: int = 0  # the drafter has features of positions [0, features_sent)
+    # committed tokens each pool's replica holds (a prefix of ``tokens``): requests carry only the
+    # rest; 0 = send everything (new session, failed call, replica that lost the session)
+    verifier_base: int = 0
+    drafter_base: int = 0
+    prefilling: bool = False  # the verifier is still prefilling the prompt in chunks: no drafts
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -53,14 +115,19 @@ class Session:
         return self.finish_reason is not None
 
     @property
+    def num_features(self) -> int:
+        return self.features.end
+
+    @property
     def mean_accepted_length(self) -> float:
         """Tokens committed per verify round, the target's own token included."""
         return len(self.generated) / self.rounds if self.rounds else 0.0
 
-    def speculation_length(self) -> int:
-        """Drafts worth asking for this round: none before the prompt is verified (no
-        features yet); never more than the output or the context can still take."""
-        if self.drafter_needs_features and self.num_features == 0:
+    def speculation_length(self, cap: int | None = None) -> int:
+        """Drafts worth asking for this round: none while the prompt is being prefilled or before
+        it is verified (no features yet); never more than the output or the context can still
+        take, nor more than ``cap`` (the round-wide limit that keeps verification cheap)."""
+        if self.prefilling or (self.drafter_needs_features and self.num_features == 0):
             return 0
         room = min(self.max_new_tokens - len(self.generated), self.max_model_len - len(self.tokens)) - 1
         k = self.num_speculative_tokens
@@ -68,30 +135,32 @@ class Session:
             # drafts beyond what the drafter usually gets accepted cost drafter steps and
             # verifier width for nothing; one more than the recent average keeps probing
             k = min(k, max(1, math.ceil(self.accept_ema + 1)))
+        if cap is not None:
+            k = min(k, cap)
         return max(0, min(k, room))
 
     # -- features ------------------------------------------------------------------
-    def add_features(self, start: int, feats: torch.Tensor | None) -> None:
+    def add_features(self, start: int, feats: torch.Tensor | None) -> bool:
+        """Keeps the verifier's features of a round. False when they start past the ones we hold:
+        the verifier computed positions whose features never reached us (a call that timed out
+        here but ran there); they are dropped, and only a re-prefill can fill the hole."""
         if feats is None or len(feats) == 0:
-            return
-        if start != self.num_features:
-            # a re-prefill recomputed positions we already hold: keep the prefix before them
-            self._truncate_features(start)
-        self.feature_chunks.append(feats)
-        self.num_features = start + len(feats)
+            return True
+        if not self.features.add(start, feats):
+            log.warning("session %s: features from %d arrived but we hold only %d; dropped",
+                        self.id, start, self.num_features)
+            return False
+        # recomputed positions (a re-prefill) go to the drafter again
+        self.features_sent = min(self.features_sent, start)
+        return True
 
-    def _truncate_features(self, n: int) -> None:
-        allf = torch.cat(self.feature_chunks)[:n] if self.feature_chunks else None
-        self.feature_chunks = [allf] if allf is not None and len(allf) else []
-        self.num_features = n
-        self.features_sent = min(self.features_sent, n)
+    def forget_replicas(self) -> None:
+        """Both pools' replicas are to start this session afresh (base 0, every feature)."""
+        self.verifier_base = self.drafter_base = self.features_sent = 0
 
     def unsent_features(self) -> tuple[int, torch.Tensor | None]:
-        if self.features_sent >= self.num_features:
-            return self.features_sent, None
-        allf = torch.cat(self.feature_chunks)
-        self.feature_chunks = [allf]
-        return self.features_sent, allf[self.features_sent:]
+        """(position of the first feature the drafter lacks, those features or None)."""
+        return self.features_sent, self.features.since(self.features_sent)
 
     # -- commit --------------------------------------------------------------------
     def commit(self, new_tokens: list[int], drafted: int, accepted: int) -> list[int]:

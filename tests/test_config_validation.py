@@ -1,0 +1,169 @@
+"""build_app refuses configs that cannot work (fast: no Ray cluster, no weights loaded)."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moa_serve.deployments import fit
+from moa_serve.deployments.app import _options, build_app, validate
+from moa_serve.deployments.config import AppConfig, session_warnings
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "deployments" / "configs"
+GiB = 2 ** 30
+
+# the public config.json of meta-llama/Meta-Llama-3-8B-Instruct (the fields the arithmetic reads)
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+             "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+             "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+             "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128009}
+
+
+def args_of(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / name).read_text())["applications"][0]["args"]
+
+
+@pytest.fixture
+def llama3_dir(tmp_path, monkeypatch):
+    d = tmp_path / "Meta-Llama-3-8B-Instruct"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(LLAMA3_8B))
+    monkeypatch.setenv("MOA_MODEL_DIR", str(tmp_path))
+    return d
+
+
+def small(**over) -> dict:
+    """A stories260k config that fits, to break one thing at a time."""
+    a = {"target": "stories260k", "drafter": None, "dtype": "float32",
+         "router": {"max_sessions_per_round": 8, "session_groups": 2},
+         "verifier_pool": {"max_sessions": 16, "autoscaling_config": {"max_replicas": 1}}}
+    for k, v in over.items():
+        a[k] = {**a.get(k, {}), **v} if isinstance(v, dict) else v
+    return a
+
+
+# --------------------------------------------------------------------------- sessions
+
+def test_group_larger_than_a_replica_is_refused():
+    with pytest.raises(ValueError, match=r"router.max_sessions_per_round \(32\) > verifier_pool.max_sessions \(16\)"):
+        AppConfig.model_validate(small(router={"max_sessions_per_round": 32}))
+
+
+def test_routers_admitting_more_than_the_pool_holds_is_refused():
+    a = small(router={"max_sessions_per_round": 16, "session_groups": 2,
+                      "autoscaling_config": {"max_replicas": 2}})
+    with pytest.raises(ValueError, match=r"may admit 64 sessions .* verifier_pool holds at most 16"):
+        AppConfig.model_validate(a)
+    a["verifier_pool"]["autoscaling_config"] = {"max_replicas": 4}
+    AppConfig.model_validate(a)  # 4 x 16 = 64: fits
+
+
+def test_drafter_pool_is_checked_too():
+    a = small(drafter="some-drafter", drafter_pool={"max_sessions": 4})
+    with pytest.raises(ValueError, match="drafter_pool.max_sessions"):
+        AppConfig.model_validate(a)
+    a["drafter"] = None  # no drafter, no drafter pool to check
+    AppConfig.model_validate(a)
+
+
+def test_pools_scale_on_sessions_not_calls():
+    with pytest.raises(ValueError, match="target_sessions_per_replica"):
+        AppConfig.model_validate(small(verifier_pool={"autoscaling_config": {"target_ongoing_requests": 4}}))
+    cfg = AppConfig.model_validate(small(verifier_pool={"autoscaling_config": {"max_replicas": 1}}))
+    opts = _options(cfg.verifier_pool)["autoscaling_config"]
+    assert opts["policy"] == {"policy_function": "moa_serve.deployments.autoscaling:SessionsPolicy",
+                              "policy_kwargs": {"target_sessions_per_replica": 12.0}}  # 3/4 of 16
+    assert "target_ongoing_requests" not in opts and "target_sessions_per_replica" not in opts
+    assert "policy" not in _options(cfg.router)["autoscaling_config"]  # the Router keeps Ray's policy
+
+
+def test_new_fields_and_dtype_auto():
+    cfg = AppConfig.model_validate(small(dtype="auto"))
+    assert cfg.verifier_pool.max_num_batched_tokens == 512 and cfg.router.speculation_token_budget == 32
+    assert fit.dtype_bytes("auto", "cpu") == 4 and fit.dtype_bytes("auto", "cuda") == 2
+    with pytest.raises(ValueError):
+        AppConfig.model_validate(small(dtype="int8"))
+    assert AppConfig.model_validate(cfg.model_dump()) == cfg  # what the replicas re-validate
+
+
+def test_warnings_for_unreachable_replicas():
+    cfg = AppConfig.model_validate(small(router={"session_groups": 1},
+                                         verifier_pool={"autoscaling_config": {"max_replicas": 3}}))
+    assert any("never get work" in w for w in session_warnings(cfg))
+
+
+# --------------------------------------------------------------------------- memory
+
+def test_kv_arithmetic_llama3_8b():
+    t = fit.ModelShape.from_hf(type("C", (), LLAMA3_8B))
+    assert t.kv_bytes_per_token(2) == 128 * 1024  # 128 KiB per token in bf16
+    assert 8.0e9 < t.params() < 8.1e9
+
+
+def test_gpu_yaml_fits_an_80gb_gpu(llama3_dir):
+    cfg = AppConfig.model_validate(args_of("gpu.yaml"))
+    results = validate(cfg)
+    v = next(f for f in results if f.pool == "verifier_pool")
+    assert v.ok and v.capacity == int(0.9 * 80 * GiB)
+    assert abs(v.kv - 48 * 8193 * 128 * 1024) == 0 and 14.9 * GiB < v.weights < 15.0 * GiB
+    d = next(f for f in results if f.pool == "drafter_pool")
+    assert d.ok and d.capacity == int(0.9 * 80 * GiB * 0.25)
+
+
+def test_old_gpu_yaml_is_refused_with_the_arithmetic(llama3_dir):
+    a = args_of("gpu.yaml")
+    a["verifier_pool"]["max_sessions"] = 64
+    with pytest.raises(ValueError, match=r"verifier_pool: weights 14.96 GiB \+ KV cache 64.01 GiB .* > 72.00 GiB"):
+        build_app(a)
+
+
+def test_cpu_memory_option_is_the_limit(stories_path, monkeypatch):
+    monkeypatch.setenv("MOA_MODEL_DIR", str(stories_path.parent))
+    cfg = AppConfig.model_validate(small(verifier_pool={"ray_actor_options": {"memory": 4 * 2 ** 20}}))
+    with pytest.raises(ValueError, match=r"ray_actor_options.memory"):
+        validate(cfg)
+    cfg = AppConfig.model_validate(small())
+    (v,) = validate(cfg)
+    assert v.ok and v.capacity_of == "0.9 x host RAM"
+
+
+def test_cuda_without_gpus_is_refused(llama3_dir):
+    a = args_of("gpu.yaml")
+    a["verifier_pool"]["ray_actor_options"]["num_gpus"] = 0
+    with pytest.raises(ValueError, match="num_gpus is 0"):
+        validate(AppConfig.model_validate(a))
+
+
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "local-cpu-2x.yaml"])
+def test_local_configs_are_valid(name):  # MOA_MODEL_DIR: ../shared/models (conftest)
+    cfg = AppConfig.model_validate(args_of(name))
+    assert cfg.dtype == "auto"
+    results = validate(cfg)
+    assert {f.pool for f in results} == {"verifier_pool", "drafter_pool"} and all(f.ok for f in results)
+    if name == "local-cpu.yaml":
+        assert cfg.router.session_groups == 1 and cfg.router.max_sessions_per_round == 64
+        assert cfg.verifier_pool.max_sessions == 64 and cfg.verifier_pool.torch_threads == 2
+    else:
+        assert cfg.verifier_pool.autoscaling_config.min_replicas == 2
+        assert cfg.drafter_pool.autoscaling_config.min_replicas == 2 and cfg.router.session_groups >= 2
+
+
+def test_drafter_shape_from_a_packaged_checkpoint():
+    cfg = AppConfig.model_validate(args_of("local-cpu.yaml"))
+    t = fit.target_shape(cfg)
+    d = fit.drafter_shape(cfg.drafter, t)
+    assert d.kind == "moa" and not d.estimated and d.draft_vocab == 8192
+    assert d.kv_width_per_token == 2 * 3 * 64  # SA + CA, 3 KV heads x 64 each
+    est = fit.drafter_shape("nobody/not-here", t)
+    assert est.estimated and est.kv_width_per_token == 2 * t.kv_width
+
+
+def test_unchanged_input_not_mutated():
+    a = small()
+    before = copy.deepcopy(a)
+    AppConfig.model_validate(a)
+    assert a == before

@@ -1,0 +1,487 @@
+"""RoundService against awaiting fake pools that speak the delta protocol (``base`` + ``tokens``,
+``resync``, chunked prefill, ``needs_features_from``) over a deterministic toy "model": groups
+interleave on ``asyncio.sleep``, so ordering, failure and timeout defects show up without Ray
+and without real models.
+
+The toy target's greedy next token is a function of the whole prefix; the fake feature of
+position p is the number p, so the fake drafter checks that it got the right positions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from moa_serve.drafter.proposer import DraftResult
+from moa_serve.engine import rounds
+from moa_serve.engine.service import Observer, RoundService
+from moa_serve.engine.session import FeatureStore, Session
+from moa_serve.verifier.api import VerifyResult
+
+VOCAB = 97
+
+
+def next_token(seq: list[int]) -> int:
+    return (seq[-1] * 31 + (seq[-2] if len(seq) > 1 else 0) * 7 + len(seq)) % VOCAB
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
+
+
+def fake_features(start: int, end: int) -> torch.Tensor:
+    return torch.arange(start, end, dtype=torch.float32)[:, None].repeat(1, 3)
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class _FakePool:
+    """What both fakes share: a delay per call, scripted events by call number (1-based):
+    ``fail_on[n] = exc`` raises, ``hang_on`` computes then hangs (the call "ran there" but times
+    out here), ``evict_on[n] = sid`` forgets a session first; ``fail_groups`` always raise."""
+
+    def __init__(self, delay: float = 0.0, reverse: bool = False):
+        self.delay, self.reverse = delay, reverse
+        self.copies: dict[str, list[int]] = {}
+        self.calls: list[tuple] = []  # (group, requests)
+        self.fail_on: dict[int, Exception] = {}
+        self.fail_groups: dict = {}
+        self.hang_on: set[int] = set()
+        self.evict_on: dict[int, str] = {}
+        self.errors: list[str] = []
+
+    async def __call__(self, group, reqs):
+        self.calls.append((group, list(reqs)))
+        n = len(self.calls)
+        await asyncio.sleep(self.delay)
+        if group in self.fail_groups:
+            raise self.fail_groups[group]
+        if n in self.fail_on:
+            raise self.fail_on[n]
+        if n in self.evict_on:
+            self.evict(self.evict_on[n])
+        out = [self._one(q) for q in reqs]
+        if n in self.hang_on:
+            await asyncio.sleep(3600)
+        return out[::-1] if self.reverse else out
+
+    def _copy(self, q) -> list[int] | None:
+        """The replica's copy after this request, or None when it lacks ``base`` tokens."""
+        old = self.copies.get(q.session_id)
+        if q.base > (len(old) if old is not None else 0):
+            return None
+        return (old or [])[:q.base] + list(q.tokens)
+
+
+class FakeVerifier(_FakePool):
+    def __init__(self, chunk: int = 0, **kw):
+        super().__init__(**kw)
+        self.chunk = chunk  # committed tokens prefilled per call (0: all at once)
+        self.cached: dict[str, int] = {}
+        self.token_rounds: dict[str, int] = {}  # results that carried tokens, per session
+
+    def evict(self, sid: str) -> None:
+        self.copies.pop(sid, None)
+        self.cached.pop(sid, None)
+
+    def _one(self, q) -> VerifyResult:
+        old = self.copies.get(q.session_id) or []
+        copy = self._copy(q)
+        if copy is None:
+            return VerifyResult(q.session_id, [], 0, 0, None, resync=True)
+        cached = min(self.cached.get(q.session_id, 0), _lcp(old, copy), len(copy) - 1)
+        self.copies[q.session_id] = copy
+        if self.chunk and len(copy) - cached > self.chunk + 1:  # a chunk of the prompt, nothing else
+            if q.drafts:
+                self.errors.append(f"{q.session_id}: drafts while prefilling")
+            end = cached + self.chunk
+            self.cached[q.session_id] = end
+            return VerifyResult(q.session_id, [], 0, cached, fake_features(cached, end), num_computed=self.chunk,
+                                prefill_remaining=len(copy) - end)
+        seq, acc = list(copy), []
+        for d in q.drafts:
+            if d != next_token(seq):
+                break
+            acc.append(d)
+            seq.append(d)
+        new = acc + [next_token(seq)]
+        end = len(copy) + len(acc)  # positions now cached (the new bonus token is not)
+        self.cached[q.session_id] = end
+        self.copies[q.session_id] = copy + new
+        self.token_rounds[q.session_id] = self.token_rounds.get(q.session_id, 0) + 1
+        feats = fake_features(cached, end) if q.want_features else None
+        return VerifyResult(q.session_id, new, len(acc), cached, feats,
+                            num_computed=len(copy) - cached + len(q.drafts))
+
+
+class FakeDrafter(_FakePool):
+    def __init__(self, wrong_every: int = 0, **kw):
+        super().__init__(**kw)
+        self.wrong_every = wrong_every  # every n-th draft is wrong
+        self.held: dict[str, int] = {}
+        self.received: dict[str, list[int]] = {}  # feature positions received, per session
+        self._n = 0
+
+    def evict(self, sid: str) -> None:
+        self.copies.pop(sid, None)
+        self.held.pop(sid, None)
+
+    def _one(self, q) -> DraftResult:
+        copy = self._copy(q)
+        if copy is None:
+            return DraftResult(q.session_id, [], resync=True)
+        self.copies[q.session_id] = copy
+        held = self.held.get(q.session_id, 0)
+        if q.feature_start > held:
+            return DraftResult(q.session_id, [], needs_features_from=held)
+        if q.features is not None:
+            if not torch.equal(q.features, fake_features(q.feature_start, q.feature_start + len(q.features))):
+                self.errors.append(f"{q.session_id}: features from {q.feature_start} are not those positions")
+            self.held[q.session_id] = q.feature_start + len(q.features)
+            self.received.setdefault(q.session_id, []).extend(range(q.feature_start, self.held[q.session_id]))
+        drafts, seq = [], list(copy)
+        for _ in range(q.num_drafts):
+            self._n += 1
+            t = next_token(seq)
+            if self.wrong_every and self._n % self.wrong_every == 0:
+                t = (t + 1) % VOCAB
+            drafts.append(t)
+            seq.append(t)
+        return DraftResult(q.session_id, drafts)
+
+
+class FakeRelease:
+    def __init__(self, *pools, fail: int = 0):
+        self.pools, self.fail = pools, fail
+        self.released: list[str] = []
+        self.calls = 0
+
+    async def __call__(self, group, ids):
+        self.calls += 1
+        await asyncio.sleep(0.001)
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("release failed")
+        for sid in ids:
+            for p in self.pools:
+                p.evict(sid)
+        self.released += ids
+
+
+def make_session(i: int, prompt_len: int = 6, max_new: int = 20, k: int = 3) -> Session:
+    prompt = [(i * 13 + j * 5 + 1) % VOCAB for j in range(prompt_len)]
+    return Session(f"s{i}", prompt, max_new, num_speculative_tokens=k, max_model_len=256)
+
+
+def make_service(verifier, drafter=None, **kw):
+    release = FakeRelease(*(p for p in (verifier, drafter) if p is not None))
+    kw.setdefault("retry_backoff_s", 0.01)
+    return RoundService(verifier, drafter, release, **kw), release
+
+
+async def collect(svc, tracked) -> tuple[list[int], str]:
+    toks, finish = [], None
+    async for ev in svc.stream(tracked):
+        toks += ev.tokens
+        finish = ev.finish_reason
+    return toks, finish
+
+
+def requests_of(pool, sid):
+    return [q for _, reqs in pool.calls for q in reqs if q.session_id == sid]
+
+
+# ---------------------------------------------------------------------- protocol end to end
+def test_deltas_chunked_prefill_and_reordered_results_keep_every_token():
+    verifier = FakeVerifier(chunk=4, delay=0.01, reverse=True)
+    drafter = FakeDrafter(wrong_every=4, delay=0.005, reverse=True)
+    ss = [make_session(i, prompt_len=5 + 2 * i) for i in range(6)]
+
+    async def main():
+        svc, _ = make_service(verifier, drafter, groups=["r0/0", "r0/1"], max_sessions_per_round=3,
+                              speculation_token_budget=0)
+        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
+        await svc.stop()
+        return outs, svc.stats
+
+    outs, stats = asyncio.run(main())
+    assert [o[0] for o in outs] == [reference(s.prompt, 20) for s in ss]  # results matched by id, not order
+    assert verifier.errors == [] and drafter.errors == []
+    assert {g for g, _ in verifier.calls} == {"r0/0", "r0/1"}
+    for s in ss:
+        vq, dq = requests_of(verifier, s.id), requests_of(drafter, s.id)
+        assert [q.base == 0 for q in vq].count(True) == 1 and [q.base == 0 for q in dq].count(True) == 1
+        assert all(len(q.tokens) <= s.num_speculative_tokens + 1 for q in vq + dq if q.base > 0)  # deltas only
+        pos = drafter.received[s.id]
+        assert pos == sorted(set(pos)) and pos[0] == 0  # every feature sent once, in order
+        assert s.rounds == verifier.token_rounds[s.id]  # prefill chunks are not rounds
+        assert s.mean_accepted_length > 1.0
+    assert stats.prefill_rounds == sum(max(0, (len(s.prompt) - 2) // 4) for s in ss)
+    assert stats.completed == 6 and stats.resyncs == 0 and stats.multi_session_rounds > 0
+
+
+def test_replicas_that_lost_a_session_resync():
+    verifier = FakeVerifier(delay=0.002)
+    drafter = FakeDrafter(delay=0.001)
+    verifier.evict_on = {4: "s0"}  # the verifier replica lost s0 (restart, LRU eviction)
+    drafter.evict_on = {3: "s1"}
+
+    async def main():
+        svc, _ = make_service(verifier, drafter, num_groups=1)
+        ss = [make_session(0), make_session(1)]
+        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
+        await svc.stop()
+        return ss, outs, svc.stats
+
+    ss, outs, stats = asyncio.run(main())
+    assert [o[0] for o in outs] == [reference(s.prompt, 20) for s in ss]
+    assert drafter.errors == []
+    # the verify resync went again, whole, in a follow-up call of the same round
+    follow = verifier.calls[4][1]
+    assert [(q.session_id, q.base, len(q.tokens)) for q in follow] == [("s0", 0, len(follow[0].tokens))]
+    assert follow[0].tokens[:6] == ss[0].prompt
+    # the drafter resync: base 0 next time, and every feature again
+    s1 = requests_of(drafter, "s1")
+    i = next(i for i, q in enumerate(s1) if q.base == 0 and i > 0)
+    assert s1[i].base == 0
+    assert stats.resyncs >= 2 and stats.drafter_resyncs >= 1
+
+
+# ---------------------------------------------------------------------- the concurrency defects
+def test_a_failed_round_errors_only_its_own_batch():
+    verifier = FakeVerifier(delay=0.05)
+    verifier.fail_on = {1: ValueError("bad request")}
+
+    async def main():
+        svc, _ = make_service(verifier, None, num_groups=1, max_sessions_per_round=4)
+        a = asyncio.create_task(collect(svc, svc.submit(make_session(0))))
+        await asyncio.sleep(0.01)  # a's round is in flight
+        b = asyncio.create_task(collect(svc, svc.submit(make_session(1, max_new=3))))  # admitted during it
+        outs = await asyncio.gather(a, b)
+        await svc.stop()
+        return outs
+
+    (a_toks, a_finish), (b_toks, b_finish) = asyncio.run(main())
+    assert a_toks == [] and a_finish.startswith("error: ValueError: bad request")
+    assert b_finish == "length" and b_toks == reference(make_session(1).prompt, 3)
+
+
+def test_verify_timeout_is_retried_whole_and_features_are_rebuilt():
+    verifier = FakeVerifier(delay=0.002)
+    drafter = FakeDrafter(delay=0.001, wrong_every=3)
+    verifier.hang_on = {4}  # computed there, never answered here
+
+    async def main():
+        svc, _ = make_service(verifier, drafter, num_groups=1, verify_timeout_s=0.2)
+        ss = [make_session(0), make_session(1, prompt_len=9)]
+        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
+        await svc.stop()
+        return ss, outs, svc.stats
+
+    ss, outs, stats = asyncio.run(main())
+    assert [o[0] for o in outs] == [reference(s.prompt, 20) for s in ss]
+    assert stats.verify_retries == 1
+    assert all(q.base == 0 for q in verifier.calls[4][1])  # the retry resent whole token lists
+    assert drafter.errors == []
+
+
+def test_features_lost_on_the_way_are_rebuilt_by_a_re_prefill():
+    class LossyVerifier(FakeVerifier):
+        def _one(self, q):
+            r = super()._one(q)
+            if len(self.calls) == 3:
+                r.features = None  # computed there, never arrived here
+            return r
+
+    verifier, drafter = LossyVerifier(delay=0.001), FakeDrafter()
+
+    async def main():
+        svc, release = make_service(verifier, drafter, num_groups=1)
+        s = make_session(0)
+        out = await collect(svc, svc.submit(s))
+        await svc.stop()
+        return s, out, svc.stats, release
+
+    s, (toks, _), stats, release = asyncio.run(main())
+    assert toks == reference(s.prompt, 20) and drafter.errors == []
+    assert stats.resyncs == 1 and release.released[0] == "s0"  # released on both pools mid-way
+    restart = [q for q in requests_of(verifier, "s0")[1:] if q.base == 0]
+    assert len(restart) == 1 and restart[0].tokens[:6] == s.prompt
+
+
+def test_a_slow_drafter_past_its_timeout_degrades_to_plain_decoding():
+    verifier = FakeVerifier(delay=0.002)
+    drafter = FakeDrafter(delay=0.001)
+    drafter.hang_on = {2}
+
+    async def main():
+        svc, _ = make_service(verifier, drafter, num_groups=1, draft_timeout_s=0.1)
+        s = make_session(0)
+        out = await collect(svc, svc.submit(s))
+        await svc.stop()
+        return s, out, svc.stats
+
+    s, (toks, _), stats = asyncio.run(main())
+    assert toks == reference(s.prompt, 20) and stats.draft_fallbacks == 1
+    after = requests_of(drafter, "s0")[2]
+    assert after.base == 0 and after.feature_start == 0  # a replacement replica gets everything
+
+
+def test_kv_cache_full_is_retried_a_bounded_number_of_times_and_errors_only_its_group():
+    verifier = FakeVerifier(delay=0.002)
+    verifier.fail_groups = {"bad": RuntimeError("KV cache is full: no free session slot")}
+
+    async def main():
+        svc, _ = make_service(verifier, None, groups=["good", "bad"], max_sessions_per_round=1,
+                              verify_retries=3)
+        outs = await asyncio.gather(*(collect(svc, svc.submit(make_session(i))) for i in range(2)))
+        await svc.stop()
+        return outs, svc.stats
+
+    outs, stats = asyncio.run(main())
+    finishes = sorted(f for _, f in outs)
+    assert finishes[0].startswith("error: RuntimeError: KV cache is full") and finishes[1] == "length"
+    assert sum(g == "bad" for g, _ in verifier.calls) == 4  # 1 call + 3 retries, not 30
+    assert stats.verify_retries == 3
+
+
+def test_a_bad_request_is_not_retried():
+    verifier = FakeVerifier()
+    verifier.fail_groups = {0: ValueError("no tokens to verify")}
+
+    async def main():
+        svc, _ = make_service(verifier, None, num_groups=1)
+        out = await collect(svc, svc.submit(make_session(0)))
+        await svc.stop()
+        return out, svc.stats
+
+    (_, finish), stats = asyncio.run(main())
+    assert finish.startswith("error: ValueError") and len(verifier.calls) == 1 and stats.verify_retries == 0
+
+
+def test_failed_releases_are_retried_then_given_up():
+    async def run(fail: int, attempts: int):
+        verifier = FakeVerifier(delay=0.001)
+        svc, release = make_service(verifier, None, num_groups=1, release_attempts=attempts)
+        release.fail = fail
+        await asyncio.gather(*(collect(svc, svc.submit(make_session(i, max_new=3))) for i in range(3)))
+        for _ in range(200):
+            if svc.pending_releases == 0:
+                break
+            await asyncio.sleep(0.01)
+        await svc.stop()
+        return svc, release, verifier
+
+    svc, release, verifier = asyncio.run(run(fail=2, attempts=5))
+    assert sorted(release.released) == ["s0", "s1", "s2"] and verifier.copies == {}
+    assert svc.stats.release_failures == 2 and svc.stats.releases_dropped == 0
+    svc, release, _ = asyncio.run(run(fail=100, attempts=3))
+    assert svc.pending_releases == 0 and svc.stats.releases_dropped == 3 and release.released == []
+
+
+# ---------------------------------------------------------------------- speculation policy
+def test_speculation_cap_shrinks_with_the_batch():
+    assert rounds.speculation_cap(32, 1) == 31
+    assert [rounds.speculation_cap(32, n) for n in (4, 8, 16, 32, 64)] == [7, 3, 1, 0, 0]
+    assert rounds.speculation_cap(0, 64) is None
+    s = make_session(0, k=5)
+    s.features.add(0, fake_features(0, 6))
+    assert s.speculation_length(None) == 5 and s.speculation_length(2) == 2 and s.speculation_length(0) == 0
+    s.adaptive_speculation, s.accept_ema = True, 0.0  # nothing accepted lately: 1, whatever the cap
+    assert s.speculation_length(3) == 1
+
+
+def test_service_shrinks_k_as_the_batch_grows_and_turns_it_off():
+    verifier = FakeVerifier(delay=0.002)
+    drafter = FakeDrafter(delay=0.001)
+
+    async def main(budget):
+        svc, _ = make_service(verifier, drafter, num_groups=1, max_sessions_per_round=8,
+                              speculation_token_budget=budget)
+        ss = [make_session(i, max_new=8 + 6 * (i == 0), k=4) for i in range(8)]
+        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
+        await svc.stop()
+        return ss, outs
+
+    ss, outs = asyncio.run(main(16))  # 8 sessions: at most 1 draft each; s0 alone at the end: 4
+    assert [o[0] for o in outs] == [reference(s.prompt, len(o[0])) for s, o in zip(ss, outs)]
+    widths = [(len(reqs), max(q.num_drafts for q in reqs)) for _, reqs in drafter.calls]
+    assert all(k <= 16 // n - 1 for n, k in widths if n > 1)
+    assert (1, 4) in widths
+    drafter.calls.clear()
+    asyncio.run(main(8))  # 8 sessions, budget 8: no drafting at all while all 8 run
+    assert all(len(reqs) < 8 for _, reqs in drafter.calls)
+
+
+# ---------------------------------------------------------------------- features
+def test_feature_store_sends_only_the_tail(monkeypatch):
+    fs = FeatureStore()
+    for p in range(0, 300, 3):
+        assert fs.add(p, fake_features(p, p + 3))
+    assert len(fs) == 300 and not fs.add(301, fake_features(301, 302))  # a hole is refused
+    seen = []
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda ts, *a, **k: (seen.append(len(ts)), real_cat(ts, *a, **k))[1])
+    assert torch.equal(fs.since(292), fake_features(292, 300)) and max(seen) <= 3
+    assert torch.equal(fs.since(0), fake_features(0, 300))  # a drafter resync still gets everything
+    fs.add(100, fake_features(100, 104))  # a re-prefill recomputed from 100
+    assert len(fs) == 104 and torch.equal(fs.since(97), fake_features(97, 104))
+    fs.truncate(0)
+    assert len(fs) == 0 and fs.since(0) is None
+
+
+def test_batch_feature_views_are_not_kept_alive():
+    batch = fake_features(0, 1000)
+    fs = FeatureStore()
+    fs.add(0, batch[:2])
+    assert fs.since(0).untyped_storage().nbytes() < batch.untyped_storage().nbytes()
+
+
+# ---------------------------------------------------------------------- stats and observers
+def test_round_profile_and_an_observer_with_the_old_signature():
+    class OldObserver(Observer):  # deployments/metrics.py's PrometheusObserver shape
+        def __init__(self):
+            self.rounds = []
+
+        def round_done(self, group, sessions, draft_s, verify_s, round_s):
+            self.rounds.append((group, sessions))
+
+    class NewObserver(Observer):
+        def __init__(self):
+            self.profiles = []
+
+        def round_profile(self, profile):
+            self.profiles.append(profile)
+
+    async def main(obs):
+        svc, _ = make_service(FakeVerifier(chunk=4, delay=0.001), FakeDrafter(), groups=["x"], observer=obs)
+        await collect(svc, svc.submit(make_session(0, prompt_len=12)))
+        await svc.stop()
+        return svc.stats
+
+    old = OldObserver()
+    stats = asyncio.run(main(old))
+    assert old.rounds and old.rounds[0] == ("x", 1)
+    new = NewObserver()
+    asyncio.run(main(new))
+    p = new.profiles
+    assert p[0].prefill_sessions == 1 and p[0].tokens == 0 and sum(x.tokens for x in p) == 20
+    assert all(x.round_s >= x.verify_s > 0 for x in p)
+    d = stats.as_dict()
+    assert d["prefill_rounds"] == 2 and d["resyncs"] == 0
+    assert {"mean_draft_ms", "mean_verify_ms", "mean_commit_ms", "mean_round_ms", "verify_s"} <= set(d)
+
+
+def test_group_keys_must_be_distinct():
+    with pytest.raises(ValueError):
+        RoundService(FakeVerifier(), None, FakeRelease(), groups=["a", "a"])
+    assert RoundService(FakeVerifier(), None, FakeRelease(), num_groups=3).groups == [0, 1, 2]

@@ -1,0 +1,110 @@
+"""The verifier runner's serving behaviour: one packed forward for decode steps and prefill
+chunks, chunked prefill against Hugging Face greedy, the context limit, token deltas with
+resync, LRU eviction when the cache is full."""
+
+import pytest
+import torch
+
+from moa_serve.models import load_state_dict, read_config
+from moa_serve.verifier.api import VerifyRequest
+from moa_serve.verifier.target_model import TargetModel
+from moa_serve.verifier.torch_runner import ContextTooLongError, TorchTargetRunner
+
+
+@pytest.fixture(scope="module")
+def target(stories_path):
+    return TargetModel.from_state_dict(read_config(stories_path), load_state_dict(stories_path), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hf(stories_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(stories_path), dtype=torch.float32).eval()
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                      pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def decode(runner: TorchTargetRunner, sessions: dict[str, list[int]], steps: int) -> dict[str, list[int]]:
+    """Drives sessions with deltas (base = tokens the replica holds) until each has ``steps`` tokens."""
+    out = {sid: [] for sid in sessions}
+    held = {sid: 0 for sid in sessions}
+    calls = 0
+    while any(len(o) < steps for o in out.values()):
+        calls += 1
+        assert calls < 10 * steps, "no progress"
+        live = [sid for sid in sessions if len(out[sid]) < steps]
+        reqs = []
+        for sid in live:
+            full = sessions[sid] + out[sid]
+            reqs.append(VerifyRequest(sid, full[held[sid]:], base=held[sid], want_features=False))
+        for r in runner.verify(reqs):
+            assert not r.resync
+            full = sessions[r.session_id] + out[r.session_id]
+            if r.tokens:
+                out[r.session_id] += r.tokens
+                held[r.session_id] = len(full) + len(r.tokens)
+            else:  # still prefilling: the replica holds the whole committed list already
+                assert r.prefill_remaining > 0
+                held[r.session_id] = len(full)
+    return {sid: o[:steps] for sid, o in out.items()}
+
+
+def test_prompts_longer_than_the_chunk_match_hf_greedy(target, hf):
+    runner = TorchTargetRunner("unused", model=target, max_sessions=4, max_model_len=256, max_num_batched_tokens=40)
+    prompts = {"long": prompt_of(150, 1), "mid": prompt_of(70, 2), "short": prompt_of(9, 3)}
+    got = decode(runner, prompts, 12)
+    for sid, p in prompts.items():
+        assert got[sid] == hf_greedy(hf, p, 12), sid
+
+
+def test_a_long_prefill_does_not_stall_a_decoding_session(target):
+    runner = TorchTargetRunner("unused", model=target, max_sessions=4, max_model_len=256, max_num_batched_tokens=64)
+    short = prompt_of(8, 4)
+    (r,) = runner.verify([VerifyRequest("d", short)])
+    committed = short + r.tokens
+    results = runner.verify([VerifyRequest("d", committed), VerifyRequest("p", prompt_of(200, 5))])
+    decoded, prefilling = results
+    assert len(decoded.tokens) == 1  # the decode step answered in the same forward
+    assert prefilling.tokens == [] and prefilling.prefill_remaining > 0
+    assert prefilling.num_computed + decoded.num_computed == 64  # the budget, filled
+
+
+def test_generation_up_to_the_context_limit(target, hf):
+    limit = 48
+    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=limit)
+    prompt = prompt_of(30, 6)
+    got = decode(runner, {"s": prompt}, limit - len(prompt))["s"]
+    assert got == hf_greedy(hf, prompt, limit - len(prompt))
+    with pytest.raises(ContextTooLongError):
+        runner.verify([VerifyRequest("s", prompt + got + [5], base=0)])
+
+
+def test_unknown_session_with_a_delta_answers_resync(target):
+    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=128)
+    (r,) = runner.verify([VerifyRequest("x", [5, 6], base=10)])
+    assert r.resync and r.tokens == [] and "x" not in runner.sessions
+
+
+def test_full_cache_evicts_the_least_recently_used_idle_session(target, hf):
+    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=128)
+    prompts = {sid: prompt_of(12, i) for i, sid in enumerate("abc")}
+    first = {}
+    for sid in "ab":
+        (r,) = runner.verify([VerifyRequest(sid, prompts[sid])])
+        first[sid] = r.tokens
+    (rc,) = runner.verify([VerifyRequest("c", prompts["c"])])  # evicts "a", the least recently used
+    assert set(runner.sessions) == {"b", "c"} and runner.stats["evictions"] == 1
+    a_full = prompts["a"] + first["a"]
+    (again,) = runner.verify([VerifyRequest("a", [], base=len(a_full))])
+    assert again.resync
+    (ra,) = runner.verify([VerifyRequest("a", a_full)])  # the router resends everything: re-prefill
+    assert first["a"] + ra.tokens == hf_greedy(hf, prompts["a"], 2)
