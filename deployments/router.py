@@ -81,7 +81,8 @@ class Router:
         self.service = RoundService(
             self._verify, self._draft if drafter is not None else None, self._release,
             groups=self.groups, max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,
-            speculation_token_budget=r.speculation_token_budget, observer=PrometheusObserver())
+            speculation_token_budget=r.speculation_token_budget, speculation_governor=r.speculation_governor,
+            observer=PrometheusObserver())
         state.install(
             frontend=Frontend(self.service, tokenizer, max_model_len=max_model_len,
                               stop_token_ids=stop_token_ids(path, tokenizer),
@@ -118,6 +119,7 @@ class Router:
         d = self.calls.as_dict()
         d["router_replica"] = self.replica
         d["groups"] = assignment.snapshot()
+        d["speculation_governor"] = self.service.governor_snapshot()
         return d
 
     async def ready(self):

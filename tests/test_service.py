@@ -32,6 +32,7 @@ def make_service(engine, *, drafter_fails_on=(), **kw):
         for i in ids:
             engine.release(i)
 
+    kw.setdefault("speculation_governor", False)  # these tests follow every round's drafts
     return RoundService(verify, draft, release, **kw)
 
 

@@ -185,6 +185,7 @@ def make_session(i: int, prompt_len: int = 6, max_new: int = 20, k: int = 3) -> 
 def make_service(verifier, drafter=None, **kw):
     release = FakeRelease(*(p for p in (verifier, drafter) if p is not None))
     kw.setdefault("retry_backoff_s", 0.01)
+    kw.setdefault("speculation_governor", False)  # these tests follow every round's drafts
     return RoundService(verifier, drafter, release, **kw), release
 
 

@@ -31,6 +31,7 @@ from typing import Awaitable, Callable, Hashable, Sequence
 
 from moa_serve.drafter.proposer import DraftRequest, DraftResult
 from moa_serve.engine import rounds
+from moa_serve.engine.governor import SpeculationGovernor
 from moa_serve.engine.session import Session
 from moa_serve.verifier.api import VerifyRequest, VerifyResult
 
@@ -145,8 +146,12 @@ class RoundService:
                  verify_retries: int = 5, retry_backoff_s: float = 0.5, max_backoff_s: float = 8.0,
                  verify_timeout_s: float = 120.0, draft_timeout_s: float = 5.0,
                  release_timeout_s: float = 5.0, release_attempts: int = 5,
-                 speculation_token_budget: int = 32, observer: Observer | None = None):
+                 speculation_token_budget: int = 32, speculation_governor: bool = True,
+                 observer: Observer | None = None):
         self._verify, self._draft, self._release = verify, draft, release
+        # per group: speculate only in the rounds where it measurably pays (see governor.py)
+        self._governors = {g: SpeculationGovernor() for g in (groups if groups is not None else range(num_groups))} \
+            if speculation_governor and draft is not None else {}
         self.groups = list(groups) if groups is not None else list(range(num_groups))
         if not self.groups or len(set(self.groups)) != len(self.groups):
             raise ValueError(f"session groups must be a non-empty list of distinct keys: {self.groups!r}")
@@ -169,6 +174,10 @@ class RoundService:
         self._wake: dict[Hashable, asyncio.Event] = {}
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+
+    def governor_snapshot(self) -> dict:
+        """Measured ms per committed token with speculation on/off, per group and batch bucket."""
+        return {str(g): gov.snapshot() for g, gov in self._governors.items()}
 
     @property
     def num_groups(self) -> int:
@@ -335,6 +344,9 @@ class RoundService:
         by_id = {t.session.id: t.session for t in batch}
         sessions = list(by_id.values())
         cap = rounds.speculation_cap(self.speculation_token_budget, len(sessions))
+        governor = self._governors.get(g)
+        if governor is not None and not governor.speculate(len(sessions)):
+            cap = 0
         profile = RoundProfile(g, len(batch), speculation_cap=cap, release_s=release_s)
         drafts = await self._draft_round(g, by_id, sessions, cap, profile)
         t1 = time.perf_counter()
@@ -346,6 +358,8 @@ class RoundService:
         profile.draft_s, profile.verify_s, profile.commit_s = t1 - t0, t2 - t1, t3 - t2
         profile.round_s = t3 - t0 + release_s
         self.stats.add(profile)
+        if governor is not None and profile.prefill_sessions == 0 and profile.resyncs == 0:
+            governor.observe(profile.sessions, profile.drafted_sessions > 0, profile.round_s, profile.tokens)
         self.observer.round_done(g, profile.sessions, profile.draft_s, profile.verify_s, profile.round_s)
         self.observer.round_profile(profile)
 
