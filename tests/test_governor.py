@@ -34,3 +34,42 @@ def test_batch_sizes_share_power_of_two_buckets():
     assert [SpeculationGovernor.bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 4, 4, 8, 8, 16, 64]
     with pytest.raises(ValueError):
         SpeculationGovernor(probe_every=1)
+
+
+def test_rounds_that_prefill_a_prompt_do_not_count_against_plain_decoding():
+    """The first round of every request prefills its prompt without drafts (no features yet):
+    timing it as a plain-decoding round made plain decoding look 4x slower than it is."""
+    import asyncio
+
+    from moa_serve.drafter.proposer import DraftResult
+    from moa_serve.engine.service import RoundService
+    from moa_serve.engine.session import Session
+    from moa_serve.verifier.api import VerifyResult
+
+    async def verify(group, reqs):
+        out = []
+        for r in reqs:
+            prefill = r.base == 0
+            await asyncio.sleep(0.05 if prefill else 0.002)
+            out.append(VerifyResult(r.session_id, [7], 0, 0, None, num_computed=len(r.tokens) + len(r.drafts)))
+        return out
+
+    async def draft(group, reqs):
+        await asyncio.sleep(0.001)
+        return [DraftResult(r.session_id, [1] * r.num_drafts) for r in reqs]
+
+    async def release(group, ids):
+        pass
+
+    async def main():
+        svc = RoundService(verify, draft, release, speculation_governor=True)
+        for i in range(3):
+            t = svc.submit(Session(f"s{i}", list(range(40)), 4, num_speculative_tokens=2))
+            async for _ in svc.stream(t):
+                pass
+        snap = svc.governor_snapshot()["0"]["1"]
+        await svc.stop()
+        return snap
+
+    snap = asyncio.run(main())
+    assert snap["off_ms_per_token"] < 10  # decode rounds take ~2 ms; the 50 ms prefills are not counted

@@ -77,6 +77,7 @@ class RoundProfile:
     drafted_sessions: int = 0  # sessions that verified drafts this round
     speculation_cap: int | None = None  # the round-wide K limit (None: no limit)
     prefill_sessions: int = 0  # sessions that only prefilled a prompt chunk
+    prefilled_sessions: int = 0  # sessions whose forward included prompt (or re-prefill) tokens
     resyncs: int = 0  # sessions a replica asked to resend whole (verifier or drafter)
     tokens: int = 0  # tokens committed
     release_s: float = 0.0  # retrying pending releases before the round
@@ -352,13 +353,14 @@ class RoundService:
         t1 = time.perf_counter()
         results = await self._verify_round(g, by_id, sessions, drafts, profile)
         t2 = time.perf_counter()
-        self._note_reprefills(by_id, results, drafts)
+        self._note_reprefills(by_id, results, drafts, profile)
         self._publish(batch, rounds.commit(by_id, results, drafts), profile)
         t3 = time.perf_counter()
         profile.draft_s, profile.verify_s, profile.commit_s = t1 - t0, t2 - t1, t3 - t2
         profile.round_s = t3 - t0 + release_s
         self.stats.add(profile)
-        if governor is not None and profile.prefill_sessions == 0 and profile.resyncs == 0:
+        # rounds that prefilled a prompt say nothing about decoding speed in either mode
+        if governor is not None and profile.prefilled_sessions == 0 and profile.resyncs == 0:
             governor.observe(profile.sessions, profile.drafted_sessions > 0, profile.round_s, profile.tokens)
         self.observer.round_done(g, profile.sessions, profile.draft_s, profile.verify_s, profile.round_s)
         self.observer.round_profile(profile)
@@ -430,11 +432,13 @@ class RoundService:
         raise AssertionError("unreachable")
 
     def _note_reprefills(self, by_id: dict[str, Session], results: dict[str, VerifyResult],
-                         drafts: dict[str, DraftResult]) -> None:
+                         drafts: dict[str, DraftResult], profile: RoundProfile) -> None:
         for sid, r in results.items():
             d = drafts.get(sid)
-            if by_id[sid].rounds > 0 and r.tokens and r.num_computed > 1 + (len(d.drafts) if d else 0):
-                self.stats.reprefills += 1
+            if r.num_computed > 1 + (len(d.drafts) if d else 0):  # a prompt, a chunk or a re-prefill
+                profile.prefilled_sessions += 1
+                if by_id[sid].rounds > 0 and r.tokens:
+                    self.stats.reprefills += 1
 
     def _restart_on_replicas(self, t: _Tracked) -> None:
         """Features the verifier computed never reached us (a timed-out call that ran there): the
