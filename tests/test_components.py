@@ -11,6 +11,7 @@ from moa_serve.drafter.checkpoint import load_drafter, save_drafter
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.model import MoADrafter, TargetParts, init_weights
 from moa_serve.drafter.proposer import DraftRequest, MoAProposer
+from moa_serve.kv_cache import PackedBatch
 from moa_serve.models import load_state_dict, read_config
 from moa_serve.verifier.api import VerifyRequest
 from moa_serve.verifier.target_model import TargetArch, TargetModel
@@ -28,9 +29,9 @@ def test_logits_match_transformers(stories_path, target):
     hf = AutoModelForCausalLM.from_pretrained(str(stories_path), dtype=torch.float32).eval()
     toks = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(0))
     cache = target.new_cache(2, 64)
-    slot = torch.tensor([cache.allocate()])
+    slot = cache.allocate()
     with torch.no_grad():
-        ours = target.lm_head(target.forward_ragged(toks, torch.tensor([30]), slot, cache))
+        ours = target.lm_head(target.forward_packed(toks[0], PackedBatch(cache, [slot], [0], [30])))[None]
         ref = hf(toks).logits
     assert torch.allclose(ours, ref, atol=1e-4)
 

@@ -7,6 +7,7 @@ import torch
 
 from moa_serve.engine.engine import SpeculativeEngine
 from moa_serve.engine.sampling import SamplingParams
+from moa_serve.kv_cache import PackedBatch
 from moa_serve.verifier.acceptance import accept_sampling, warp_probs
 
 
@@ -56,12 +57,11 @@ def exact_two_token_distribution(engine, prompt, params):
     model = engine.verifier.model
     vocab = model.arch.vocab_size
     cache = model.new_cache(1, 64)
-    slot = torch.tensor([cache.allocate()])
+    slot = cache.allocate()
 
     def probs(tokens):
-        cache.lengths[0] = 0
-        h = model.forward_ragged(torch.tensor([tokens]), torch.tensor([len(tokens)]), slot, cache)
-        return warp_probs(model.lm_head(h[:, -1]), params)[0]
+        h = model.forward_packed(torch.tensor(tokens), PackedBatch(cache, [slot], [0], [len(tokens)]))
+        return warp_probs(model.lm_head(h[-1:]), params)[0]
 
     with torch.no_grad():
         p1 = probs(prompt)

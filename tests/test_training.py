@@ -70,7 +70,9 @@ def test_forward_train_matches_cache_layout(stories_path):
     out = tm.forward_train(toks)
     cache = tm.new_cache(1, 32)
     slot = cache.allocate()
-    h = tm.forward_ragged(toks, torch.tensor([12]), torch.tensor([slot]), cache)
+    from moa_serve.kv_cache import PackedBatch
+
+    h = tm.forward_packed(toks[0], PackedBatch(cache, [slot], [0], [12]))[None]
     assert torch.allclose(out["hidden"], h, atol=1e-5)
     assert torch.allclose(out["per_layer_kv"][0], cache.per_layer_kv(slot, 0, 12), atol=1e-5)
     assert torch.allclose(out["logits"], tm.lm_head(h), atol=1e-4)

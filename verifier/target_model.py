@@ -116,17 +116,6 @@ class TargetModel(nn.Module):
         return SlotKVCache(self.arch.num_layers, num_slots, self.arch.num_kv_heads, self.arch.head_dim,
                            max_len, p.dtype, p.device)
 
-    def forward_ragged(self, tokens: torch.Tensor, query_lens: torch.Tensor, slots: torch.Tensor,
-                       cache: SlotKVCache) -> torch.Tensor:
-        """tokens [B, T] (padded), query_lens [B]: session b's new tokens sit at positions
-        cache.lengths[slot_b] + t. Writes their K/V into the cache (lengths are not advanced:
-        the caller commits what it accepts) and returns final-norm hidden states [B, T, H]."""
-        positions = cache.positions_for(slots, tokens.shape[1]).to(tokens.device)
-        x = self.model.embed_tokens(tokens)
-        cos, sin = self.rotary(positions, x.dtype)
-        x = cache.run_layers(self.model.layers, x, cos, sin, slots, query_lens)
-        return self.model.norm(x)
-
     def forward_packed(self, tokens: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """tokens [N]: the new tokens of several sessions packed one after another (``batch`` says
         where each sits). Writes their K/V into the cache (lengths are not advanced) and returns
