@@ -23,7 +23,7 @@ from torch import nn
 
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.layers import MLP, Attention, DecoderLayer, LayerShape, RMSNorm, Rotary, attend
-from moa_serve.verifier.target_model import TargetArch, TargetModel, rotary_for
+from moa_serve.verifier.target_model import TargetArch, TargetModel, assign_weights
 
 
 class FeatureHead(nn.Module):
@@ -104,7 +104,7 @@ class TargetParts(nn.Module):
         wanted = cls.wanted(arch, tli_layers)
         renamed = {}
         for k, v in state.items():
-            if not wanted(k) or (k == "lm_head.weight" and arch.tie_word_embeddings):
+            if not wanted(k):
                 continue
             if k.startswith("model.layers."):  # layer i of the target is layer i - first here
                 i, rest = k[len("model.layers."):].split(".", 1)
@@ -112,16 +112,7 @@ class TargetParts(nn.Module):
             renamed[k] = v
         with torch.device("meta"):
             partial = _PartialTarget(arch, tli_layers)
-        missing, unexpected = partial.load_state_dict(renamed, strict=False, assign=True)
-        missing = [k for k in missing if not (arch.tie_word_embeddings and k == "lm_head.weight")]
-        if missing or unexpected:
-            raise ValueError(f"target weights do not match a {arch.model_type} model: "
-                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-        if arch.tie_word_embeddings:
-            partial.lm_head.weight = partial.model.embed_tokens.weight
-        partial.rotary = rotary_for(hf_config, arch)
-        partial = partial.to(device=device, dtype=dtype)
-        return cls(partial, tli_layers).eval()
+        return cls(assign_weights(partial, arch, hf_config, renamed, dtype, device), tli_layers).eval()
 
     @classmethod
     def load(cls, target: str, tli_layers: int, dtype: torch.dtype,

@@ -74,6 +74,24 @@ def rotary_for(cfg, arch: TargetArch) -> Rotary:
     return Rotary(inv_freq, scaling)
 
 
+def assign_weights(module: nn.Module, arch: TargetArch, cfg, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                   device: str | torch.device):
+    """Loads Hugging Face target weights into a module built on the meta device (``model.*`` and
+    ``lm_head`` names: the whole target, or the drafter's part of it): checks that they match,
+    ties the LM head to the embeddings when the config says so, sets the rotary embedding."""
+    if arch.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not (arch.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"target weights do not match a {arch.model_type} model: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if arch.tie_word_embeddings:
+        module.lm_head.weight = module.model.embed_tokens.weight
+    module.rotary = rotary_for(cfg, arch)
+    return module.to(device=device, dtype=dtype)
+
+
 class _Backbone(nn.Module):
     def __init__(self, arch: TargetArch):
         super().__init__()
@@ -99,17 +117,7 @@ class TargetModel(nn.Module):
         with torch.device("meta"):
             model = cls(arch, Rotary(torch.zeros(arch.head_dim // 2)))
         state = {k: v for k, v in state.items() if "rotary_emb" not in k}
-        if arch.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        missing = [k for k in missing if not (arch.tie_word_embeddings and k == "lm_head.weight")]
-        if missing or unexpected:
-            raise ValueError(f"target weights do not match a {arch.model_type} model: "
-                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-        if arch.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        model.rotary = rotary_for(cfg, arch)
-        return model.to(device=device, dtype=dtype).eval()
+        return assign_weights(model, arch, cfg, state, dtype, device).eval()
 
     def new_cache(self, num_slots: int, max_len: int) -> SlotKVCache:
         p = self.lm_head.weight
