@@ -150,12 +150,12 @@ class RoundService:
                  speculation_token_budget: int = 32, speculation_governor: bool = True,
                  observer: Observer | None = None):
         self._verify, self._draft, self._release = verify, draft, release
-        # per group: speculate only in the rounds where it measurably pays (see governor.py)
-        self._governors = {g: SpeculationGovernor() for g in (groups if groups is not None else range(num_groups))} \
-            if speculation_governor and draft is not None else {}
         self.groups = list(groups) if groups is not None else list(range(num_groups))
         if not self.groups or len(set(self.groups)) != len(self.groups):
             raise ValueError(f"session groups must be a non-empty list of distinct keys: {self.groups!r}")
+        # per group: speculate only in the rounds where it measurably pays (see governor.py)
+        self._governors = ({g: SpeculationGovernor() for g in self.groups}
+                           if speculation_governor and draft is not None else {})
         self.max_sessions_per_round = max_sessions_per_round
         self.max_queued = max_queued
         self.verify_retries = verify_retries
