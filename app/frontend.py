@@ -175,13 +175,17 @@ class Frontend:
         with self._encode_lock:
             return self.encode_prompt(prompt, messages)
 
+    async def tokenize(self, prompt: str | None, messages: list | None) -> tuple[list[int], str]:
+        """(token ids, the field they came from), on a worker thread: a long prompt or chat
+        template must not stall the event loop that drives the rounds."""
+        return await asyncio.to_thread(self._encode_locked, prompt, messages)
+
     async def start(self, *, prompt: str | None, messages: list | None, max_tokens: int,
                     sampling: SamplingParams, stops: list[str], ignore_eos: bool,
                     num_speculative_tokens: int | None) -> Generation:
-        """Tokenizes (on a worker thread: a long prompt or chat template must not stall the event
-        loop that drives the rounds) and submits a session. Raises ``InputError`` naming the field
+        """Tokenizes (``tokenize``) and submits a session. Raises ``InputError`` naming the field
         of a request the server cannot run, ``QueueFullError`` when the queue is full."""
-        ids, field = await asyncio.to_thread(self._encode_locked, prompt, messages)
+        ids, field = await self.tokenize(prompt, messages)
         if len(ids) >= self.max_model_len:
             raise InputError(f"the {field} has {len(ids)} tokens; the context holds {self.max_model_len} "
                              "(prompt plus at least one new token)", field)

@@ -1,5 +1,6 @@
 """FastAPI routes: /v1/generate, OpenAI-compatible /v1/completions and /v1/chat/completions
-(streaming as server-sent events), /v1/models, /healthz, /readyz, /v1/stats. The routes read
+(streaming as server-sent events), /v1/models, /healthz, /readyz, /v1/stats, and client-server
+mode's /v1/cs (``app/cs.py``). The routes read
 the ``Frontend``, the readiness check and Retry-After from ``moa_serve.app.state``."""
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ def create_app() -> FastAPI:
     @api.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException):
         return error(exc.status_code, str(exc.detail), None, "http_error")
+
+    from moa_serve.app import cs  # client-server mode: /v1/cs (its own module, same error shape)
+
+    cs.install(api)
 
     def frontend(request: Request) -> Frontend:
         return state.get("frontend")

@@ -92,6 +92,8 @@ class RouterConfig(_Strict):
     speculation_governor: bool = Field(True, description="speculate only in rounds where it measurably pays "
                                        "(moving averages of ms per token on/off per batch size, with probes)")
     retry_after_s: int = Field(2, ge=1)
+    cs_session_ttl_s: float = Field(300.0, gt=0, description="client-server mode: a session idle this long is "
+                                    "dropped (its client resyncs)")
 
 
 class AppConfig(_Strict):

@@ -126,6 +126,7 @@ class VerifierPool(_Pool):
 
     def __init__(self, cfg: dict):
         super().__init__()
+        from moa_serve.cs.fingerprint import model_fingerprint
         from moa_serve.drafter.checkpoint import load_draft_vocab
         from moa_serve.engine.engine import load_feature_head
         from moa_serve.verifier.torch_runner import TorchTargetRunner
@@ -137,6 +138,7 @@ class VerifierPool(_Pool):
                                         self.cfg.max_model_len, load_feature_head(self.cfg.drafter),
                                         max_num_batched_tokens=pool.max_num_batched_tokens,
                                         draft_vocab=load_draft_vocab(self.cfg.drafter) if self.cfg.drafter else None)
+        self.target_fingerprint = model_fingerprint(self.runner.model)  # client-server handshake
         log.info("VerifierPool %s ready: %s", self._replica, self.cfg.target)
 
     async def verify(self, requests, group=None) -> PoolReply:
@@ -149,7 +151,8 @@ class VerifierPool(_Pool):
     async def info(self, group=None) -> dict:
         return {"replica": self._replica, "max_model_len": self.runner.max_model_len,
                 "free_slots": self.runner.free_slots, "sessions": len(self.runner.sessions),
-                "active_sessions": self.active_sessions(), "calls": self.calls}
+                "active_sessions": self.active_sessions(), "calls": self.calls,
+                "target_fingerprint": self.target_fingerprint}
 
 
 @serve.deployment(name="DrafterPool")

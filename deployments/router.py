@@ -19,6 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from moa_serve.app import state
 from moa_serve.app.frontend import Frontend
 from moa_serve.app.http import create_app
+from moa_serve.cs.sessions import ClientSessions, ServerIdentity
 from moa_serve.deployments import assignment
 from moa_serve.deployments.config import AppConfig
 from moa_serve.deployments.metrics import CallMetrics, PrometheusObserver
@@ -73,7 +74,8 @@ class Router:
         self.replica = _replica_id()
         path = resolve_model_path(self.cfg.target, weights=False)  # tokenizer + config only
         tokenizer = load_tokenizer(path)
-        max_model_len = min(self.cfg.max_model_len, read_config(path).max_position_embeddings)
+        hf_config = read_config(path)
+        max_model_len = min(self.cfg.max_model_len, hf_config.max_position_embeddings)
         r = self.cfg.router
         self.groups = group_keys(self.replica, r.session_groups)
         self.calls = CallStats()
@@ -83,13 +85,27 @@ class Router:
             groups=self.groups, max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,
             speculation_token_budget=r.speculation_token_budget, speculation_governor=r.speculation_governor,
             observer=PrometheusObserver())
+        stops = stop_token_ids(path, tokenizer)
+        # client-server mode: sessions drafted on the user's device, verified in the same rounds
+        self._cs_identity_args = dict(model=self.cfg.model_name or self.cfg.target, tokenizer=tokenizer,
+                                      drafter=self.cfg.drafter, vocab_size=hf_config.vocab_size,
+                                      max_model_len=max_model_len, stop_token_ids=stops)
+        self.cs = ClientSessions(self.service, self._cs_identity, ttl_s=r.cs_session_ttl_s)
         state.install(
+            cs=self.cs,
             frontend=Frontend(self.service, tokenizer, max_model_len=max_model_len,
-                              stop_token_ids=stop_token_ids(path, tokenizer),
+                              stop_token_ids=stops,
                               num_speculative_tokens=self.cfg.num_speculative_tokens,
                               speculative=drafter is not None, model_name=self.cfg.model_name or self.cfg.target,
                               adaptive_speculation=self.cfg.adaptive_speculation),
             ready=self.ready, retry_after_s=r.retry_after_s, stats=self.stats)
+
+    async def _cs_identity(self) -> ServerIdentity:
+        """The handshake's identity; the target's fingerprint comes from a verifier replica (the
+        Router holds no weights)."""
+        info = await self.verifier.info.remote()
+        return await asyncio.to_thread(ServerIdentity.build, target_fingerprint=info["target_fingerprint"],
+                                       **self._cs_identity_args)
 
     async def _call(self, pool: str, method, requests, group):
         t0 = time.perf_counter()
@@ -120,6 +136,7 @@ class Router:
         d["router_replica"] = self.replica
         d["groups"] = assignment.snapshot()
         d["speculation_governor"] = self.service.governor_snapshot()
+        d["client_server"] = self.cs.snapshot()
         return d
 
     async def ready(self):

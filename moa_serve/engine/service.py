@@ -19,6 +19,11 @@ Speculation never loses at scale: a round's verify width is bounded by
 ``speculation_token_budget`` (see ``rounds.speculation_cap``), so K shrinks as the batch grows
 and turns off when verification stops being nearly free; each session's adaptive K still applies
 below that cap.
+
+Client-server mode: a *remote* session (``submit(..., remote=True)``) drafts on the user's
+device. It joins a round only when its client has proposed drafts (``verify_remote``): the
+drafter pool is never asked for it, but its drafts go into the same verify call as everyone
+else's, and the round's tokens answer the client instead of a stream.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Hashable, Sequence
+
+import torch
 
 from moa_serve.drafter.proposer import DraftRequest, DraftResult
 from moa_serve.engine import rounds
@@ -61,11 +68,35 @@ class TokenEvent:
 
 
 @dataclass
+class RemoteRound:
+    """The drafts a remote client proposed for its session's next round, and where the round's
+    event goes."""
+    drafts: DraftResult
+    done: asyncio.Future
+
+
+@dataclass
 class _Tracked:
     session: Session
     group: Hashable | None = None  # None while queued
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.perf_counter)
+    remote: bool = False  # drafts come from the client (client-server mode), one round per proposal
+    pending: RemoteRound | None = None  # a remote session's proposal waiting for its round
+
+    @property
+    def ready(self) -> bool:
+        """Whether the session takes part in the next round (a remote one only with a proposal)."""
+        return not self.remote or self.pending is not None
+
+    def emit(self, ev: TokenEvent) -> None:
+        """A round's outcome: to the stream, or to the remote client's pending proposal."""
+        if not self.remote:
+            self.events.put_nowait(ev)
+        elif self.pending is not None:
+            if not self.pending.done.done():
+                self.pending.done.set_result(ev)
+            self.pending = None
 
 
 @dataclass
@@ -148,8 +179,11 @@ class RoundService:
                  verify_timeout_s: float = 120.0, draft_timeout_s: float = 5.0,
                  release_timeout_s: float = 5.0, release_attempts: int = 5,
                  speculation_token_budget: int = 32, speculation_governor: bool = True,
-                 observer: Observer | None = None):
+                 observer: Observer | None = None, want_features: bool | None = None):
         self._verify, self._draft, self._release = verify, draft, release
+        # ask the verifier for drafter features (default: when there is a drafter pool; remote
+        # clients' drafters need them too)
+        self.want_features = draft is not None if want_features is None else want_features
         self.groups = list(groups) if groups is not None else list(range(num_groups))
         if not self.groups or len(set(self.groups)) != len(self.groups):
             raise ValueError(f"session groups must be a non-empty list of distinct keys: {self.groups!r}")
@@ -212,12 +246,13 @@ class RoundService:
     def pending_releases(self) -> int:
         return sum(len(p) for p in self._pending_release.values())
 
-    def submit(self, session: Session) -> _Tracked:
-        """Queues a session; raises QueueFullError when the bounded queue is full."""
+    def submit(self, session: Session, remote: bool = False) -> _Tracked:
+        """Queues a session; raises QueueFullError when the bounded queue is full. A ``remote``
+        session's drafter is its client: it has rounds only through ``verify_remote``."""
         self.start()
         if len(self._waiting) >= self.max_queued and self._free_capacity() == 0:
             raise QueueFullError(f"{len(self._waiting)} requests are waiting")
-        tracked = _Tracked(session)
+        tracked = _Tracked(session, remote=remote)
         self._waiting.append(tracked)
         self.observer.queue_depth(len(self._waiting))
         self._admit()
@@ -235,6 +270,28 @@ class RoundService:
             if not tracked.session.finished:
                 self.abort(tracked)
 
+    async def verify_remote(self, tracked: _Tracked, drafts: list[int],
+                            probs: torch.Tensor | None = None) -> TokenEvent:
+        """One round of a remote session: the client's drafts (none: the target's next token,
+        e.g. the first round, which prefills the prompt) are verified in its group's next verify
+        call, beside the other sessions'. Returns the round's event (tokens committed and the
+        finish reason). Drafts past the room left in the output or the context are dropped."""
+        if not tracked.remote:
+            raise ValueError("verify_remote needs a session submitted with remote=True")
+        if tracked.pending is not None:
+            raise RuntimeError(f"session {tracked.session.id} already has a round in flight")
+        s = tracked.session
+        if s.finished:
+            return TokenEvent([], s.finish_reason)
+        room = max(0, min(s.max_new_tokens - len(s.generated), s.max_model_len - len(s.tokens)) - 1)
+        drafts = list(drafts)[:room]
+        probs = probs[:len(drafts)] if probs is not None and drafts else None
+        done = asyncio.get_running_loop().create_future()
+        tracked.pending = RemoteRound(DraftResult(s.id, drafts, probs), done)
+        if tracked.group is not None:
+            self._wake[tracked.group].set()
+        return await done
+
     def abort(self, tracked: _Tracked) -> None:
         s = tracked.session
         if s.finished:
@@ -243,6 +300,8 @@ class RoundService:
         self.stats.aborted += 1
         if tracked in self._waiting:
             self._waiting.remove(tracked)
+            if tracked.remote:  # its client awaits the first round: it will not come
+                tracked.emit(TokenEvent([], "abort"))
         elif tracked.group is not None:
             # the group loop drops it before its next round and frees its caches
             self._wake[tracked.group].set()
@@ -268,10 +327,10 @@ class RoundService:
             t0 = time.perf_counter()
             await self._flush_releases(g)
             release_s = time.perf_counter() - t0
-            if not self._active[g]:
+            batch = [t for t in self._active[g] if t.ready]
+            if not batch:
                 await self._idle(g)
                 continue
-            batch = list(self._active[g])
             try:
                 await self._round(g, batch, release_s)
             except asyncio.CancelledError:
@@ -299,7 +358,7 @@ class RoundService:
         for t in batch:
             if not t.session.finished:
                 t.session.finish_reason = "error"
-                t.events.put_nowait(TokenEvent([], f"error: {type(exc).__name__}: {last}"))
+                t.emit(TokenEvent([], f"error: {type(exc).__name__}: {last}"))
 
     def _drop_finished(self, g: Hashable) -> None:
         done = [t for t in self._active[g] if t.session.finished]
@@ -308,7 +367,7 @@ class RoundService:
         self._active[g] = [t for t in self._active[g] if not t.session.finished]
         for t in done:
             if t.session.finish_reason == "abort":
-                t.events.put_nowait(TokenEvent([], "abort"))
+                t.emit(TokenEvent([], "abort"))
             self._pending_release[g][t.session.id] = 0
         self._admit()
 
@@ -349,7 +408,9 @@ class RoundService:
         if governor is not None and not governor.speculate(len(sessions)):
             cap = 0
         profile = RoundProfile(g, len(batch), speculation_cap=cap, release_s=release_s)
-        drafts = await self._draft_round(g, by_id, sessions, cap, profile)
+        remote = {t.session.id: t.pending.drafts for t in batch if t.remote and t.pending.drafts.drafts}
+        drafts = await self._draft_round(g, by_id, [t.session for t in batch if not t.remote], cap, profile)
+        drafts.update(remote)  # drafted on the clients' devices
         t1 = time.perf_counter()
         results = await self._verify_round(g, by_id, sessions, drafts, profile)
         t2 = time.perf_counter()
@@ -360,7 +421,8 @@ class RoundService:
         profile.round_s = t3 - t0 + release_s
         self.stats.add(profile)
         # rounds that prefilled a prompt say nothing about decoding speed in either mode
-        if governor is not None and profile.prefilled_sessions == 0 and profile.resyncs == 0:
+        # (nor rounds with remote drafts: the governor weighs this server's drafting, not a device's)
+        if governor is not None and profile.prefilled_sessions == 0 and profile.resyncs == 0 and not remote:
             governor.observe(profile.sessions, profile.drafted_sessions > 0, profile.round_s, profile.tokens)
         self.observer.round_done(g, profile.sessions, profile.draft_s, profile.verify_s, profile.round_s)
         self.observer.round_profile(profile)
@@ -410,7 +472,7 @@ class RoundService:
         """A verify call with a timeout and bounded retries (exponential backoff). A failed or timed
         out attempt may have reached a replica that is gone: the retry sends whole token lists. A
         ``ValueError`` means the request itself is wrong: retrying cannot help."""
-        want = self._draft is not None
+        want = self.want_features
         for attempt in range(self.verify_retries + 1):
             reqs = rounds.verify_requests(sessions, drafts, want)
             try:
@@ -464,6 +526,6 @@ class RoundService:
                 profile.drafted_sessions += 1
                 self.observer.accepted(len(c.new_tokens))
             profile.tokens += len(c.new_tokens)
-            t.events.put_nowait(TokenEvent(c.new_tokens, t.session.finish_reason))
+            t.emit(TokenEvent(c.new_tokens, t.session.finish_reason))
             if t.session.finished:
                 self.stats.completed += 1

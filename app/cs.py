@@ -1,0 +1,114 @@
+"""HTTP routes of client-server mode (``/v1/cs``), over ``moa_serve.cs.sessions.ClientSessions``
+(installed by the ingress as ``state["cs"]``):
+
+* ``GET /v1/cs`` — the handshake: fingerprints of target / tokenizer / drafter, vocabulary sizes,
+  stop tokens, limits;
+* ``POST /v1/cs/sessions`` — a session; answers round 0 (first token + prompt features);
+* ``POST /v1/cs/sessions/{id}/verify`` — one round of drafts;
+* ``DELETE /v1/cs/sessions/{id}``.
+
+Requests are JSON, or a binary frame (``application/octet-stream``: JSON header + tensors, e.g. the
+drafter's distribution when sampling). Answers are frames: a JSON header (round, tokens, accepted
+count, ...) and the features as float16 or int8 tensors. Errors are the API's usual JSON
+``{"error": {"message", "type", "param", "code"}}``; a resync (409) adds ``expected_length`` and
+``expected_round``."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from moa_serve.app import state
+from moa_serve.app.cs_schemas import CreateSession, VerifyRound
+from moa_serve.app.frontend import InputError
+from moa_serve.app.http import _param
+from moa_serve.cs import wire
+from moa_serve.cs.sessions import ClientSessions, CSError, Reply
+
+REQUEST_TENSORS = {"draft_probs"}
+
+
+async def _read(request: Request, model: type[BaseModel]):
+    """(validated header, tensors) of a JSON or framed body; CSError 400 naming the field."""
+    body = await request.body()
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    try:
+        if ctype == wire.MEDIA_TYPE:
+            header, tensors = wire.unpack(body)
+        else:
+            header, tensors = json.loads(body or b"null"), {}
+    except wire.WireError as exc:
+        raise CSError(400, f"malformed frame: {exc}", exc.param) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CSError(400, f"malformed JSON: {exc}", "body") from None
+    if not isinstance(header, dict):
+        raise CSError(400, "the body must be a JSON object", "body")
+    for name in tensors:
+        if name not in REQUEST_TENSORS:
+            raise CSError(400, f"{name}: unknown tensor (expected one of {sorted(REQUEST_TENSORS)})", name)
+    try:
+        return model.model_validate(header), tensors
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = _param(first.get("loc", ()))
+        msg = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid value")
+        raise CSError(400, f"{param}: {msg}", param) from None
+
+
+def _frame(reply: Reply, codec: str, **extra) -> Response:
+    header = {**extra, "round": reply.round, "committed_length": reply.committed_length, "tokens": reply.tokens,
+              "accepted": reply.accepted, "finish_reason": reply.finish_reason,
+              "feature_start": reply.feature_start if reply.features is not None else None}
+    header = {k: v for k, v in header.items() if v is not None}  # absent = null
+    return Response(wire.pack(header, wire.encode_features(reply.features, codec)), media_type=wire.MEDIA_TYPE)
+
+
+def _sessions() -> ClientSessions:
+    cs = state.get("cs")
+    if cs is None:
+        raise CSError(404, "client-server mode is not enabled on this server", None, "not_found_error")
+    return cs
+
+
+def install(api: FastAPI) -> None:
+    @api.exception_handler(CSError)
+    async def _refused(_request: Request, exc: CSError):
+        body = {"message": str(exc), "type": exc.kind, "param": exc.param, "code": exc.status, **exc.extra}
+        return JSONResponse({"error": body}, status_code=exc.status)
+
+    @api.get("/v1/cs")
+    async def cs_identity():
+        return (await _sessions().identity()).as_dict()
+
+    @api.post("/v1/cs/sessions")
+    async def cs_create(request: Request):
+        cs = _sessions()
+        body, _ = await _read(request, CreateSession)
+        ids = body.token_ids
+        if ids is None:
+            try:
+                ids, _field = await state.get("frontend").tokenize(body.prompt, body.messages)
+            except InputError as exc:
+                raise CSError(400, str(exc), exc.param) from None
+        sid, reply = await cs.create(ids, fingerprints=body.fingerprints.model_dump(), max_tokens=body.max_tokens,
+                                     sampling=body.sampling(), ignore_eos=body.ignore_eos,
+                                     want_features=body.want_features, feature_codec=body.feature_codec,
+                                     features_from=body.features_from, session_id=body.session_id)
+        return _frame(reply, body.feature_codec, session_id=sid)
+
+    @api.post("/v1/cs/sessions/{session_id}/verify")
+    async def cs_verify(session_id: str, request: Request):
+        cs = _sessions()
+        body, tensors = await _read(request, VerifyRound)
+        reply = await cs.verify(session_id, body.round, body.committed_length, body.draft_ids,
+                                tensors.get("draft_probs"), body.features_from)
+        return _frame(reply, cs.feature_codec(session_id))
+
+    @api.delete("/v1/cs/sessions/{session_id}")
+    async def cs_close(session_id: str):
+        if not _sessions().close(session_id):
+            raise CSError(404, f"unknown session {session_id}", "session_id", "not_found_error")
+        return {"id": session_id, "deleted": True}

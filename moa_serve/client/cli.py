@@ -1,0 +1,72 @@
+"""``moa client generate``: generate against a MoA-Serve server in client-server mode, drafting
+on this machine (the device) and verifying on the server."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def cmd_client_generate(args) -> int:
+    from moa_serve.cli import CLIError, _sampling, prompt_tokens
+    from moa_serve.client import DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, ServerError, Transport
+
+    if args.max_new_tokens < 1:
+        raise CLIError("--max-new-tokens must be >= 1")
+    if args.num_speculative_tokens < 1:
+        raise CLIError("--num-speculative-tokens must be >= 1")
+    sampling = _sampling(args)
+    device = DeviceDrafter.load(args.drafter, args.target, args.dtype, args.max_model_len, args.device)
+    transport = Transport(args.server, timeout_s=args.timeout)
+    gen = RemoteGenerator(device, transport, num_speculative_tokens=args.num_speculative_tokens,
+                          adaptive_k=not args.fixed_k, offline=args.offline, feature_codec=args.feature_codec)
+    prompt = prompt_tokens(device.tokenizer, args.prompt, args.chat)
+    try:
+        res = gen.generate(prompt, args.max_new_tokens, sampling, ignore_eos=args.ignore_eos)
+    except (HandshakeError, OfflineError, ServerError) as exc:
+        raise CLIError(str(exc)) from None
+    finally:
+        transport.close()
+    if args.json:
+        print(json.dumps({**res.as_dict(), "server": args.server, "drafter": args.drafter,
+                          "dtype": str(device.dtype).removeprefix("torch."), "feature_codec": args.feature_codec,
+                          "device_weights_mib": round(device.weight_bytes() / 2**20, 1)}))
+    else:
+        print(res.text)
+        print(f"[{res.num_tokens} tokens ({res.verified_tokens} verified, {res.offline_tokens} offline), "
+              f"{res.tokens_per_s:.1f} tok/s, {res.server_calls} server calls, "
+              f"{res.bytes_up} B up / {res.bytes_down} B down, mean accepted length {res.mean_accepted_length:.2f}]",
+              file=sys.stderr)
+    return 0
+
+
+def register(sub) -> None:
+    from moa_serve.cli import DEFAULT_DRAFTER, _model_args
+
+    c = sub.add_parser("client", help="client-server mode: draft on this device, verify on a MoA-Serve server")
+    csub = c.add_subparsers(dest="client_command", required=True)
+    g = csub.add_parser("generate", help="generate through a server's /v1/cs API")
+    g.add_argument("--server", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
+    _model_args(g, drafter=False)
+    g.set_defaults(target=None)
+    g.add_argument("--drafter", default=DEFAULT_DRAFTER,
+                   help="drafter checkpoint (the server's: the handshake checks); its target parts are read from "
+                        "--target (default: the checkpoint's target)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--num-speculative-tokens", "-k", type=int, default=8, help="the most drafts per round")
+    g.add_argument("--fixed-k", action="store_true", help="always draft -k tokens (default: adapt K to the "
+                   "measured round trip and acceptance)")
+    g.add_argument("--offline", choices=["degrade", "strict"], default="degrade",
+                   help="when the server is unreachable: keep writing with the drafter (unverified, corrected on "
+                        "reconnection) or fail")
+    g.add_argument("--feature-codec", choices=["float16", "int8"], default="float16")
+    g.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP call")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=cmd_client_generate)

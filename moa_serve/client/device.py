@@ -1,0 +1,57 @@
+"""What the user's device holds in client-server mode: the drafter checkpoint, the few target
+tensors it borrows (embeddings, LM head, final norm, + the last N layers for TLI: read alone from
+the target's weight files, never the whole target), the tokenizer, and the fingerprints the
+handshake compares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moa_serve.cs.fingerprint import drafter_fingerprint, model_fingerprint, tokenizer_fingerprint
+
+
+@dataclass
+class DeviceDrafter:
+    proposer: object  # a ProposerBase (MoA, EAGLE-style or independent), one session
+    tokenizer: object
+    fingerprints: dict  # {"target", "tokenizer", "drafter"}
+    name: str
+
+    @classmethod
+    def load(cls, drafter: str, target: str | None = None, dtype: str = "float32",
+             max_model_len: int = 2048, device: str = "cpu") -> "DeviceDrafter":
+        from moa_serve.drafter.baselines import load_proposer
+        from moa_serve.models import load_tokenizer, resolve_model_path
+
+        proposer = load_proposer(drafter, target=target, dtype=dtype, device=device, max_sessions=1,
+                                 max_model_len=max_model_len)
+        tokenizer = load_tokenizer(resolve_model_path(target or proposer.cfg.target_name_or_path, weights=False))
+        prints = {"target": model_fingerprint(proposer.parts), "tokenizer": tokenizer_fingerprint(tokenizer),
+                  "drafter": drafter_fingerprint(drafter)}
+        return cls(proposer, tokenizer, prints, drafter)
+
+    @property
+    def needs_features(self) -> bool:
+        return bool(getattr(self.proposer, "needs_features", True))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.proposer.dtype
+
+    @property
+    def max_model_len(self) -> int:
+        return self.proposer.max_model_len
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight the device holds (shared tensors counted once)."""
+        seen, total = set(), 0
+        modules = [self.proposer.parts] + [m for m in (getattr(self.proposer, "head", None),
+                                                        getattr(self.proposer, "model", None)) if m is not None]
+        for m in modules:
+            for p in list(m.parameters()) + list(m.buffers()):
+                if p.data_ptr() not in seen:
+                    seen.add(p.data_ptr())
+                    total += p.numel() * p.element_size()
+        return total
