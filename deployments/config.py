@@ -102,6 +102,10 @@ class AppConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="auto: float32 on CPUs without native bf16, bfloat16 otherwise")
     device: Literal["cpu", "cuda"] = "cpu"
+    packed_weights: Literal["auto", "off"] = Field(
+        "auto", description="auto: a float32 CPU verifier whose target is a GGUF keeps its Q4_1/Q8_0 blocks and "
+        "de-quantizes them in registers (same float32 values, 5x fewer bytes read per forward, batch-invariant "
+        "logits); off: plain float32 weights")
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     adaptive_speculation: bool = Field(True, description="per session, draft about as many tokens as recently accepted (at most num_speculative_tokens)")
     max_model_len: int = Field(2048, ge=16)

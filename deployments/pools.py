@@ -137,6 +137,7 @@ class VerifierPool(_Pool):
         self.runner = TorchTargetRunner(self.cfg.target, self.cfg.dtype, self.cfg.device, pool.max_sessions,
                                         self.cfg.max_model_len, load_feature_head(self.cfg.drafter),
                                         max_num_batched_tokens=pool.max_num_batched_tokens,
+                                        packed_weights=self.cfg.packed_weights,
                                         draft_vocab=load_draft_vocab(self.cfg.drafter) if self.cfg.drafter else None)
         self.target_fingerprint = model_fingerprint(self.runner.model)  # client-server handshake
         log.info("VerifierPool %s ready: %s", self._replica, self.cfg.target)

@@ -56,6 +56,10 @@ def _build_engines(args):
     path = resolve_model_path(args.target)
     dt = parse_dtype(args.dtype, args.device)
     tm = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, args.device)
+    if getattr(args, "packed_weights", "auto") == "auto":
+        from moa_serve.kernels.packed import pack_target
+
+        pack_target(tm, path)
     tok = load_tokenizer(path)
     stops = stop_token_ids(path, tok)
     mk = lambda fh: TorchTargetRunner(str(path), dt, args.device, 1, args.max_model_len, fh, model=tm)  # noqa: E731
@@ -157,7 +161,7 @@ def _write(args, methods, questions, partial: bool) -> dict:
                    "num_questions": len(questions), "limit": args.limit, "per_category": args.per_category,
                    "max_new_tokens": args.max_new_tokens, "num_speculative_tokens": str(args.num_speculative_tokens),
                    "temperature": args.temperature, "dtype": args.dtype, "device": args.device,
-                   "threads": args.threads, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "threads": args.threads, "packed_weights": getattr(args, "packed_weights", "auto"), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                    "questions_done": len({t["question_id"] for t in van.per_turn}), "partial": partial},
         "per_turn": {m.name: m.per_turn for m in methods},
     }
@@ -243,6 +247,8 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--packed-weights", choices=["auto", "off"], default="auto",
+                   help="auto: a float32 CPU target from a GGUF keeps its 4/8-bit blocks, de-quantized in registers")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--out", default="results.json")
     p.set_defaults(func=cmd_bench)

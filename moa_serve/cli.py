@@ -24,6 +24,8 @@ def _model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
                    help="auto: bfloat16 on GPUs and CPUs with native bf16, float32 elsewhere")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--packed-weights", choices=["auto", "off"], default="auto",
+                   help="auto: a float32 CPU target from a GGUF keeps its 4/8-bit blocks, de-quantized in registers")
 
 
 def _sampling(args):
@@ -58,7 +60,8 @@ def cmd_generate(args) -> int:
         raise CLIError("--max-new-tokens must be >= 1")
     sampling = _sampling(args)
     engine = SpeculativeEngine.load(args.target, _drafter_arg(args.drafter), args.dtype, args.device,
-                                    max_sessions=1, max_model_len=args.max_model_len)
+                                    max_sessions=1, max_model_len=args.max_model_len,
+                                    packed_weights=args.packed_weights)
     prompt = prompt_tokens(engine.tokenizer, args.prompt, args.chat)
     if len(prompt) >= engine.max_model_len:
         raise CLIError(f"--prompt: {len(prompt)} tokens do not fit the context of {engine.max_model_len} tokens")

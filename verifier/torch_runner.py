@@ -23,6 +23,7 @@ import torch
 
 from moa_serve.drafter.model import FeatureHead
 from moa_serve.engine.sampling import SamplingParams
+from moa_serve.kernels.packed import pack_target
 from moa_serve.kv_cache import PackedBatch
 from moa_serve.models import load_state_dict, parse_dtype, read_config, resolve_model_path
 from moa_serve.verifier.acceptance import accept_sampling, generator_for, warp_probs
@@ -63,12 +64,17 @@ class TorchTargetRunner(TargetBackend):
     def __init__(self, target: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  max_sessions: int = 16, max_model_len: int = 2048, feature_head: FeatureHead | None = None,
                  model: TargetModel | None = None, max_num_batched_tokens: int = 512,
-                 draft_vocab: torch.Tensor | None = None):
+                 draft_vocab: torch.Tensor | None = None, packed_weights: str = "auto"):
         self.dtype = parse_dtype(dtype, device)
         self.device = torch.device(device)
+        self.packing: dict = {"packed": 0, "reason": "packed_weights is off"}
         if model is None:
             path = resolve_model_path(target)
             model = TargetModel.from_state_dict(read_config(path), load_state_dict(path), self.dtype, self.device)
+            if packed_weights == "auto":
+                self.packing = pack_target(model, path)
+        elif packed_weights == "auto":
+            self.packing = {"packed": 0, "reason": "the runner was given an already built model"}
         self.model = model
         self.arch = model.arch
         self.max_model_len = min(max_model_len, self.arch.max_position_embeddings)

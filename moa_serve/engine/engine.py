@@ -83,10 +83,10 @@ class SpeculativeEngine:
 
     @classmethod
     def load(cls, target: str, drafter: str | None, dtype="float32", device="cpu", max_sessions=16,
-             max_model_len=2048) -> "SpeculativeEngine":
+             max_model_len=2048, packed_weights: str = "auto") -> "SpeculativeEngine":
         path = resolve_model_path(target)
         verifier = TorchTargetRunner(str(path), dtype, device, max_sessions, max_model_len,
-                                     load_feature_head(drafter))
+                                     load_feature_head(drafter), packed_weights=packed_weights)
         proposer = None
         if drafter is not None:
             from moa_serve.drafter.baselines import load_proposer  # picks MoA / EAGLE / independent by kind

@@ -1,0 +1,144 @@
+"""CPU kernels for weights kept in their GGUF block formats (Q4_1, Q8_0), float32 math.
+
+``qmatmul.c`` is compiled with the system C compiler the first time it is needed on a machine
+(about a second; cached under ``moa_serve.models.cache_dir()/kernels``, keyed by the source, the
+flags and the compiler) and called through ctypes. It needs x86-64 with AVX2, FMA and F16C; on
+anything else :func:`library` returns None and callers keep plain float32 weights.
+
+Why: on a CPU, decoding a small model is bound by reading its weights. SmolLM2-135M's float32
+matrices are 540 MB per forward; in Q4_1/Q8_0 blocks they are 100 MB. The blocks are
+de-quantized in registers to exactly the float32 values a float32 de-quantization gives (d*q is
+exact in float32), so the model computed is the same one, and every output is one dot product
+accumulated in a fixed order: a token's logits do not depend on how many tokens share the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qmatmul.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+REQUIRED_CPU_FLAGS = {"avx2", "fma", "f16c"}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_why_not = ""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compile(cc: str) -> Path:
+    from moa_serve.models import cache_dir
+
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"qmatmul-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}.so")
+    proc = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)  # atomic: concurrent replicas may build at the same time
+    return out
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None when this machine cannot build or run them (reason in
+    :func:`unavailable_reason`)."""
+    global _lib, _tried, _why_not
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        missing = REQUIRED_CPU_FLAGS - _cpu_flags()
+        cc = shutil.which(os.environ.get("CC", "gcc"))
+        if missing:
+            _why_not = f"the CPU lacks {', '.join(sorted(missing))}"
+        elif cc is None:
+            _why_not = "no C compiler (gcc, or $CC) on PATH"
+        else:
+            try:
+                lib = ctypes.CDLL(str(_compile(cc)))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _why_not = str(e)
+            else:
+                i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+                lib.moa_q4_1_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32]
+                lib.moa_q8_0_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]
+                lib.moa_q4_1_rows.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr]
+                lib.moa_q8_0_rows.argtypes = [ptr, ptr, i64, ptr, i64, ptr]
+                for f in (lib.moa_q4_1_matmul, lib.moa_q8_0_matmul, lib.moa_q4_1_rows, lib.moa_q8_0_rows):
+                    f.restype = None
+                _lib = lib
+        if _lib is None:
+            log.warning("packed-weight kernels unavailable (%s): float32 weights are used", _why_not)
+        return _lib
+
+
+def unavailable_reason() -> str:
+    library()
+    return _why_not
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def q4_1_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ W.T for W [N, K] in Q4_1 blocks (qs uint8 [N, K/2], d/m float32 [N, K/32])."""
+    lib = library()
+    rows, k = x.shape
+    n = qs.shape[0]
+    x = x.contiguous()
+    y = torch.empty(rows, n, dtype=torch.float32)
+    lib.moa_q4_1_matmul(_ptr(x), rows, k, _ptr(qs), _ptr(d), _ptr(m), n, _ptr(y), torch.get_num_threads())
+    return y
+
+
+def q8_0_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ W.T for W [N, K] in Q8_0 blocks (qs int8 [N, K], d float32 [N, K/32])."""
+    lib = library()
+    rows, k = x.shape
+    n = qs.shape[0]
+    x = x.contiguous()
+    y = torch.empty(rows, n, dtype=torch.float32)
+    lib.moa_q8_0_matmul(_ptr(x), rows, k, _ptr(qs), _ptr(d), n, _ptr(y), torch.get_num_threads())
+    return y
+
+
+def dequantize_rows(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                    ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a packed matrix as float32 [len(ids), K] (through the same de-quantization
+    the matmul uses)."""
+    lib = library()
+    k = d.shape[1] * 32
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(len(ids), k, dtype=torch.float32)
+    if kind == "q4_1":
+        lib.moa_q4_1_rows(_ptr(qs), _ptr(d), _ptr(m), k, _ptr(ids), len(ids), _ptr(out))
+    else:
+        lib.moa_q8_0_rows(_ptr(qs), _ptr(d), k, _ptr(ids), len(ids), _ptr(out))
+    return out

@@ -1,0 +1,130 @@
+/* y[M,N] = x[M,K] @ W[N,K]^T in float32, W kept in GGUF block formats and de-quantized in
+ * registers (Q4_1: w = d*q + m, Q8_0: w = d*q; d*q is exact in float32, so w is bitwise the
+ * value a float32 de-quantization gives).
+ *
+ * Batch invariance by construction: every output y[i,j] is one dot product accumulated in the
+ * same order (8 float lanes, k ascending, one fused multiply-add per step, then a fixed
+ * horizontal sum) whatever M is, whichever tile row i falls in, however many threads run.
+ *
+ * Layout (repacked at load, see packed.py): Q4_1 qs uint8 [N, K/2] (per 32-block 16 bytes, byte j
+ * holds element j in its low nibble and element j+16 in its high nibble, as GGUF), d and m float
+ * [N, K/32]; Q8_0 qs int8 [N, K], d float [N, K/32]. K must be a multiple of 32. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NB 2      /* weight rows de-quantized and used together */
+#define MT 4      /* rows of x per register tile */
+#define MCHUNK 64 /* rows of x kept hot in cache per pass over the weights */
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline void dequant_q4_1_row(const uint8_t *qs, const float *d, const float *m, int64_t K, float *out) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m128i bytes = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
+        __m128i lo = _mm_and_si128(bytes, low);
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+        __m256 dv = _mm256_set1_ps(d[b]), mv = _mm256_set1_ps(m[b]);
+        float *o = out + 32 * b;
+        _mm256_storeu_ps(o + 0, _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), mv));
+        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), mv));
+        _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), mv));
+        _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), mv));
+    }
+}
+
+static inline void dequant_q8_0_row(const int8_t *qs, const float *d, int64_t K, float *out) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m256 dv = _mm256_set1_ps(d[b]);
+        for (int c = 0; c < 4; c++) {
+            __m128i q = _mm_loadl_epi64((const __m128i *)(qs + 32 * b + 8 * c));
+            _mm256_storeu_ps(out + 32 * b + 8 * c, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+        }
+    }
+}
+
+/* y[i, j] for i < mt, j < NB over de-quantized rows w [NB, K]; mt is a compile-time constant at
+ * every call site, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(int mt, const float *x, int64_t K, const float *w,
+                                                       float *y, int64_t ldy, int nn) {
+    __m256 acc[MT][NB];
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + K + k);
+        for (int i = 0; i < mt; i++) {
+            __m256 xv = _mm256_loadu_ps(x + i * K + k);
+            acc[i][0] = _mm256_fmadd_ps(w0, xv, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(w1, xv, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < nn; j++) y[i * ldy + j] = hsum(acc[i][j]);
+}
+
+static void rows(const float *x, int64_t mc, int64_t K, const float *w, float *y, int64_t ldy, int nn) {
+    int64_t i = 0;
+    for (; i + MT <= mc; i += MT) tile(MT, x + i * K, K, w, y + i * ldy, ldy, nn);
+    switch (mc - i) {
+        case 3: tile(3, x + i * K, K, w, y + i * ldy, ldy, nn); break;
+        case 2: tile(2, x + i * K, K, w, y + i * ldy, ldy, nn); break;
+        case 1: tile(1, x + i * K, K, w, y + i * ldy, ldy, nn); break;
+        default: break;
+    }
+}
+
+/* kind 0: Q4_1 (qs uint8 [N, K/2], d, m), kind 1: Q8_0 (qs int8 [N, K], d; m unused). */
+static void matmul(int kind, const float *x, int64_t M, int64_t K, const void *qs, const float *d, const float *m,
+                   int64_t N, float *y, int threads) {
+    const int64_t nblocks = (N + NB - 1) / NB;
+    const int64_t row_bytes = kind == 0 ? K / 2 : K;
+#pragma omp parallel num_threads(threads)
+    {
+        float *w = aligned_alloc(32, sizeof(float) * NB * K);
+        for (int64_t m0 = 0; m0 < M; m0 += MCHUNK) {
+            const int64_t mc = M - m0 < MCHUNK ? M - m0 : MCHUNK;
+#pragma omp for schedule(static)
+            for (int64_t nb = 0; nb < nblocks; nb++) {
+                const int64_t n0 = nb * NB;
+                const int nn = N - n0 < NB ? (int)(N - n0) : NB;
+                for (int r = 0; r < NB; r++) {
+                    const int64_t n = n0 + (r < nn ? r : 0); /* a short last block repeats a row */
+                    if (kind == 0)
+                        dequant_q4_1_row((const uint8_t *)qs + n * row_bytes, d + n * (K / 32), m + n * (K / 32), K, w + r * K);
+                    else
+                        dequant_q8_0_row((const int8_t *)qs + n * row_bytes, d + n * (K / 32), K, w + r * K);
+                }
+                rows(x + m0 * K, mc, K, w, y + m0 * N + n0, N, nn);
+            }
+        }
+        free(w);
+    }
+}
+
+void moa_q4_1_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d, const float *m,
+                     int64_t N, float *y, int threads) {
+    matmul(0, x, M, K, qs, d, m, N, y, threads);
+}
+
+void moa_q8_0_matmul(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d, int64_t N, float *y,
+                     int threads) {
+    matmul(1, x, M, K, qs, d, NULL, N, y, threads);
+}
+
+/* Rows `ids` of a Q8_0 / Q4_1 matrix, de-quantized (embedding lookups). */
+void moa_q8_0_rows(const int8_t *qs, const float *d, int64_t K, const int64_t *ids, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) dequant_q8_0_row(qs + ids[i] * K, d + ids[i] * (K / 32), K, out + i * K);
+}
+
+void moa_q4_1_rows(const uint8_t *qs, const float *d, const float *m, int64_t K, const int64_t *ids, int64_t n,
+                   float *out) {
+    for (int64_t i = 0; i < n; i++)
+        dequant_q4_1_row(qs + ids[i] * (K / 2), d + ids[i] * (K / 32), m + ids[i] * (K / 32), K, out + i * K);
+}

@@ -1,0 +1,118 @@
+"""Packed-weight kernels: the de-quantization is exact, the matmul agrees with float64, a row's
+output is bitwise the same whatever shares the call, and a SmolLM2 target from its GGUF gets
+packed layers that decode exactly like the float32 target at greedy."""
+
+import pytest
+import torch
+
+from moa_serve import kernels
+from moa_serve.kernels.packed import PackedLinear, PackedMatrix, pack_target
+
+pytestmark = pytest.mark.skipif(kernels.library() is None,
+                                reason=f"packed kernels unavailable here: {kernels.unavailable_reason()}")
+
+
+def _random_packed(kind: str, n: int, k: int, seed: int = 0) -> PackedMatrix:
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()  # fp16 scales, as GGUF
+    if kind == "q4_1":
+        m = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+        qs = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+        return PackedMatrix("q4_1", qs, d, m)
+    qs = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return PackedMatrix("q8_0", qs, d, None)
+
+
+def _reference_dequant(p: PackedMatrix) -> torch.Tensor:
+    """GGUF's formulas written out in torch (gguf-py: (d * q) + m for Q4_1, d * q for Q8_0)."""
+    n, k = p.shape
+    if p.kind == "q4_1":
+        q = p.qs.reshape(n, k // 32, 16).to(torch.int32)
+        q = torch.cat([q & 15, q >> 4], -1).float()  # low nibbles are elements 0-15, high 16-31
+        return (p.d[..., None] * q + p.m[..., None]).reshape(n, k)
+    return (p.d[..., None] * p.qs.reshape(n, k // 32, 32).float()).reshape(n, k)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_dequantization_is_bitwise_gguf(kind):
+    p = _random_packed(kind, 37, 96)
+    assert torch.equal(p.dequantize(), _reference_dequant(p))
+    ids = torch.tensor([5, 0, 36, 5])
+    assert torch.equal(kernels.dequantize_rows(kind, p.qs, p.d, p.m, ids), _reference_dequant(p)[ids])
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 63, 64, 65, 130])
+def test_matmul_matches_float64(kind, rows):
+    p = _random_packed(kind, 75, 160, seed=rows)  # odd N: the last weight-row block is short
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(1))
+    y = PackedLinear(p)(x)
+    ref = x.double() @ _reference_dequant(p).double().T
+    assert y.shape == (rows, 75) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_rows_output_does_not_depend_on_the_batch(kind):
+    """Batch invariance: each row alone, in a batch of 130, at any position, with 1 or 2 threads."""
+    p = _random_packed(kind, 64, 256)
+    lin = PackedLinear(p)
+    x = torch.randn(130, 256, generator=torch.Generator().manual_seed(2))
+    full = lin(x)
+    for i in (0, 3, 4, 63, 64, 129):
+        assert torch.equal(lin(x[i:i + 1]), full[i:i + 1])
+        assert torch.equal(lin(x[max(0, i - 2):i + 3])[min(i, 2)], full[i])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(lin(x), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_packed_linear_bias_shapes_and_dtype():
+    p = _random_packed("q4_1", 8, 64)
+    bias = torch.randn(8)
+    lin = PackedLinear(p, bias)
+    x = torch.randn(2, 3, 64)
+    torch.testing.assert_close(lin(x), x @ _reference_dequant(p).T + bias, rtol=1e-5, atol=1e-5)
+    assert lin(torch.zeros(0, 64)).shape == (0, 8)
+    with pytest.raises(TypeError, match="float32"):
+        lin(x.bfloat16())
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_target_is_packed_and_decodes_like_float32():
+    from moa_serve.engine.engine import SpeculativeEngine
+    from moa_serve.engine.sampling import SamplingParams
+    from moa_serve.models import resolve_model_path
+
+    path = resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+    packed = SpeculativeEngine.load(str(path), None, "float32", packed_weights="auto")
+    plain = SpeculativeEngine.load(str(path), None, "float32", packed_weights="off")
+    report = packed.verifier.packing
+    assert report["packed"] == 30 * 7 + 1 and not report["kept"]  # 210 Q4_1 matrices + the Q8_0 LM head
+    assert report["bytes"] * 4 < report["dense_bytes"]
+    assert isinstance(packed.verifier.model.model.layers[0].mlp.down_proj, PackedLinear)
+    assert plain.verifier.packing["packed"] == 0
+    from moa_serve.cli import prompt_tokens
+
+    prompts = [prompt_tokens(packed.tokenizer, q, chat=True)
+               for q in ("What is the capital of France?", "Write a haiku about the sea.")]
+    a = packed.generate(prompts, 48, SamplingParams())
+    b = plain.generate(prompts, 48, SamplingParams())
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    # the layers' outputs agree to float32 rounding (the order of the sums differs)
+    h = torch.randn(3, 576)
+    layer_p, layer_f = packed.verifier.model.model.layers[3].mlp, plain.verifier.model.model.layers[3].mlp
+    torch.testing.assert_close(layer_p(h), layer_f(h), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_pack_target_refuses_what_it_cannot_pack(tmp_path, stories_path):
+    from moa_serve.models import load_state_dict, read_config
+    from moa_serve.verifier.target_model import TargetModel
+
+    model = TargetModel.from_state_dict(read_config(stories_path), load_state_dict(stories_path), torch.float32)
+    report = pack_target(model, stories_path)  # safetensors, no GGUF
+    assert report["packed"] == 0 and "GGUF" in report["reason"]
