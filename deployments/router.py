@@ -24,6 +24,7 @@ from moa_serve.deployments import assignment
 from moa_serve.deployments.config import AppConfig
 from moa_serve.deployments.metrics import CallMetrics, PrometheusObserver
 from moa_serve.deployments.stats import CallStats
+from moa_serve.drafter.checkpoint import drafter_kind
 from moa_serve.engine.service import RoundService
 
 log = logging.getLogger("ray.serve")
@@ -84,7 +85,9 @@ class Router:
             self._verify, self._draft if drafter is not None else None, self._release,
             groups=self.groups, max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,
             speculation_token_budget=r.speculation_token_budget, speculation_governor=r.speculation_governor,
-            observer=PrometheusObserver())
+            observer=PrometheusObserver(),
+            # MoA features come from the verifier's K/V cache: skipped ones can be recomputed later
+            recompute_features=bool(self.cfg.drafter) and drafter_kind(self.cfg.drafter) == "moa")
         stops = stop_token_ids(path, tokenizer)
         # client-server mode: sessions drafted on the user's device, verified in the same rounds
         self._cs_identity_args = dict(model=self.cfg.model_name or self.cfg.target, tokenizer=tokenizer,

@@ -9,6 +9,7 @@ position p is the number p, so the fake drafter checks that it got the right pos
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -118,8 +119,11 @@ class FakeVerifier(_FakePool):
         self.cached[q.session_id] = end
         self.copies[q.session_id] = copy + new
         self.token_rounds[q.session_id] = self.token_rounds.get(q.session_id, 0) + 1
-        feats = fake_features(cached, end) if q.want_features else None
-        return VerifyResult(q.session_id, new, len(acc), cached, feats,
+        start = cached  # features of the newly cached positions, or from where the sender lacks them
+        if q.want_features and q.features_from is not None:
+            start = max(0, min(start, q.features_from))
+        feats = fake_features(start, end) if q.want_features else None
+        return VerifyResult(q.session_id, new, len(acc), start, feats,
                             num_computed=len(copy) - cached + len(q.drafts))
 
 
@@ -295,15 +299,42 @@ def test_verify_timeout_is_retried_whole_and_features_are_rebuilt():
     assert drafter.errors == []
 
 
-def test_features_lost_on_the_way_are_rebuilt_by_a_re_prefill():
-    class LossyVerifier(FakeVerifier):
-        def _one(self, q):
-            r = super()._one(q)
-            if len(self.calls) == 3:
-                r.features = None  # computed there, never arrived here
-            return r
+class LossyVerifier(FakeVerifier):
+    """Loses the features of its third call on the way; ``recompute``: serves ``features_from``
+    from its cache (MoA's per-layer K/V) or not (EAGLE-style hidden states are gone)."""
 
-    verifier, drafter = LossyVerifier(delay=0.001), FakeDrafter()
+    def __init__(self, recompute: bool, **kw):
+        super().__init__(**kw)
+        self.recompute = recompute
+
+    def _one(self, q):
+        if not self.recompute:
+            q = dataclasses.replace(q, features_from=None)
+        r = super()._one(q)
+        if len(self.calls) == 3:
+            r.features = None  # computed there, never arrived here
+        return r
+
+
+def test_features_lost_on_the_way_are_recomputed_from_the_cache():
+    verifier, drafter = LossyVerifier(recompute=True, delay=0.001), FakeDrafter()
+
+    async def main():
+        svc, release = make_service(verifier, drafter, num_groups=1)
+        s = make_session(0)
+        out = await collect(svc, svc.submit(s))
+        await svc.stop()
+        return s, out, svc.stats
+
+    s, (toks, _), stats = asyncio.run(main())
+    assert toks == reference(s.prompt, 20) and drafter.errors == []
+    assert stats.resyncs == 0  # the next verify asked from the first missing position
+    received = drafter.received[s.id]
+    assert received == list(range(len(received)))
+
+
+def test_features_lost_on_the_way_are_rebuilt_by_a_re_prefill():
+    verifier, drafter = LossyVerifier(recompute=False, delay=0.001), FakeDrafter()
 
     async def main():
         svc, release = make_service(verifier, drafter, num_groups=1)
@@ -486,3 +517,62 @@ def test_group_keys_must_be_distinct():
     with pytest.raises(ValueError):
         RoundService(FakeVerifier(), None, FakeRelease(), groups=["a", "a"])
     assert RoundService(FakeVerifier(), None, FakeRelease(), num_groups=3).groups == [0, 1, 2]
+
+
+class _ScriptedGovernor:
+    """Speculation on/off by round number (1-based), as a SpeculationGovernor would decide."""
+
+    def __init__(self, on_rounds: set[int]):
+        self.on_rounds, self.rounds = on_rounds, 0
+
+    def speculate(self, sessions: int) -> bool:
+        self.rounds += 1
+        return self.rounds in self.on_rounds
+
+    def next_speculates(self, sessions: int) -> bool:
+        return self.rounds + 1 in self.on_rounds
+
+    def observe(self, *args) -> None:
+        pass
+
+    def snapshot(self) -> dict:
+        return {}
+
+
+def test_rounds_that_will_not_draft_skip_features_and_catch_up_from_the_cache_when_drafting_resumes():
+    """With speculation off (governor) the verify asks for no drafter features; the round before
+    drafting resumes asks for them from the first position the session lacks, and the drafter
+    gets every position exactly once, in order. Output is the target's own."""
+    async def main():
+        verifier, drafter = FakeVerifier(), FakeDrafter()
+        svc, _ = make_service(verifier, drafter, speculation_governor=True, recompute_features=True,
+                              speculation_token_budget=0)
+        gov = _ScriptedGovernor(on_rounds={1, 2, 3, 9, 10, 11, 12, 13, 14, 15, 16})
+        svc._governors = {g: gov for g in svc.groups}
+        s = make_session(0, max_new=40, k=2)
+        toks, finish = await collect(svc, svc.submit(s))
+        await svc.stop()
+        return verifier, drafter, s, toks, finish
+
+    verifier, drafter, s, toks, finish = asyncio.run(main())
+    assert toks == reference(s.prompt, 40) and finish == "length"
+    assert not verifier.errors and not drafter.errors
+    calls = [reqs[0] for _, reqs in verifier.calls]
+    wants = [q.want_features for q in calls]
+    # rounds 1-3 draft (round 1 prefills); 4-7 neither draft nor fetch features; round 8 fetches
+    # them (round 9 drafts) from where the session stopped holding them
+    assert wants[:3] == [True] * 3 and wants[3:7] == [False] * 4 and wants[7] is True
+    assert calls[7].features_from is not None and calls[7].features_from < calls[7].base
+    assert not calls[7].drafts  # lagging features: the catch-up round does not draft
+    assert calls[8].drafts  # round 9 drafts again
+    received = drafter.received[s.id]
+    assert received == list(range(len(received)))  # every position once, in order, no hole
+
+
+def test_feature_lag_blocks_drafting_only_when_recomputing():
+    s = make_session(0)
+    s.tokens.extend([1, 2, 3])
+    s.features.add(0, fake_features(0, 4))
+    assert s.features_lag == len(s.tokens) - 1 - 4
+    assert rounds.draft_requests([s], None, current_features=True) == []
+    assert len(rounds.draft_requests([s], None, current_features=False)) == 1

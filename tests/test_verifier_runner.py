@@ -108,3 +108,30 @@ def test_full_cache_evicts_the_least_recently_used_idle_session(target, hf):
     assert again.resync
     (ra,) = runner.verify([VerifyRequest("a", a_full)])  # the router resends everything: re-prefill
     assert first["a"] + ra.tokens == hf_greedy(hf, prompts["a"], 2)
+
+
+def test_skipped_features_are_recomputed_from_the_cache(target, stories_drafter):
+    """A session that skipped drafter features for some rounds asks for them from where it stopped
+    (``features_from``): they equal, position by position, the ones computed round by round."""
+    from moa_serve.engine.engine import load_feature_head
+
+    def run(skip: set[int]) -> torch.Tensor:
+        runner = TorchTargetRunner("unused", torch.float32, model=target, max_sessions=2, max_model_len=256,
+                                   feature_head=load_feature_head(str(stories_drafter)))
+        prompt, held, feats = prompt_of(20, 3), 0, {}
+        tokens = list(prompt)
+        for step in range(8):
+            want = step not in skip
+            have = max(feats) + 1 if feats else 0
+            (r,) = runner.verify([VerifyRequest("s", tokens[held:], base=held, want_features=want,
+                                                features_from=have if want else None)])
+            held = len(tokens) + len(r.tokens)
+            tokens += r.tokens
+            if r.features is not None:
+                for i, f in enumerate(r.features):
+                    feats.setdefault(r.feature_start + i, f)
+        assert sorted(feats) == list(range(len(tokens) - 1))  # every verified position, no hole
+        return torch.stack([feats[p] for p in sorted(feats)])
+
+    # the same positions' features (a feature-head batch of another size may round differently)
+    torch.testing.assert_close(run(skip={2, 3, 4}), run(skip=set()), rtol=1e-5, atol=1e-6)

@@ -26,6 +26,10 @@ class VerifyRequest:
     sampling: SamplingParams = GREEDY
     want_features: bool = True
     base: int = 0
+    # the sender holds features only up to this position (it skipped them while not speculating):
+    # features start here instead of at the first newly cached position, recomputed from the
+    # K/V cache (MoA's per-layer K/V features; ignored for features the cache cannot give back)
+    features_from: int | None = None
 
 
 @dataclass

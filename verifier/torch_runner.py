@@ -14,6 +14,7 @@ the call is evicted (it resyncs later): a full cache never fails a request.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -151,7 +152,7 @@ class TorchTargetRunner(TargetBackend):
                 w = _Work(r, s, s.cached, s.committed[s.cached:s.cached + chunk], chunk == uncached,
                           uncached - chunk)
                 if w.done:  # the prompt fits but its drafts do not: answer without drafts
-                    w.req = VerifyRequest(r.session_id, r.tokens, [], None, r.sampling, r.want_features, r.base)
+                    w.req = dataclasses.replace(r, drafts=[], draft_probs=None)
             else:
                 w = _Work(r, s, s.cached, [], False, uncached)
             budget -= len(w.fed)
@@ -270,9 +271,13 @@ class TorchTargetRunner(TargetBackend):
         if self.feature_head is None:
             return
         spans, offset, rows = [], 0, []
+        from_cache = self.feature_kind == "per_layer_kv"
         for w in work:
-            end = w.session.cached if w.req.want_features else w.start
-            spans.append((w.start, end))
+            start = w.start
+            if w.req.want_features and from_cache and w.req.features_from is not None:
+                start = max(0, min(start, w.req.features_from))  # catch up from the cache
+            end = w.session.cached if w.req.want_features else start
+            spans.append((start, end))
             rows.append(offset)
             offset += len(w.fed)
         if self.feature_kind == "hidden":

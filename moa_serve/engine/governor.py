@@ -43,6 +43,15 @@ class SpeculationGovernor:
             return not better_on
         return better_on
 
+    def next_speculates(self, sessions: int) -> bool:
+        """What :meth:`speculate` will answer for the next round of this size (without counting a
+        round): the caller fetches drafter features only when a round soon drafts."""
+        b = self._buckets.get(self.bucket(sessions))
+        if b is None or b.on is None or b.off is None:
+            return True
+        better_on = b.on <= b.off
+        return (not better_on) if (b.rounds + 1) % self.probe_every == 0 else better_on
+
     def observe(self, sessions: int, speculated: bool, seconds: float, tokens: int) -> None:
         """A finished round: its wall time and the tokens it committed."""
         if tokens <= 0 or seconds <= 0:

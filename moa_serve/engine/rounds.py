@@ -32,13 +32,16 @@ def speculation_cap(budget: int, num_sessions: int) -> int | None:
 
 
 # ---------------------------------------------------------------------- draft
-def draft_requests(sessions: list[Session], cap: int | None = None) -> list[DraftRequest]:
+def draft_requests(sessions: list[Session], cap: int | None = None,
+                   current_features: bool = False) -> list[DraftRequest]:
     """Requests for the sessions worth drafting for this round (features known, not prefilling,
-    room left, ``cap`` > 0), each with the tokens and features the drafter has not seen yet."""
+    room left, ``cap`` > 0), each with the tokens and features the drafter has not seen yet.
+    ``current_features``: skip sessions whose features lag their verified tokens (features were
+    skipped while speculation was off; this round's verify catches them up)."""
     out = []
     for s in sessions:
         k = s.speculation_length(cap)
-        if k == 0:
+        if k == 0 or (current_features and s.drafter_needs_features and s.features_lag > 0):
             continue
         start, feats = s.unsent_features()
         out.append(DraftRequest(s.id, s.tokens[s.drafter_base:], k, start, feats, s.sampling,
@@ -81,13 +84,17 @@ def drafts_failed(sessions: dict[str, Session], requests: list[DraftRequest]) ->
 
 # ---------------------------------------------------------------------- verify
 def verify_requests(sessions: list[Session], drafts: dict[str, DraftResult],
-                    want_features: bool = True) -> list[VerifyRequest]:
+                    want_features: bool | set[str] = True) -> list[VerifyRequest]:
+    """``want_features``: for every session, or the ids of those that want them. Features are asked
+    from the first position the session lacks (``features_from``), so positions skipped while not
+    speculating are caught up."""
     out = []
     for s in sessions:
         d = drafts.get(s.id)
+        want = want_features if isinstance(want_features, bool) else s.id in want_features
         out.append(VerifyRequest(s.id, s.tokens[s.verifier_base:], list(d.drafts) if d else [],
-                                 d.probs if d is not None else None, s.sampling, want_features,
-                                 base=s.verifier_base))
+                                 d.probs if d is not None else None, s.sampling, want,
+                                 base=s.verifier_base, features_from=s.num_features if want else None))
     return out
 
 

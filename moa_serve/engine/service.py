@@ -179,11 +179,15 @@ class RoundService:
                  verify_timeout_s: float = 120.0, draft_timeout_s: float = 5.0,
                  release_timeout_s: float = 5.0, release_attempts: int = 5,
                  speculation_token_budget: int = 32, speculation_governor: bool = True,
-                 observer: Observer | None = None, want_features: bool | None = None):
+                 observer: Observer | None = None, want_features: bool | None = None,
+                 recompute_features: bool = False):
         self._verify, self._draft, self._release = verify, draft, release
         # ask the verifier for drafter features (default: when there is a drafter pool; remote
         # clients' drafters need them too)
         self.want_features = draft is not None if want_features is None else want_features
+        # the verifier can recompute skipped features from its cache (MoA's per-layer K/V): rounds
+        # that will not draft soon skip them, so speculation turned off costs what plain decoding does
+        self.recompute_features = recompute_features
         self.groups = list(groups) if groups is not None else list(range(num_groups))
         if not self.groups or len(set(self.groups)) != len(self.groups):
             raise ValueError(f"session groups must be a non-empty list of distinct keys: {self.groups!r}")
@@ -411,8 +415,9 @@ class RoundService:
         remote = {t.session.id: t.pending.drafts for t in batch if t.remote and t.pending.drafts.drafts}
         drafts = await self._draft_round(g, by_id, [t.session for t in batch if not t.remote], cap, profile)
         drafts.update(remote)  # drafted on the clients' devices
+        want = self._features_wanted(g, batch, cap)
         t1 = time.perf_counter()
-        results = await self._verify_round(g, by_id, sessions, drafts, profile)
+        results = await self._verify_round(g, by_id, sessions, drafts, profile, want)
         t2 = time.perf_counter()
         self._note_reprefills(by_id, results, drafts, profile)
         self._publish(batch, rounds.commit(by_id, results, drafts), profile)
@@ -427,13 +432,26 @@ class RoundService:
         self.observer.round_done(g, profile.sessions, profile.draft_s, profile.verify_s, profile.round_s)
         self.observer.round_profile(profile)
 
+    def _features_wanted(self, g: Hashable, batch: list[_Tracked], cap: int | None) -> bool | set[str]:
+        """Which sessions' verify asks for drafter features: all of them, unless the verifier can
+        recompute skipped ones and neither this round nor (as far as the governor knows) the next
+        drafts; remote clients always get theirs."""
+        if not self.want_features or not self.recompute_features or cap != 0:
+            return self.want_features
+        n = len(batch)
+        governor = self._governors.get(g)
+        budget_allows = rounds.speculation_cap(self.speculation_token_budget, n) != 0
+        if budget_allows and (governor is None or governor.next_speculates(n)):
+            return True
+        return {t.session.id for t in batch if t.remote}
+
     async def _draft_round(self, g, by_id: dict[str, Session], sessions: list[Session], cap: int | None,
                            profile: RoundProfile) -> dict[str, DraftResult]:
         """Drafts for the sessions worth it; any failure or timeout degrades the round to plain
         target decoding (and the drafter gets everything again next time)."""
         if self._draft is None:
             return {}
-        reqs = rounds.draft_requests(sessions, cap)
+        reqs = rounds.draft_requests(sessions, cap, current_features=self.recompute_features)
         if not reqs:
             return {}
         try:
@@ -454,25 +472,25 @@ class RoundService:
         return rounds.drafts_delivered(by_id, reqs, res)
 
     async def _verify_round(self, g, by_id: dict[str, Session], sessions: list[Session],
-                            drafts: dict[str, DraftResult], profile: RoundProfile) -> dict[str, VerifyResult]:
+                            drafts: dict[str, DraftResult], profile: RoundProfile,
+                            want: bool | set[str] = True) -> dict[str, VerifyResult]:
         """One verify call for the round; sessions the replica could not place (``resync``) go
         once more, whole, in a follow-up call of the same round."""
-        results = rounds.by_session(by_id, await self._verify_with_retry(g, sessions, drafts))
+        results = rounds.by_session(by_id, await self._verify_with_retry(g, sessions, drafts, want))
         again = rounds.resynced(by_id, results)
         if again:
             self.stats.resyncs += len(again)
             profile.resyncs += len(again)
             ids = {s.id: s for s in again}
-            more = await self._verify_with_retry(g, again, drafts)
+            more = await self._verify_with_retry(g, again, drafts, want)
             results.update(rounds.by_session(ids, more))
         return results
 
-    async def _verify_with_retry(self, g, sessions: list[Session],
-                                 drafts: dict[str, DraftResult]) -> list[VerifyResult]:
+    async def _verify_with_retry(self, g, sessions: list[Session], drafts: dict[str, DraftResult],
+                                 want: bool | set[str] = True) -> list[VerifyResult]:
         """A verify call with a timeout and bounded retries (exponential backoff). A failed or timed
         out attempt may have reached a replica that is gone: the retry sends whole token lists. A
         ``ValueError`` means the request itself is wrong: retrying cannot help."""
-        want = self.want_features
         for attempt in range(self.verify_retries + 1):
             reqs = rounds.verify_requests(sessions, drafts, want)
             try:

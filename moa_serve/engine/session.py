@@ -123,6 +123,12 @@ class Session:
         """Tokens committed per verify round, the target's own token included."""
         return len(self.generated) / self.rounds if self.rounds else 0.0
 
+    @property
+    def features_lag(self) -> int:
+        """Verified positions whose features we do not hold (all but the last token, which the
+        target has not cached yet)."""
+        return max(0, len(self.tokens) - 1 - self.num_features)
+
     def speculation_length(self, cap: int | None = None) -> int:
         """Drafts worth asking for this round: none while the prompt is being prefilled or before
         it is verified (no features yet); never more than the output or the context can still
