@@ -103,8 +103,12 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, bias=False)
         self.up_proj = Linear(hidden, intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.gate_up = None  # optional fused [gate; up] projection (one matmul instead of two)
 
     def forward(self, x):
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -120,6 +124,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
         self.v_proj = Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
         self.o_proj = Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+        self.qkv = None  # optional fused [q; k; v] projection (one matmul instead of three)
 
     def split_heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         # [B, T, heads*hd] -> [B, heads, T, hd]
@@ -180,9 +185,14 @@ class DecoderLayer(nn.Module):
         n = x.shape[0]
         a, s = self.self_attn, self.self_attn.shape
         h = self.input_layernorm(x)
-        q = apply_rope(a.q_proj(h).reshape(n, s.num_heads, s.head_dim), cos, sin)
-        k = apply_rope(a.k_proj(h).reshape(n, s.num_kv_heads, s.head_dim), cos, sin)
-        v = a.v_proj(h).reshape(n, s.num_kv_heads, s.head_dim)
+        if a.qkv is not None:
+            kv = s.num_kv_heads * s.head_dim
+            q, k, v = a.qkv(h).split([s.num_heads * s.head_dim, kv, kv], dim=-1)
+        else:
+            q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+        q = apply_rope(q.reshape(n, s.num_heads, s.head_dim), cos, sin)
+        k = apply_rope(k.reshape(n, s.num_kv_heads, s.head_dim), cos, sin)
+        v = v.reshape(n, s.num_kv_heads, s.head_dim)
         x = x + a.o_proj(attention(q, k, v).reshape(n, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -184,6 +184,24 @@ def pack_target(model: nn.Module, path: Path) -> dict:
         packed += 1
         nbytes += matrix.nbytes
         dense_bytes += dense.numel() * 4
+    fused = _fuse_projections(model)
     if kept:
         log.warning("kept float32 for %d matrices: %s", len(kept), ", ".join(kept[:5]))
-    return {"packed": packed, "kept": kept, "bytes": nbytes, "dense_bytes": dense_bytes}
+    return {"packed": packed, "kept": kept, "bytes": nbytes, "dense_bytes": dense_bytes, "fused": fused}
+
+
+def _fuse_projections(model: nn.Module) -> int:
+    """Per layer, [q; k; v] and [gate; up] as one packed matrix each (fewer, larger kernel calls;
+    every output row is still its own dot product, so the values are the same)."""
+    fused = 0
+    for layer in model.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        qkv = [a.q_proj, a.k_proj, a.v_proj]
+        if all(isinstance(m, PackedLinear) and m.bias is None for m in qkv) and len({m.packed.kind for m in qkv}) == 1:
+            a.qkv = PackedLinear(PackedMatrix.cat([m.packed for m in qkv]))
+            fused += 1
+        gu = [mlp.gate_proj, mlp.up_proj]
+        if all(isinstance(m, PackedLinear) and m.bias is None for m in gu) and len({m.packed.kind for m in gu}) == 1:
+            mlp.gate_up = PackedLinear(PackedMatrix.cat([m.packed for m in gu]))
+            fused += 1
+    return fused

@@ -25,28 +25,40 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline void dequant_q4_1_row(const uint8_t *qs, const float *d, const float *m, int64_t K, float *out) {
+/* One 32-weight block as four vectors of 8 (elements 0-7, 8-15, 16-23, 24-31). */
+static inline __attribute__((always_inline)) void block_q4_1(const uint8_t *qs, float d, float m, __m256 w[4]) {
     const __m128i low = _mm_set1_epi8(0x0F);
-    for (int64_t b = 0; b < K / 32; b++) {
-        __m128i bytes = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
-        __m128i lo = _mm_and_si128(bytes, low);
-        __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-        __m256 dv = _mm256_set1_ps(d[b]), mv = _mm256_set1_ps(m[b]);
-        float *o = out + 32 * b;
-        _mm256_storeu_ps(o + 0, _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), mv));
-        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), mv));
-        _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), mv));
-        _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), mv));
-    }
+    __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
+    __m128i lo = _mm_and_si128(bytes, low);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+    __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+    w[0] = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), mv);
+    w[1] = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), mv);
+    w[2] = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), mv);
+    w[3] = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), mv);
 }
 
-static inline void dequant_q8_0_row(const int8_t *qs, const float *d, int64_t K, float *out) {
+static inline __attribute__((always_inline)) void block_q8_0(const int8_t *qs, float d, __m256 w[4]) {
+    __m256 dv = _mm256_set1_ps(d);
+    for (int c = 0; c < 4; c++)
+        w[c] = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * c)))));
+}
+
+/* Block b of row n of a kind-0 (Q4_1) or kind-1 (Q8_0) matrix with K columns. */
+static inline __attribute__((always_inline)) void block(int kind, const void *qs, const float *d, const float *m,
+                                                        int64_t K, int64_t n, int64_t b, __m256 w[4]) {
+    if (kind == 0)
+        block_q4_1((const uint8_t *)qs + n * (K / 2) + 16 * b, d[n * (K / 32) + b], m[n * (K / 32) + b], w);
+    else
+        block_q8_0((const int8_t *)qs + n * K + 32 * b, d[n * (K / 32) + b], w);
+}
+
+static inline void dequant_row(int kind, const void *qs, const float *d, const float *m, int64_t K, int64_t n,
+                               float *out) {
     for (int64_t b = 0; b < K / 32; b++) {
-        __m256 dv = _mm256_set1_ps(d[b]);
-        for (int c = 0; c < 4; c++) {
-            __m128i q = _mm_loadl_epi64((const __m128i *)(qs + 32 * b + 8 * c));
-            _mm256_storeu_ps(out + 32 * b + 8 * c, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
-        }
+        __m256 w[4];
+        block(kind, qs, d, m, K, n, b, w);
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + 32 * b + 8 * c, w[c]);
     }
 }
 
@@ -69,6 +81,29 @@ static inline __attribute__((always_inline)) void tile(int mt, const float *x, i
         for (int j = 0; j < nn; j++) y[i * ldy + j] = hsum(acc[i][j]);
 }
 
+/* The same sums as tile() for mt <= 2 rows of x, de-quantizing straight into registers (a
+ * single-row decode step reads each weight once: no buffer round trip). Same FMA order. */
+static inline __attribute__((always_inline)) void tile_direct(int kind, int mt, const float *x, int64_t K,
+                                                              const void *qs, const float *d, const float *m,
+                                                              int64_t n0, int nn, float *y, int64_t ldy) {
+    __m256 acc[2][NB];
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m256 w0[4], w1[4];
+        block(kind, qs, d, m, K, n0, b, w0);
+        block(kind, qs, d, m, K, n0 + (nn > 1 ? 1 : 0), b, w1);
+        for (int c = 0; c < 4; c++)
+            for (int i = 0; i < mt; i++) {
+                __m256 xv = _mm256_loadu_ps(x + i * K + 32 * b + 8 * c);
+                acc[i][0] = _mm256_fmadd_ps(w0[c], xv, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(w1[c], xv, acc[i][1]);
+            }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < nn; j++) y[i * ldy + j] = hsum(acc[i][j]);
+}
+
 static void rows(const float *x, int64_t mc, int64_t K, const float *w, float *y, int64_t ldy, int nn) {
     int64_t i = 0;
     for (; i + MT <= mc; i += MT) tile(MT, x + i * K, K, w, y + i * ldy, ldy, nn);
@@ -84,7 +119,6 @@ static void rows(const float *x, int64_t mc, int64_t K, const float *w, float *y
 static void matmul(int kind, const float *x, int64_t M, int64_t K, const void *qs, const float *d, const float *m,
                    int64_t N, float *y, int threads) {
     const int64_t nblocks = (N + NB - 1) / NB;
-    const int64_t row_bytes = kind == 0 ? K / 2 : K;
 #pragma omp parallel num_threads(threads)
     {
         float *w = aligned_alloc(32, sizeof(float) * NB * K);
@@ -94,13 +128,15 @@ static void matmul(int kind, const float *x, int64_t M, int64_t K, const void *q
             for (int64_t nb = 0; nb < nblocks; nb++) {
                 const int64_t n0 = nb * NB;
                 const int nn = N - n0 < NB ? (int)(N - n0) : NB;
-                for (int r = 0; r < NB; r++) {
-                    const int64_t n = n0 + (r < nn ? r : 0); /* a short last block repeats a row */
-                    if (kind == 0)
-                        dequant_q4_1_row((const uint8_t *)qs + n * row_bytes, d + n * (K / 32), m + n * (K / 32), K, w + r * K);
+                if (mc <= 2) {
+                    if (mc == 1)
+                        tile_direct(kind, 1, x + m0 * K, K, qs, d, m, n0, nn, y + m0 * N + n0, N);
                     else
-                        dequant_q8_0_row((const int8_t *)qs + n * row_bytes, d + n * (K / 32), K, w + r * K);
+                        tile_direct(kind, 2, x + m0 * K, K, qs, d, m, n0, nn, y + m0 * N + n0, N);
+                    continue;
                 }
+                for (int r = 0; r < NB; r++) /* a short last block repeats a row */
+                    dequant_row(kind, qs, d, m, K, n0 + (r < nn ? r : 0), w + r * K);
                 rows(x + m0 * K, mc, K, w, y + m0 * N + n0, N, nn);
             }
         }
@@ -118,13 +154,12 @@ void moa_q8_0_matmul(const float *x, int64_t M, int64_t K, const int8_t *qs, con
     matmul(1, x, M, K, qs, d, NULL, N, y, threads);
 }
 
-/* Rows `ids` of a Q8_0 / Q4_1 matrix, de-quantized (embedding lookups). */
+/* Rows `ids` of a Q8_0 / Q4_1 matrix, de-quantized (embedding lookups, checks). */
 void moa_q8_0_rows(const int8_t *qs, const float *d, int64_t K, const int64_t *ids, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) dequant_q8_0_row(qs + ids[i] * K, d + ids[i] * (K / 32), K, out + i * K);
+    for (int64_t i = 0; i < n; i++) dequant_row(1, qs, d, NULL, K, ids[i], out + i * K);
 }
 
 void moa_q4_1_rows(const uint8_t *qs, const float *d, const float *m, int64_t K, const int64_t *ids, int64_t n,
                    float *out) {
-    for (int64_t i = 0; i < n; i++)
-        dequant_q4_1_row(qs + ids[i] * (K / 2), d + ids[i] * (K / 32), m + ids[i] * (K / 32), K, out + i * K);
+    for (int64_t i = 0; i < n; i++) dequant_row(0, qs, d, m, K, ids[i], out + i * K);
 }
