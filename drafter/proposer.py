@@ -26,6 +26,7 @@ from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.model import DraftHead, MoADrafter, TargetParts
 from moa_serve.engine.sampling import GREEDY, SamplingParams
+from moa_serve.kernels.packed import packed_lm_head
 from moa_serve.kv_cache import SlotKVCache
 from moa_serve.models import load_selected_tensors, parse_dtype, read_config, resolve_model_path
 from moa_serve.verifier.acceptance import generator_for, sample, warp_probs
@@ -84,6 +85,7 @@ def load_for_drafting(drafter: str, target: str | None, dtype, device, target_mo
         _check_target(cfg, arch)  # before reading any weights
         state_parts = load_selected_tensors(path, TargetParts.wanted(arch, tli))
         parts = TargetParts.from_state_dict(hf_config, state_parts, tli, dt, device)
+        parts.source_path = path  # where packed (GGUF) weights may come from
     draft_vocab = state.pop(DRAFT_VOCAB_KEY, None)
     return cfg, state, draft_vocab, parts, dt
 
@@ -132,7 +134,18 @@ class ProposerBase:
         self.vocab_size = cfg.target.vocab_size
         self.draft_vocab = draft_vocab.to(self.device) if draft_vocab is not None else None
         self.lm_head_weight = p[self.draft_vocab] if self.draft_vocab is not None else p
+        # a float32 CPU drafter of a GGUF target reads its head from the 8-bit blocks (4x fewer
+        # bytes per draft step, the same float32 values)
+        self.lm_head_packed = packed_lm_head(self.parts.lm_head, getattr(self.parts, "source_path", None),
+                                             self.draft_vocab)
         self.stats = {"steps": 0, "draft_s": 0.0, "evicted": 0, "resync": 0}
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits [..., V'] (V' = the draft vocabulary when the checkpoint has one)."""
+        if self.lm_head_packed is not None:
+            flat = hidden.reshape(-1, hidden.shape[-1]).float()
+            return self.lm_head_packed.matmul_t(flat).reshape(*hidden.shape[:-1], -1)
+        return (hidden @ self.lm_head_weight.T).float()
 
     def _init_sessions(self, max_sessions: int, max_model_len: int) -> None:
         self.max_sessions = max_sessions
@@ -235,7 +248,7 @@ class ProposerBase:
                 qlens = torch.ones(len(rows), dtype=torch.long)
             batch = [live[i] for i in rows]
             hidden = self._forward(ctx, batch, tokens, qlens, slots, step, feed)
-            tok, qs = self._pick((hidden @ self.lm_head_weight.T).float(), batch, step)
+            tok, qs = self._pick(self._logits(hidden), batch, step)
             for b, q in qs.items():
                 probs[rows[b]].append(q)
             picked.append((rows, tok))

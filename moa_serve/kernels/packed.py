@@ -190,6 +190,34 @@ def pack_target(model: nn.Module, path: Path) -> dict:
     return {"packed": packed, "kept": kept, "bytes": nbytes, "dense_bytes": dense_bytes, "fused": fused}
 
 
+def packed_lm_head(lm_head: nn.Module, path: Path | None, rows: torch.Tensor | None = None) -> PackedMatrix | None:
+    """The LM head (or its ``rows``, e.g. a drafter's draft vocabulary) as a packed matrix, for a
+    drafter that borrows the target's head: taken from a target already packed, or read from the
+    target's GGUF and checked bitwise against the float32 weight it was loaded with. None when
+    that is not possible (no GGUF, not float32 on CPU, no kernels)."""
+    if isinstance(lm_head, PackedLinear):
+        matrix = lm_head.packed
+    else:
+        weight = lm_head.weight
+        gguf_path = gguf_file(path) if path is not None else None
+        if (gguf_path is None or weight.dtype != torch.float32 or weight.device.type != "cpu"
+                or kernels.library() is None):
+            return None
+        import gguf
+
+        tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+        tensor = tensors.get("output.weight") or tensors.get("token_embd.weight")
+        if tensor is None or tensor.tensor_type.name not in _BYTES_PER_BLOCK:
+            return None
+        matrix = PackedMatrix.from_gguf(tensor)
+        perm = _match_rows(matrix, weight.detach())
+        if perm is None:
+            return None
+        if not torch.equal(perm, torch.arange(len(perm))):
+            matrix = matrix.rows(perm)
+    return matrix.rows(rows.cpu()) if rows is not None else matrix
+
+
 def _fuse_projections(model: nn.Module) -> int:
     """Per layer, [q; k; v] and [gate; up] as one packed matrix each (fewer, larger kernel calls;
     every output row is still its own dot product, so the values are the same)."""
