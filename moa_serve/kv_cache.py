@@ -13,6 +13,8 @@ import heapq
 import torch
 import torch.nn.functional as F
 
+from moa_serve import kernels
+
 
 class SlotKVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
@@ -117,8 +119,11 @@ class PackedBatch:
     SHORT = 16  # sequences with at most this many new tokens attend in the shared call
 
     def __init__(self, cache: SlotKVCache, slots: list[int], starts: list[int], lens: list[int],
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", kernel: bool = False):
+        """``kernel``: attend with ``moa_serve.kernels.attention`` (float32 CPU caches): every token
+        alone over its own slot, in a fixed order, so its output does not depend on the batch."""
         self.cache = cache
+        self.kernel = kernel
         self.n = sum(lens)
         offsets = [0]
         for n in lens[:-1]:
@@ -127,8 +132,10 @@ class PackedBatch:
         self.token_slots = torch.cat([torch.full((n,), s) for s, n in zip(slots, lens)]).to(device)
         if int(self.positions.max()) >= cache.max_len:
             raise ValueError(f"positions up to {int(self.positions.max())} exceed the cache ({cache.max_len})")
+        self.short, self.long = None, []
+        if kernel:
+            return
         short = [i for i, n in enumerate(lens) if n <= self.SHORT]
-        self.short = None
         if short:
             lo, hi = min(slots[i] for i in short), max(slots[i] for i in short) + 1
             width = max(lens[i] for i in short)
@@ -145,7 +152,6 @@ class PackedBatch:
             mask = torch.arange(total)[None, None, :] <= q_pos[:, :, None]  # [rows, width, total]
             self.short = dict(lo=lo, hi=hi, width=width, total=total, gather=flat.to(device),
                               real=real.to(device), dest=flat[real].to(device), mask=mask.to(device))
-        self.long = []
         for i, n in enumerate(lens):
             if n > self.SHORT:
                 a = starts[i]
@@ -158,6 +164,8 @@ class PackedBatch:
             c = self.cache
             c.k[layer, self.token_slots, :, self.positions] = k
             c.v[layer, self.token_slots, :, self.positions] = v
+            if self.kernel:
+                return kernels.attention(q, c.k[layer], c.v[layer], self.token_slots, self.positions)
             n, heads, hd = q.shape
             kv_heads = k.shape[1]
             groups = heads // kv_heads

@@ -116,3 +116,69 @@ def test_pack_target_refuses_what_it_cannot_pack(tmp_path, stories_path):
     model = TargetModel.from_state_dict(read_config(stories_path), load_state_dict(stories_path), torch.float32)
     report = pack_target(model, stories_path)  # safetensors, no GGUF
     assert report["packed"] == 0 and "GGUF" in report["reason"]
+
+
+def test_attention_kernel_matches_sdpa_and_is_batch_invariant():
+    from torch.nn import functional as F
+
+    g = torch.Generator().manual_seed(3)
+    slots, kv_heads, max_len, hd, heads = 4, 2, 40, 16, 6
+    k = torch.randn(slots, kv_heads, max_len, hd, generator=g)
+    v = torch.randn(slots, kv_heads, max_len, hd, generator=g)
+    q = torch.randn(7, heads, hd, generator=g)
+    tok_slots = torch.tensor([0, 0, 0, 2, 3, 3, 1])
+    positions = torch.tensor([5, 6, 7, 0, 30, 31, 12])
+    out = kernels.attention(q, k, v, tok_slots, positions)
+    for i in range(7):
+        s, p = int(tok_slots[i]), int(positions[i])
+        keys = k[s, :, :p + 1].repeat_interleave(heads // kv_heads, 0)  # [H, p+1, hd]
+        vals = v[s, :, :p + 1].repeat_interleave(heads // kv_heads, 0)
+        ref = F.scaled_dot_product_attention(q[i][:, None], keys, vals)[:, 0]
+        torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(kernels.attention(q[i:i + 1], k, v, tok_slots[i:i + 1], positions[i:i + 1])[0], out[i])
+
+
+def _quantize_q8_0(w: torch.Tensor) -> PackedMatrix:
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32)
+    d = (blocks.abs().amax(-1) / 127).clamp_min(1e-8).half().float()
+    qs = torch.round(blocks / d[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
+    return PackedMatrix("q8_0", qs, d, None)
+
+
+def _pack_all_linears_q8_0(model) -> None:
+    from moa_serve.layers import Linear
+
+    for name, module in list(model.named_modules()):
+        for attr, child in list(module.named_children()):
+            if isinstance(child, Linear) and child.in_features % 32 == 0:
+                setattr(module, attr, PackedLinear(_quantize_q8_0(child.weight.detach()), child.bias))
+
+
+def test_verify_logits_do_not_depend_on_drafts_or_neighbours(tiny_model):
+    """With the kernels, a token's logits are bitwise the same verified alone, with drafts after
+    it, or beside other sessions (what makes greedy speculative output the target's own, bit for
+    bit, whatever shares the round)."""
+    from moa_serve.kv_cache import PackedBatch
+    from moa_serve.models import load_state_dict, read_config
+    from moa_serve.verifier.target_model import TargetModel
+
+    model = TargetModel.from_state_dict(read_config(tiny_model), load_state_dict(tiny_model), torch.float32)
+    _pack_all_linears_q8_0(model)  # a random Llama has no GGUF: quantize its matrices here
+    cache = model.new_cache(3, 128)
+    prompts = [torch.randint(0, 16, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (20, 45, 9)]
+    for slot, p in enumerate(prompts):
+        model.forward_packed(torch.tensor(p), PackedBatch(cache, [slot], [0], [len(p)], kernel=True))
+
+    def logits(items):
+        batch = PackedBatch(cache, [s for s, _ in items], [len(prompts[s]) for s, _ in items],
+                            [len(t) for _, t in items], kernel=True)
+        return model.lm_head(model.forward_packed(torch.tensor([x for _, t in items for x in t]), batch))
+
+    drafts = [11, 2, 3, 14, 5]
+    alone = logits([(0, drafts[:1])])
+    with_drafts = logits([(0, drafts)])
+    beside = logits([(1, [7, 8, 9]), (0, drafts), (2, [5])])
+    assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
+    assert torch.equal(alone[0], with_drafts[0])
+    assert torch.equal(with_drafts, beside[3:8])

@@ -24,6 +24,7 @@ import torch
 
 from moa_serve.drafter.model import FeatureHead
 from moa_serve.engine.sampling import SamplingParams
+from moa_serve import kernels
 from moa_serve.kernels.packed import pack_target
 from moa_serve.kv_cache import PackedBatch
 from moa_serve.models import load_state_dict, parse_dtype, read_config, resolve_model_path
@@ -81,6 +82,9 @@ class TorchTargetRunner(TargetBackend):
         self.max_model_len = min(max_model_len, self.arch.max_position_embeddings)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cache = model.new_cache(max_sessions, self.max_model_len)
+        # batch-invariant attention (every token alone over its slot, fixed order) where it runs
+        self.attention_kernel = (self.cache.k.dtype == torch.float32 and self.device.type == "cpu"
+                                 and self.arch.head_dim % 8 == 0 and kernels.library() is not None)
         self.feature_head = feature_head.to(self.device, self.dtype).eval() if feature_head is not None else None
         self.draft_vocab = draft_vocab  # maps a drafter's [K, V'] probabilities back to the vocabulary
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
@@ -188,7 +192,7 @@ class TorchTargetRunner(TargetBackend):
     def _forward(self, work: list[_Work]) -> list[VerifyResult]:
         t0 = time.perf_counter()
         batch = PackedBatch(self.cache, [w.session.slot for w in work], [w.start for w in work],
-                            [len(w.fed) for w in work], self.device)
+                            [len(w.fed) for w in work], self.device, kernel=self.attention_kernel)
         tokens = torch.tensor([t for w in work for t in w.fed], device=self.device)
         hidden = self.model.forward_packed(tokens, batch)  # [N, H]
         # logits only where needed: the last committed token and each draft of answering sessions

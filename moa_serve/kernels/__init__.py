@@ -3,7 +3,8 @@
 ``qmatmul.c`` is compiled with the system C compiler the first time it is needed on a machine
 (about a second; cached under ``moa_serve.models.cache_dir()/kernels``, keyed by the source, the
 flags and the compiler) and called through ctypes. It needs x86-64 with AVX2, FMA and F16C; on
-anything else :func:`library` returns None and callers keep plain float32 weights.
+anything else :func:`library` returns None and callers keep plain float32 weights and torch's
+attention (``MOA_KERNELS=off`` does the same on purpose).
 
 Why: on a CPU, decoding a small model is bound by reading its weights. SmolLM2-135M's float32
 matrices are 540 MB per forward; in Q4_1/Q8_0 blocks they are 100 MB. The blocks are
@@ -58,7 +59,7 @@ def _compile(cc: str) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}.so")
-    proc = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
+    proc = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
     os.replace(tmp, out)  # atomic: concurrent replicas may build at the same time
@@ -75,7 +76,9 @@ def library() -> ctypes.CDLL | None:
         _tried = True
         missing = REQUIRED_CPU_FLAGS - _cpu_flags()
         cc = shutil.which(os.environ.get("CC", "gcc"))
-        if missing:
+        if os.environ.get("MOA_KERNELS", "auto").lower() in ("0", "off", "false", "no"):
+            _why_not = "MOA_KERNELS=off"
+        elif missing:
             _why_not = f"the CPU lacks {', '.join(sorted(missing))}"
         elif cc is None:
             _why_not = "no C compiler (gcc, or $CC) on PATH"
@@ -90,7 +93,10 @@ def library() -> ctypes.CDLL | None:
                 lib.moa_q8_0_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]
                 lib.moa_q4_1_rows.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr]
                 lib.moa_q8_0_rows.argtypes = [ptr, ptr, i64, ptr, i64, ptr]
-                for f in (lib.moa_q4_1_matmul, lib.moa_q8_0_matmul, lib.moa_q4_1_rows, lib.moa_q8_0_rows):
+                lib.moa_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr,
+                                              ctypes.c_float, ptr, i64, i32]
+                for f in (lib.moa_q4_1_matmul, lib.moa_q8_0_matmul, lib.moa_q4_1_rows, lib.moa_q8_0_rows,
+                          lib.moa_attention):
                     f.restype = None
                 _lib = lib
         if _lib is None:
@@ -141,4 +147,25 @@ def dequantize_rows(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
         lib.moa_q4_1_rows(_ptr(qs), _ptr(d), _ptr(m), k, _ptr(ids), len(ids), _ptr(out))
     else:
         lib.moa_q8_0_rows(_ptr(qs), _ptr(d), k, _ptr(ids), len(ids), _ptr(out))
+    return out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              positions: torch.Tensor) -> torch.Tensor:
+    """Causal attention of packed new tokens over one layer of a slot KV cache, batch-invariant:
+    q [n, H, hd] float32; k/v [slots, KVH, max_len, hd] (a view of the cache, strided is fine
+    as long as the last dim is contiguous); token i attends to keys 0..positions[i] of slot
+    slots[i] (its own K/V must already be written). Returns [n, H, hd]."""
+    lib = library()
+    n, heads, hd = q.shape
+    kv_heads, max_len = k.shape[1], k.shape[2]
+    if hd % 8 or hd > 256 or k.stride(-1) != 1 or k.stride() != v.stride():
+        raise ValueError("attention kernel: head_dim must be a multiple of 8 up to 256, K/V alike and contiguous per row")
+    q = q.contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    ss, hs, ps, _ = k.stride()
+    lib.moa_attention(_ptr(q), n, heads, kv_heads, hd, _ptr(k), _ptr(v), ss, hs, ps, _ptr(slots), _ptr(positions),
+                      hd ** -0.5, _ptr(out), max_len, torch.get_num_threads())
     return out

@@ -10,6 +10,7 @@
  * holds element j in its low nibble and element j+16 in its high nibble, as GGUF), d and m float
  * [N, K/32]; Q8_0 qs int8 [N, K], d float [N, K/32]. K must be a multiple of 32. */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -162,4 +163,51 @@ void moa_q8_0_rows(const int8_t *qs, const float *d, int64_t K, const int64_t *i
 void moa_q4_1_rows(const uint8_t *qs, const float *d, const float *m, int64_t K, const int64_t *ids, int64_t n,
                    float *out) {
     for (int64_t i = 0; i < n; i++) dequant_row(0, qs, d, m, K, ids[i], out + i * K);
+}
+
+/* Causal attention of packed new tokens over a slot KV cache, one (token, head) at a time:
+ * token t (slot slots[t], position pos[t]) attends to its slot's keys 0..pos[t]. q, out [n, H, hd];
+ * k, v: one layer of the cache, element (slot, kv head, position, dim) at
+ * slot*ss + head*hs + position*ps + dim. hd must be a multiple of 8, at most 256.
+ * Fixed order everywhere (dot products as in the matmul, max and sum over positions ascending, the
+ * weighted sum of values over positions ascending), so a token's output does not depend on which
+ * other tokens share the call. */
+void moa_attention(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t hd, const float *k, const float *v,
+                   int64_t ss, int64_t hs, int64_t ps, const int64_t *slots, const int64_t *pos, float scale,
+                   float *out, int64_t max_len, int threads) {
+    const int64_t groups = H / KVH;
+#pragma omp parallel num_threads(threads)
+    {
+        float *s = aligned_alloc(32, sizeof(float) * ((max_len + 7) / 8 * 8));
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t th = 0; th < n * H; th++) {
+            const int64_t t = th / H, h = th % H, g = h / groups, len = pos[t] + 1;
+            const float *qv = q + (t * H + h) * hd;
+            const float *kb = k + slots[t] * ss + g * hs, *vb = v + slots[t] * ss + g * hs;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < len; j++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t d = 0; d < hd; d += 8)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kb + j * ps + d), acc);
+                s[j] = hsum(acc) * scale;
+                if (s[j] > mx) mx = s[j];
+            }
+            float sum = 0.0f;
+            for (int64_t j = 0; j < len; j++) {
+                s[j] = expf(s[j] - mx);
+                sum += s[j];
+            }
+            __m256 o[32];
+            for (int64_t d = 0; d < hd / 8; d++) o[d] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < len; j++) {
+                const __m256 p = _mm256_set1_ps(s[j]);
+                for (int64_t d = 0; d < hd / 8; d++)
+                    o[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vb + j * ps + 8 * d), o[d]);
+            }
+            const __m256 inv = _mm256_set1_ps(1.0f / sum);
+            float *ov = out + (t * H + h) * hd;
+            for (int64_t d = 0; d < hd / 8; d++) _mm256_storeu_ps(ov + 8 * d, _mm256_mul_ps(o[d], inv));
+        }
+        free(s);
+    }
 }
