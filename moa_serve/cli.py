@@ -132,11 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _extra_commands() -> list:
     from moa_serve.bench import register as register_bench
     from moa_serve.client.cli import register as register_client
+    from moa_serve.cs_bench import register as register_cs_bench
     from moa_serve.drafter.regenerate import register as register_regenerate
     from moa_serve.drafter.train import register as register_train
     from moa_serve.netem import register as register_netem
 
-    return [register_train, register_bench, register_regenerate, _register_loadtest, register_netem, register_client]
+    return [register_train, register_bench, register_regenerate, _register_loadtest, register_netem, register_client,
+            register_cs_bench]
 
 
 def _register_loadtest(sub) -> None:

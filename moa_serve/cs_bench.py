@@ -1,0 +1,588 @@
+"""``moa cs-bench`` — client-server mode across emulated networks, and on disconnection.
+
+One in-process server (the Router's stack without Ray: ``RoundService`` over a float32
+``TorchTargetRunner`` + ``ClientSessions`` + the FastAPI app, served by uvicorn on 127.0.0.1),
+reached by the device through ``moa_serve.netem`` proxies (``local``, ``wan``, ``5g``, ``4g``).
+The target's weights are loaded once; the verifier's *feature head* is the one of the drafter
+under test (the server computes MoA's K/V features with MoA's head, EAGLE-style's hidden states
+for EAGLE; independent and API-only need none), so the server's state is switched between
+drafters — one server, one HTTP listener, one set of target weights.
+
+Methods: each ``--drafter`` checkpoint (MoA, EAGLE-style, independent) as a device drafter, and
+**API-only**: no drafter, the device asks the server for the next token every round (K = 0).
+For every profile, prompt and method (methods interleaved prompt by prompt): tokens/s, ms per
+token, server calls per 100 tokens, bytes up/down per token (HTTP bytes as the client counts
+them), τ (tokens committed per answered round, prefill round included) and whether the greedy
+output equals plain target decoding (computed once per prompt in the same process).
+
+Device/server compute ratio (the paper: the server has 3x the client's FLOPS): on this machine
+both sides share the same CPU, so the device is slowed in wall time: every ``propose`` call of
+the device drafter is followed by a sleep of ``(device_slowdown - 1)`` times its measured
+duration (``--device-slowdown``, default 3). Sleeping burns no CPU, so the server is not slowed.
+
+Disconnection: per prompt and method, over ``--cut-profile``, the link is cut (``reset``: every
+connection RST, new ones refused) as soon as ``--cut-after-tokens`` tokens are verified; the
+client runs ``--offline degrade`` and writes the rest with its drafter alone. Reported: tokens
+until the first divergence from the target's own continuation, whether the whole continuation
+matched, and on math prompts whether the final answer (last number in the text) equals the
+target's own and the dataset's reference.
+
+Writes ``--out``/results.json and ``--out``/results.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+from moa_serve.bench import DEFAULT_QUESTIONS, load_questions
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CKPT = REPO_ROOT / "drafter" / "checkpoints" / "smollm2-135m-instruct"
+DEFAULT_DRAFTERS = ",".join(f"{CKPT}-{k}" for k in ("moa", "eagle", "independent"))
+DEFAULT_PROFILES = "local,wan,5g,4g"
+DEFAULT_CATEGORIES = "writing,math_reasoning,coding,qa"
+API_ONLY = "api-only"
+MATH_CATEGORIES = ("math", "math_reasoning")
+PORTS = (8300, 8400)
+
+
+# ---------------------------------------------------------------------- the device side
+class SlowedProposer:
+    """A device proposer whose every ``propose`` takes ``factor`` times its measured time (the
+    extra as a sleep): the device has 1/factor of the server's compute."""
+
+    def __init__(self, inner, factor: float):
+        self.inner, self.factor = inner, float(factor)
+        self.busy_s = 0.0  # drafting compute, before the stretch
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, reqs):
+        t0 = time.perf_counter()
+        out = self.inner.propose(reqs)
+        dt = time.perf_counter() - t0
+        self.busy_s += dt
+        if self.factor > 1.0:
+            time.sleep((self.factor - 1.0) * dt)
+        return out
+
+
+class NoDrafter:
+    """API-only: proposes nothing, so every round asks the server for its next token (K = 0);
+    offline it can write nothing."""
+
+    needs_features = False
+
+    def propose(self, reqs):
+        from moa_serve.drafter.proposer import DraftResult
+
+        return [DraftResult(r.session_id, []) for r in reqs]
+
+    def release(self, session_id: str) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------- the server side
+def _free_port(lo: int, hi: int) -> int:
+    import socket
+
+    for port in range(lo, hi):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {lo}-{hi - 1}")
+
+
+class ServerState:
+    """The Router's client-server stack for one drafter's feature head (None: no features)."""
+
+    def __init__(self, path, tm, dtype, tokenizer, stops, drafter: str | None, max_model_len: int, model_name: str):
+        from moa_serve.app.frontend import Frontend
+        from moa_serve.cs.fingerprint import model_fingerprint
+        from moa_serve.cs.sessions import ClientSessions, ServerIdentity
+        from moa_serve.drafter.checkpoint import load_draft_vocab
+        from moa_serve.engine.engine import load_feature_head
+        from moa_serve.engine.service import RoundService
+        from moa_serve.verifier.torch_runner import TorchTargetRunner
+
+        self.runner = TorchTargetRunner(str(path), dtype, "cpu", max_sessions=16, max_model_len=max_model_len,
+                                        feature_head=load_feature_head(drafter), model=tm,
+                                        draft_vocab=load_draft_vocab(drafter) if drafter else None)
+
+        async def verify(group, reqs):
+            return self.runner.verify(reqs)
+
+        async def release(group, ids):
+            for i in ids:
+                self.runner.release(i)
+
+        self.service = RoundService(verify, None, release, want_features=drafter is not None,
+                                    speculation_governor=False)
+        self.identity = ServerIdentity.build(
+            model=model_name, target_fingerprint=model_fingerprint(self.runner.model), tokenizer=tokenizer,
+            drafter=drafter, vocab_size=self.runner.arch.vocab_size, max_model_len=self.runner.max_model_len,
+            stop_token_ids=stops)
+        self.cs = ClientSessions(self.service, self.identity, ttl_s=300.0)
+        self.frontend = Frontend(self.service, tokenizer, max_model_len=self.runner.max_model_len,
+                                 stop_token_ids=stops, num_speculative_tokens=4, speculative=False,
+                                 model_name=model_name)
+
+    def install(self) -> None:
+        from moa_serve.app import state
+
+        state.install(cs=self.cs, frontend=self.frontend, ready=None, stats=None)
+
+
+class HttpServer:
+    """uvicorn serving the app on 127.0.0.1 (ports 8300-8399) in a thread."""
+
+    def __init__(self):
+        import threading
+
+        import uvicorn
+
+        from moa_serve.app.http import create_app
+
+        self.port = _free_port(*PORTS)
+        self.server = uvicorn.Server(uvicorn.Config(create_app(), host="127.0.0.1", port=self.port,
+                                                    log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the benchmark's server did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        from moa_serve.app import state
+
+        state.install(cs=None, frontend=None)
+
+
+# ---------------------------------------------------------------------- helpers
+class _Method:
+    def __init__(self, name: str, kind: str, checkpoint: str | None, device, server: ServerState):
+        self.name, self.kind, self.checkpoint, self.device, self.server = name, kind, checkpoint, device, server
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+_NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(text: str) -> str | None:
+    """The final answer of a text: the first number after the last "####" (GSM8K), else the last
+    number; normalised ("1,000.50" -> "1000.5")."""
+    found = _NUM.findall(text.rsplit("####", 1)[1])[:1] if "####" in text else _NUM.findall(text)[-1:]
+    if not found:
+        return None
+    s = found[0].replace(",", "")
+    neg, s = s.startswith("-"), s.lstrip("-")
+    whole, _, frac = s.partition(".")
+    whole, frac = whole.lstrip("0") or "0", frac.rstrip("0")
+    s = f"{whole}.{frac}" if frac else whole
+    return f"-{s}" if neg and s != "0" else s
+
+
+def _generator(method: _Method, url: str, args):
+    from moa_serve.client import RemoteGenerator, Transport
+
+    t = Transport(url, timeout_s=args.timeout, backoff_s=0.05)
+    gen = RemoteGenerator(method.device, t, num_speculative_tokens=args.num_speculative_tokens,
+                          adaptive_k=not args.fixed_k, offline="degrade", feature_codec=args.feature_codec,
+                          reconnect_backoff_s=0.05, max_backoff_s=0.2, final_reconnects=2,
+                          offline_chunk=args.offline_chunk)
+    return gen, t
+
+
+def _summ(runs: list[dict]) -> dict:
+    tokens = sum(r["tokens"] for r in runs)
+    elapsed = sum(r["elapsed_s"] for r in runs)
+    rounds = sum(r["rounds"] for r in runs)
+    verified = sum(r["verified_tokens"] for r in runs)
+    calls = sum(r["server_calls"] for r in runs)
+    up, down = sum(r["bytes_up"] for r in runs), sum(r["bytes_down"] for r in runs)
+    drafted, accepted = sum(r["drafted_tokens"] for r in runs), sum(r["accepted_tokens"] for r in runs)
+    same = [r["identical"] for r in runs]
+    n = max(1, tokens)
+    tau = verified / rounds if rounds else 0.0
+    return {"prompts": len(runs), "tokens": tokens, "elapsed_s": round(elapsed, 3),
+            "tokens_per_s": round(tokens / elapsed, 3) if elapsed else 0.0,
+            "ms_per_token": round(1000 * elapsed / n, 2), "server_calls": calls,
+            "calls_per_100_tokens": round(100 * calls / n, 2), "calls_per_token": round(calls / n, 4),
+            "rounds": rounds, "mean_accepted_length": round(tau, 4),
+            "inverse_tau": round(1 / tau, 4) if tau else None,
+            "draft_acceptance": round(accepted / drafted, 4) if drafted else None,
+            "bytes_up": up, "bytes_down": down, "bytes_up_per_token": round(up / n, 1),
+            "bytes_down_per_token": round(down / n, 1), "bytes_per_token": round((up + down) / n, 1),
+            "identical": sum(same), "identical_all": all(same) if same else None,
+            "device_draft_s": round(sum(r["device_draft_s"] for r in runs), 3)}
+
+
+# ---------------------------------------------------------------------- the benchmark
+def run_cs_bench(args) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from moa_serve.client import DeviceDrafter, Transport
+    from moa_serve.drafter.checkpoint import drafter_kind
+    from moa_serve.drafter.data import prompt_ids
+    from moa_serve.engine.engine import SpeculativeEngine, stop_token_ids
+    from moa_serve.engine.sampling import GREEDY
+    from moa_serve.models import load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path
+    from moa_serve.netem import PROFILES, netem_proxy
+    from moa_serve.verifier.target_model import TargetModel
+    from moa_serve.verifier.torch_runner import TorchTargetRunner
+
+    profiles = [p for p in args.profiles.split(",") if p]
+    for p in profiles + [args.cut_profile]:
+        if p not in PROFILES:
+            raise ValueError(f"--profiles: unknown profile {p!r}; choose from {', '.join(PROFILES)}")
+    if args.max_new_tokens < 2:
+        raise ValueError("--max-new-tokens must be >= 2")
+    if not 0 < args.cut_after_tokens < args.max_new_tokens:
+        raise ValueError("--cut-after-tokens must be in [1, --max-new-tokens)")
+    if args.offline_chunk < 1:
+        raise ValueError("--offline-chunk must be >= 1")
+    if args.device_slowdown < 1.0:
+        raise ValueError("--device-slowdown must be >= 1")
+    cats = [c for c in args.categories.split(",") if c] if args.categories else None
+    questions = load_questions(args.questions, args.limit, per_category=args.per_category, categories=cats)
+    if not questions:
+        raise ValueError(f"--questions: no questions in {args.questions} for categories {cats}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # the server: the target once, a stack per feature head
+    path = resolve_model_path(args.target)
+    dt = parse_dtype(args.dtype, "cpu")
+    tm = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, "cpu")
+    tok = load_tokenizer(path)
+    stops = stop_token_ids(path, tok)
+    plain = SpeculativeEngine(TorchTargetRunner(str(path), dt, "cpu", 1, args.max_model_len, None, model=tm),
+                              None, tok, stops, 1)
+    dtype_name = str(dt).removeprefix("torch.")
+    no_features = ServerState(path, tm, dt, tok, stops, None, args.max_model_len, args.target)
+    methods: list[_Method] = []
+    checkpoints = [d for d in (args.drafter or "").split(",") if d and d.lower() != "none"]
+    for ck in checkpoints:
+        kind = drafter_kind(ck)
+        dev = DeviceDrafter.load(ck, args.target, dtype_name, args.max_model_len)
+        dev.proposer = SlowedProposer(dev.proposer, args.device_slowdown)
+        srv = (ServerState(path, tm, dt, tok, stops, ck, args.max_model_len, args.target) if dev.needs_features
+               else no_features)
+        name = {"moa": "MoA", "eagle": "EAGLE-style", "independent": "independent"}.get(kind, kind)
+        if any(m.name == name for m in methods):
+            name = f"{name} ({Path(ck).name})"
+        methods.append(_Method(name, kind, ck, dev, srv))
+    if not args.no_api_only:
+        ref_dev = methods[0].device if methods else None
+        prints = dict(ref_dev.fingerprints) if ref_dev is not None else None
+        if prints is None:  # no drafter at all: the device's target fingerprints from a borrowed-parts load
+            from moa_serve.cs.fingerprint import model_fingerprint, tokenizer_fingerprint
+
+            prints = {"target": model_fingerprint(tm), "tokenizer": tokenizer_fingerprint(tok)}
+        prints["drafter"] = None
+        methods.append(_Method("API-only", API_ONLY, None, DeviceDrafter(NoDrafter(), tok, prints, API_ONLY),
+                               no_features))
+    if not methods:
+        raise ValueError("nothing to run: no --drafter and --no-api-only")
+
+    prompts = []
+    for q in questions:
+        ids = prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}]) if args.prompt_format == "chat" \
+            else tok.encode(q["turns"][0])
+        ids = ids[-(args.max_model_len - args.max_new_tokens - 1):]
+        ref = q.get("reference")
+        prompts.append({"question_id": q.get("question_id"), "category": q.get("category", "all"), "ids": ids,
+                        "reference_answer": final_number(ref[0]) if isinstance(ref, list) and ref else None})
+
+    http = HttpServer()
+    upstream = ("127.0.0.1", http.port)
+    result: dict = {}
+    try:
+        # warm-up outside the measurement (allocator, kernels, the first connection)
+        plain.generate([prompts[0]["ids"]], 4, GREEDY, 1)
+        for m in methods:
+            m.server.install()
+            gen, t = _generator(m, f"http://127.0.0.1:{http.port}", args)
+            gen.generate(prompts[0]["ids"], 4)
+            t.close()
+        # plain target decoding: the reference outputs (and its in-process speed)
+        plain_runs = []
+        for p in prompts:
+            res = plain.generate([p["ids"]], args.max_new_tokens, GREEDY, 1)[0]
+            p["target_ids"] = list(res.token_ids)
+            p["target_text"] = tok.decode(res.token_ids, skip_special_tokens=True)
+            plain_runs.append({"tokens": res.num_tokens, "elapsed_s": res.elapsed_s})
+        n_runs = len(profiles) * len(prompts) * len(methods) + (len(prompts) * len(methods) if args.cut_after_tokens
+                                                                 else 0)
+        bar = tqdm(total=n_runs, desc="cs-bench", dynamic_ncols=True)
+        per_run: list[dict] = []
+        for prof in profiles:
+            for pi, p in enumerate(prompts):
+                for m in methods:
+                    m.server.install()
+                    slowed = m.device.proposer if isinstance(m.device.proposer, SlowedProposer) else None
+                    busy0 = slowed.busy_s if slowed else 0.0
+                    with netem_proxy(prof, upstream, seed=args.seed + pi) as px:
+                        gen, t = _generator(m, f"http://{px.host}:{px.port}", args)
+                        try:
+                            res = gen.generate(p["ids"], args.max_new_tokens)
+                        finally:
+                            t.close()
+                    row = {"profile": prof, "method": m.name, "question_id": p["question_id"],
+                           "category": p["category"], "tokens": res.num_tokens, "elapsed_s": res.elapsed_s,
+                           "rounds": res.rounds, "verified_tokens": res.verified_tokens,
+                           "server_calls": res.server_calls, "retries": res.retries, "bytes_up": res.bytes_up,
+                           "bytes_down": res.bytes_down, "drafted_tokens": res.drafted_tokens,
+                           "accepted_tokens": res.accepted_tokens, "finish_reason": res.finish_reason,
+                           "identical": res.token_ids == p["target_ids"], "k": res.k,
+                           "device_draft_s": (slowed.busy_s - busy0) if slowed else 0.0}
+                    per_run.append(row)
+                    bar.update(1)
+                    bar.set_postfix_str(f"{prof} {m.name} {res.tokens_per_s:.1f}tok/s "
+                                        f"tau={res.mean_accepted_length:.2f}")
+            result = _report(args, methods, profiles, prompts, plain_runs, per_run, [], partial=True)
+
+        cut_runs: list[dict] = []
+        for pi, p in enumerate(prompts):
+            for m in methods:
+                m.server.install()
+                with netem_proxy(args.cut_profile, upstream, seed=args.seed + pi) as px:
+                    gen, t = _generator(m, f"http://{px.host}:{px.port}", args)
+                    run = gen.start(p["ids"], args.max_new_tokens)
+                    cut = False
+                    try:
+                        for _ in run:
+                            if not cut and run.generated >= args.cut_after_tokens:
+                                px.cut("reset")
+                                cut = True
+                    finally:
+                        t.close()
+                    res = run.result()
+                if run.sid and not run.server_finished:
+                    # the cut link never carried the client's DELETE: free the session out of band, as
+                    # its idle TTL would (else cut sessions pile up in the verifier's slots)
+                    direct = Transport(f"http://127.0.0.1:{http.port}", timeout_s=args.timeout)
+                    try:
+                        direct.delete(run.sid)
+                    finally:
+                        direct.close()
+                ref, v = p["target_ids"], res.verified_tokens
+                offline = res.token_ids[v:]
+                target_cont = ref[v:]
+                match = common_prefix(offline, target_cont)
+                row = {"method": m.name, "question_id": p["question_id"], "category": p["category"],
+                       "cut": cut, "verified_tokens": v, "verified_identical": res.token_ids[:v] == ref[:v],
+                       "offline_tokens": len(offline), "target_continuation_tokens": len(target_cont),
+                       "tokens_until_divergence": match,
+                       "full_match": bool(offline) and offline == target_cont,
+                       "finish_reason": res.finish_reason, "disconnections": res.disconnections,
+                       "offline_text": tok.decode(offline, skip_special_tokens=True)[:300],
+                       "target_continuation_text": tok.decode(target_cont, skip_special_tokens=True)[:300]}
+                if p["category"] in MATH_CATEGORIES:
+                    ans = final_number(res.text)
+                    tgt = final_number(p["target_text"])
+                    row.update({"answer": ans, "target_answer": tgt, "reference_answer": p["reference_answer"],
+                                "answer_matches_target": ans is not None and ans == tgt,
+                                "answer_matches_reference": ans is not None and ans == p["reference_answer"]})
+                cut_runs.append(row)
+                bar.update(1)
+                bar.set_postfix_str(f"cut {m.name} {match}/{len(target_cont)} tokens match")
+        bar.close()
+        result = _report(args, methods, profiles, prompts, plain_runs, per_run, cut_runs, partial=False)
+    finally:
+        http.stop()
+    return result
+
+
+def _report(args, methods, profiles, prompts, plain_runs, per_run, cut_runs, partial: bool) -> dict:
+    ptok = sum(r["tokens"] for r in plain_runs)
+    pel = sum(r["elapsed_s"] for r in plain_runs)
+    table = []
+    for prof in profiles:
+        for m in methods:
+            rows = [r for r in per_run if r["profile"] == prof and r["method"] == m.name]
+            if rows:
+                table.append({"profile": prof, "method": m.name, "kind": m.kind, **_summ(rows)})
+    disc = []
+    for m in methods:
+        ran = [r for r in cut_runs if r["method"] == m.name]
+        # a target that stopped before the cut leaves nothing to continue: not counted
+        rows = [r for r in ran if r["cut"] and r["target_continuation_tokens"] > 0]
+        if not rows:
+            continue
+        maths = [r for r in rows if "answer" in r]
+        disc.append({
+            "method": m.name, "prompts": len(rows), "not_cut": len(ran) - len(rows), "cut": len(rows),
+            "verified_before_cut": round(sum(r["verified_tokens"] for r in rows) / len(rows), 2),
+            "offline_tokens": round(sum(r["offline_tokens"] for r in rows) / len(rows), 2),
+            "mean_tokens_until_divergence": round(sum(r["tokens_until_divergence"] for r in rows) / len(rows), 2),
+            "tokens_until_divergence": [r["tokens_until_divergence"] for r in rows],
+            "full_match": sum(r["full_match"] for r in rows),
+            "verified_identical": all(r["verified_identical"] for r in rows),
+            "math_prompts": len(maths),
+            "math_answer_matches_target": sum(r["answer_matches_target"] for r in maths),
+            "math_answer_matches_reference": sum(r["answer_matches_reference"] for r in maths)})
+    targets = _targets(table, disc)
+    result = {
+        "partial": partial, "target": args.target, "dtype": args.dtype, "drafters": args.drafter,
+        "profiles": profiles, "max_new_tokens": args.max_new_tokens, "num_speculative_tokens":
+            args.num_speculative_tokens, "adaptive_k": not args.fixed_k, "feature_codec": args.feature_codec,
+        "device_slowdown": args.device_slowdown, "threads": args.threads, "prompt_format": args.prompt_format,
+        "prompts": [{"question_id": p["question_id"], "category": p["category"], "prompt_tokens": len(p["ids"]),
+                     "target_tokens": len(p.get("target_ids", []))} for p in prompts],
+        "plain_target": {"tokens": ptok, "elapsed_s": round(pel, 3),
+                         "tokens_per_s": round(ptok / pel, 3) if pel else 0.0},
+        "cut_profile": args.cut_profile, "cut_after_tokens": args.cut_after_tokens,
+        "offline_chunk": args.offline_chunk,
+        "runs": table, "disconnection": disc, "targets": targets, "per_run": per_run, "per_cut_run": cut_runs}
+    out = Path(args.out)
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    (out / "results.md").write_text(markdown(result), encoding="utf-8")
+    return result
+
+
+def _targets(table: list[dict], disc: list[dict]) -> dict:
+    """The issue's targets, checked on what was measured (None: not measurable in this run)."""
+    def get(prof, kind_name):
+        return next((r for r in table if r["profile"] == prof and r["method"] == kind_name), None)
+
+    out: dict = {}
+    moa, api, eagle = get("4g", "MoA"), get("4g", "API-only"), get("4g", "EAGLE-style")
+    if moa and api and api["tokens_per_s"]:
+        r = moa["tokens_per_s"] / api["tokens_per_s"]
+        out["4g_moa_vs_api_only"] = {"ratio": round(r, 3), "target": 1.5, "met": r >= 1.5}
+    if moa and eagle and eagle["tokens_per_s"]:
+        r = moa["tokens_per_s"] / eagle["tokens_per_s"]
+        out["4g_moa_vs_eagle"] = {"ratio": round(r, 3), "target": 1.2, "met": r >= 1.2}
+    out["calls_per_token_le_inverse_tau"] = {
+        f"{r['profile']}/{r['method']}": {"calls_per_token": r["calls_per_token"], "inverse_tau": r["inverse_tau"],
+                                          "met": r["inverse_tau"] is not None
+                                          and r["calls_per_token"] <= r["inverse_tau"] + 1e-9}
+        for r in table}
+    out["bytes_per_token_le_2KiB"] = {f"{r['profile']}/{r['method']}": {"bytes_per_token": r["bytes_per_token"],
+                                                                        "met": r["bytes_per_token"] <= 2048}
+                                      for r in table}
+    d = {x["method"]: x["mean_tokens_until_divergence"] for x in disc}
+    if "MoA" in d:
+        out["disconnection_moa_longest"] = {
+            "mean_tokens_until_divergence": d,
+            "met": all(d["MoA"] > d[o] for o in ("EAGLE-style", "independent") if o in d)}
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# moa cs-bench — {result['target']} ({result['dtype']}), {len(result['prompts'])} prompts, "
+             f"≤ {result['max_new_tokens']} new tokens, greedy"
+             + (" (partial)" if result["partial"] else ""), "",
+             f"K ≤ {result['num_speculative_tokens']} ({'adaptive' if result['adaptive_k'] else 'fixed'}), "
+             f"features {result['feature_codec']}, device slowdown {result['device_slowdown']:g}× "
+             f"(server/device compute ratio), plain target decoding in-process: "
+             f"{result['plain_target']['tokens_per_s']:.2f} tok/s.", "",
+             "| profile | method | tok/s | ms/token | calls/100 tok | B up/tok | B down/tok | τ | "
+             "identical to target |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in result["runs"]:
+        lines.append(f"| {r['profile']} | {r['method']} | {r['tokens_per_s']:.2f} | {r['ms_per_token']:.1f} | "
+                     f"{r['calls_per_100_tokens']:.1f} | {r['bytes_up_per_token']:.0f} | "
+                     f"{r['bytes_down_per_token']:.0f} | {r['mean_accepted_length']:.2f} | "
+                     f"{r['identical']}/{r['prompts']} |")
+    if result["disconnection"]:
+        lines += ["", f"Disconnection over {result['cut_profile']}: link cut (reset) after "
+                  f"{result['cut_after_tokens']} verified tokens, `--offline degrade`, "
+                  f"{result.get('offline_chunk', 4)} drafts per offline drafter call"
+                  + (f"; {result['disconnection'][0]['not_cut']} prompt(s) left out: the target stopped before the cut"
+                     if result["disconnection"][0].get("not_cut") else "") + ".", "",
+                  "| method | verified before cut | offline tokens | tokens until divergence (mean) | per prompt | "
+                  "whole continuation matched | math answers = target's | math answers = reference |",
+                  "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+        for d in result["disconnection"]:
+            mp = d["math_prompts"]
+            lines.append(f"| {d['method']} | {d['verified_before_cut']:.1f} | {d['offline_tokens']:.1f} | "
+                         f"{d['mean_tokens_until_divergence']:.2f} | {d['tokens_until_divergence']} | "
+                         f"{d['full_match']}/{d['prompts']} | "
+                         + (f"{d['math_answer_matches_target']}/{mp} | {d['math_answer_matches_reference']}/{mp} |"
+                            if mp else "no math prompt | no math prompt |"))
+    t = result["targets"]
+    if t:
+        lines += ["", "Targets:"]
+        for key in ("4g_moa_vs_api_only", "4g_moa_vs_eagle"):
+            if key in t:
+                lines.append(f"- {key}: {t[key]['ratio']:.2f}× (target ≥ {t[key]['target']}×) — "
+                             f"{'met' if t[key]['met'] else 'NOT met'}")
+        c = t["calls_per_token_le_inverse_tau"]
+        lines.append(f"- server calls per token ≤ 1/τ: {sum(v['met'] for v in c.values())}/{len(c)} rows")
+        b = t["bytes_per_token_le_2KiB"]
+        lines.append(f"- ≤ 2 KiB per token: {sum(v['met'] for v in b.values())}/{len(b)} rows")
+        if "disconnection_moa_longest" in t:
+            lines.append(f"- on disconnection MoA matches the target longest: "
+                         f"{'met' if t['disconnection_moa_longest']['met'] else 'NOT met'}")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------- command line
+def add_arguments(p) -> None:
+    from moa_serve.cli import DEFAULT_TARGET
+
+    p.add_argument("--target", default=DEFAULT_TARGET, help="the server's target LLM")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTERS,
+                   help="comma-separated device drafter checkpoints (MoA, EAGLE-style, independent); 'none': only "
+                        "API-only")
+    p.add_argument("--no-api-only", action="store_true", help="skip the API-only client (no drafter, K = 0)")
+    p.add_argument("--profiles", default=DEFAULT_PROFILES, help="netem profiles, comma-separated")
+    p.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench-format JSONL (held-out prompts)")
+    p.add_argument("--categories", default=DEFAULT_CATEGORIES, help="categories to take prompts from ('' = all)")
+    p.add_argument("--per-category", type=int, default=1)
+    p.add_argument("--limit", type=int, default=0, help="at most this many prompts (0: no limit)")
+    p.add_argument("--prompt-format", choices=["chat", "plain"], default="chat",
+                   help="chat: the first turn in the chat template; plain: its text only")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=8, help="the most drafts per round")
+    p.add_argument("--fixed-k", action="store_true", help="always draft -k tokens (default: the client's adaptive K)")
+    p.add_argument("--feature-codec", choices=["float16", "int8"], default="float16")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="server and device (float32: greedy identity is exact)")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--device-slowdown", type=float, default=3.0,
+                   help="the device's drafting takes this many times its measured time (the server has this many "
+                        "times the device's compute; the paper: 3)")
+    p.add_argument("--cut-profile", default="4g", help="the link the disconnection runs go through")
+    p.add_argument("--cut-after-tokens", type=int, default=16, help="cut the link after this many verified tokens")
+    p.add_argument("--offline-chunk", type=int, default=4,
+                   help="drafts per drafter call while offline (the client's default: 4); EAGLE-style drafts only "
+                        "one call past the last target feature, so this bounds its offline continuation")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP call")
+    p.add_argument("--seed", type=int, default=0, help="netem seed (+ the prompt's index)")
+    p.add_argument("--out", required=True, help="folder for results.json and results.md")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("cs-bench", help="client-server mode benchmark: drafters vs API-only across emulated "
+                                        "networks, and on disconnection")
+    add_arguments(p)
+
+    def cmd(args) -> int:
+        result = run_cs_bench(args)
+        print(markdown(result))
+        return 0
+
+    p.set_defaults(func=cmd)
