@@ -89,6 +89,10 @@ class RouterConfig(_Strict):
     max_sessions_per_round: int = Field(16, ge=1, description="sessions one session group admits (and verifies per round)")
     session_groups: int = Field(2, ge=1, description="round loops per Router replica; >= 2 lets one group draft while another verifies")
     speculation_token_budget: int = Field(32, ge=0, description="draft tokens per round of a group, over all its sessions")
+    decode_steps: int = Field(4, ge=1, le=32, description="multi-step decoding: rounds without drafts, of at most "
+                              "multi_step_max_sessions sessions and with nobody queued, get up to this many tokens "
+                              "per session from one verify call (1 = one token per round)")
+    multi_step_max_sessions: int = Field(4, ge=1)
     speculation_governor: bool = Field(True, description="speculate only in rounds where it measurably pays "
                                        "(moving averages of ms per token on/off per batch size, with probes)")
     retry_after_s: int = Field(2, ge=1)

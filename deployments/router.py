@@ -85,7 +85,8 @@ class Router:
             self._verify, self._draft if drafter is not None else None, self._release,
             groups=self.groups, max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,
             speculation_token_budget=r.speculation_token_budget, speculation_governor=r.speculation_governor,
-            observer=PrometheusObserver(),
+            observer=PrometheusObserver(), decode_steps=r.decode_steps,
+            multi_step_max_sessions=r.multi_step_max_sessions,
             # MoA features come from the verifier's K/V cache: skipped ones can be recomputed later
             recompute_features=bool(self.cfg.drafter) and drafter_kind(self.cfg.drafter) == "moa")
         stops = stop_token_ids(path, tokenizer)

@@ -73,3 +73,15 @@ def test_rounds_that_prefill_a_prompt_do_not_count_against_plain_decoding():
 
     snap = asyncio.run(main())
     assert snap["off_ms_per_token"] < 10  # decode rounds take ~2 ms; the 50 ms prefills are not counted
+
+
+def test_a_mode_that_keeps_losing_is_probed_less_and_less_often():
+    gov = SpeculationGovernor(probe_every=10, max_probe_every=80)
+    modes = drive(gov, 1, on_ms=100, off_ms=60, rounds=400)
+    probes = [i for i, m in enumerate(modes) if m][1:]  # round 0 measures speculation first
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[0] <= 20 and gaps[-1] == 80  # 10, 20, 40, 80, 80, ...
+    assert len(probes) <= 10  # instead of ~40 at a fixed interval of 10
+    # speculation becomes the faster mode: the next probe finds it and it takes over
+    later = drive(gov, 1, on_ms=30, off_ms=60, rounds=200)
+    assert sum(later[-50:]) >= 45

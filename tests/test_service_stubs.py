@@ -116,7 +116,10 @@ class FakeVerifier(_FakePool):
             seq.append(d)
         new = acc + [next_token(seq)]
         end = len(copy) + len(acc)  # positions now cached (the new bonus token is not)
-        self.cached[q.session_id] = end
+        # multi-step decoding, as the runner does it: more tokens, their features not attached
+        while not q.drafts and len(new) < q.decode_steps and new[-1] not in q.stop_token_ids:
+            new.append(next_token(seq + new))
+        self.cached[q.session_id] = end + len(new) - 1 - len(acc)
         self.copies[q.session_id] = copy + new
         self.token_rounds[q.session_id] = self.token_rounds.get(q.session_id, 0) + 1
         start = cached  # features of the newly cached positions, or from where the sender lacks them
@@ -576,3 +579,37 @@ def test_feature_lag_blocks_drafting_only_when_recomputing():
     assert s.features_lag == len(s.tokens) - 1 - 4
     assert rounds.draft_requests([s], None, current_features=True) == []
     assert len(rounds.draft_requests([s], None, current_features=False)) == 1
+
+
+def test_multi_step_rounds_commit_several_tokens_per_verify_call_and_stop_where_asked():
+    async def main(stop):
+        verifier = FakeVerifier()
+        svc, _ = make_service(verifier, None, decode_steps=4)
+        s = make_session(0, max_new=22)
+        s.stop_token_ids = frozenset(stop)
+        toks, finish = await collect(svc, svc.submit(s))
+        await svc.stop()
+        return verifier, s, toks, finish
+
+    verifier, s, toks, finish = asyncio.run(main(()))
+    assert toks == reference(s.prompt, 22) and finish == "length" and not verifier.errors
+    steps = [q.decode_steps for _, reqs in verifier.calls for q in reqs]
+    assert steps == [1, 4, 4, 4, 4, 4, 1]  # the prefill round alone; never past max_new (1+5*4+1 = 22)
+    stop = reference(s.prompt, 22)[9]
+    verifier, s, toks, finish = asyncio.run(main((stop,)))
+    assert toks == reference(s.prompt, 22)[:reference(s.prompt, 22).index(stop) + 1] and finish == "stop"
+
+
+def test_multi_step_is_not_used_while_drafting_or_with_a_queue():
+    async def main():
+        verifier, drafter = FakeVerifier(), FakeDrafter()
+        svc, _ = make_service(verifier, drafter, decode_steps=4)
+        outs = await asyncio.gather(*(collect(svc, svc.submit(make_session(i))) for i in range(3)))
+        await svc.stop()
+        return verifier, outs
+
+    verifier, outs = asyncio.run(main())
+    for i, (toks, _) in enumerate(outs):
+        assert toks == reference(make_session(i).prompt, 20)
+    drafting_calls = [reqs for _, reqs in verifier.calls if any(q.drafts for q in reqs)]
+    assert drafting_calls and all(q.decode_steps == 1 for reqs in drafting_calls for q in reqs)

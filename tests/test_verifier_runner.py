@@ -135,3 +135,33 @@ def test_skipped_features_are_recomputed_from_the_cache(target, stories_drafter)
 
     # the same positions' features (a feature-head batch of another size may round differently)
     torch.testing.assert_close(run(skip={2, 3, 4}), run(skip=set()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", [None, 5])
+def test_multi_step_decoding_gives_the_single_step_tokens(target, seed):
+    """decode_steps=4: up to four tokens per call, the same tokens as one per call (greedy, and
+    seeded sampling: each token's generator depends on its position only), stopping at a stop
+    token and never past the steps asked."""
+    from moa_serve.engine.sampling import SamplingParams
+
+    params = SamplingParams() if seed is None else SamplingParams(temperature=0.9, seed=seed)
+
+    def run(steps: int, stop: tuple[int, ...] = ()) -> tuple[list[int], int]:
+        runner = TorchTargetRunner("unused", torch.float32, model=target, max_sessions=2, max_model_len=256)
+        tokens, held, calls, out = prompt_of(12, 7), 0, 0, []
+        while len(out) < 24 and not (out and out[-1] in stop):
+            (r,) = runner.verify([VerifyRequest("s", tokens[held:], base=held, sampling=params, want_features=False,
+                                                decode_steps=steps, stop_token_ids=stop)])
+            calls += 1
+            assert 1 <= len(r.tokens) <= steps
+            held = len(tokens) + len(r.tokens)
+            tokens += r.tokens
+            out += r.tokens
+        return out, calls
+
+    single, calls1 = run(1)
+    multi, calls4 = run(4)
+    assert multi[:24] == single[:24] and calls4 < calls1
+    stop = (single[5],)
+    stopped, _ = run(4, stop)
+    assert stopped == single[:single.index(single[5]) + 1]

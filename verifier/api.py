@@ -30,6 +30,10 @@ class VerifyRequest:
     # features start here instead of at the first newly cached position, recomputed from the
     # K/V cache (MoA's per-layer K/V features; ignored for features the cache cannot give back)
     features_from: int | None = None
+    # multi-step decoding (a request without drafts): up to this many tokens of the target's own,
+    # one forward per step for every such session of the call, stopping after a stop token
+    decode_steps: int = 1
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

@@ -187,7 +187,44 @@ class TorchTargetRunner(TargetBackend):
         if fed:
             for w, res in zip(fed, self._forward(fed)):
                 results[w.req.session_id] = res
+            self._decode_more(fed, results)
         return [results[r.session_id] for r in requests]
+
+    def _decode_more(self, work: list[_Work], results: dict[str, VerifyResult]) -> None:
+        """Multi-step decoding: sessions that asked for ``decode_steps`` > 1 (and sent no drafts)
+        get more tokens of the target's own, one packed forward per step for all of them (the
+        call's transport and scheduling are paid once for several tokens). Features of these
+        positions are not attached: the sender asks for them later (``features_from``), so a
+        feature head that cannot recompute them (hidden states) keeps single steps."""
+        can_features = self.feature_kind != "hidden"
+        live = [w for w in work if w.done and not w.req.drafts and w.req.decode_steps > 1
+                and (can_features or not w.req.want_features)]
+        while True:
+            live = [w for w in live
+                    if len(results[w.req.session_id].tokens) < w.req.decode_steps
+                    and results[w.req.session_id].tokens[-1] not in w.req.stop_token_ids
+                    and len(w.session.committed) < self.max_model_len]
+            if not live:
+                return
+            t0 = time.perf_counter()
+            batch = PackedBatch(self.cache, [w.session.slot for w in live], [w.session.cached for w in live],
+                                [1] * len(live), self.device, kernel=self.attention_kernel)
+            tokens = torch.tensor([w.session.committed[-1] for w in live], device=self.device)
+            logits = self.model.lm_head(self.model.forward_packed(tokens, batch)).float().cpu()
+            choice = logits.argmax(-1).tolist()
+            for i, w in enumerate(live):
+                s, r = w.session, results[w.req.session_id]
+                position = w.req.base + len(w.req.tokens) + len(r.tokens)  # this token's index
+                _, tok = self._accept(dataclasses.replace(w.req, drafts=[]), logits[i:i + 1], choice[i:i + 1],
+                                      position)
+                s.cached += 1
+                s.committed.append(tok)
+                self.cache.lengths[s.slot] = s.cached
+                r.tokens.append(tok)
+                r.num_computed += 1
+            self.stats["forwards"] += 1
+            self.stats["tokens"] += len(live)
+            self.stats["forward_s"] += time.perf_counter() - t0
 
     def _forward(self, work: list[_Work]) -> list[VerifyResult]:
         t0 = time.perf_counter()
@@ -231,7 +268,8 @@ class TorchTargetRunner(TargetBackend):
         self._attach_features(work, results, hidden)
         return results
 
-    def _accept(self, req: VerifyRequest, logits: torch.Tensor, choice: list[int]) -> tuple[int, int]:
+    def _accept(self, req: VerifyRequest, logits: torch.Tensor, choice: list[int],
+                position: int | None = None) -> tuple[int, int]:
         params: SamplingParams = req.sampling
         drafts = list(req.drafts)
         if params.greedy:
@@ -240,7 +278,8 @@ class TorchTargetRunner(TargetBackend):
                 n += 1
             return n, choice[n]
         p = warp_probs(logits, params)
-        position = len(req.tokens) + req.base
+        if position is None:
+            position = len(req.tokens) + req.base
         gen = generator_for(params, position, "verify")
         if not drafts:
             return accept_sampling(p, p[:0], [], gen)

@@ -180,7 +180,7 @@ class RoundService:
                  release_timeout_s: float = 5.0, release_attempts: int = 5,
                  speculation_token_budget: int = 32, speculation_governor: bool = True,
                  observer: Observer | None = None, want_features: bool | None = None,
-                 recompute_features: bool = False):
+                 recompute_features: bool = False, decode_steps: int = 1, multi_step_max_sessions: int = 4):
         self._verify, self._draft, self._release = verify, draft, release
         # ask the verifier for drafter features (default: when there is a drafter pool; remote
         # clients' drafters need them too)
@@ -188,6 +188,12 @@ class RoundService:
         # the verifier can recompute skipped features from its cache (MoA's per-layer K/V): rounds
         # that will not draft soon skip them, so speculation turned off costs what plain decoding does
         self.recompute_features = recompute_features
+        # multi-step decoding: a round without drafts, of at most ``multi_step_max_sessions``
+        # decoding sessions and nobody queued, asks for up to ``decode_steps`` tokens per session
+        # in one verify call (the call's transport and the round's overhead paid once)
+        if decode_steps < 1:
+            raise ValueError("decode_steps must be >= 1")
+        self.decode_steps, self.multi_step_max_sessions = decode_steps, multi_step_max_sessions
         self.groups = list(groups) if groups is not None else list(range(num_groups))
         if not self.groups or len(set(self.groups)) != len(self.groups):
             raise ValueError(f"session groups must be a non-empty list of distinct keys: {self.groups!r}")
@@ -416,8 +422,9 @@ class RoundService:
         drafts = await self._draft_round(g, by_id, [t.session for t in batch if not t.remote], cap, profile)
         drafts.update(remote)  # drafted on the clients' devices
         want = self._features_wanted(g, batch, cap)
+        steps = self._decode_steps(batch, drafts)
         t1 = time.perf_counter()
-        results = await self._verify_round(g, by_id, sessions, drafts, profile, want)
+        results = await self._verify_round(g, by_id, sessions, drafts, profile, want, steps)
         t2 = time.perf_counter()
         self._note_reprefills(by_id, results, drafts, profile)
         self._publish(batch, rounds.commit(by_id, results, drafts), profile)
@@ -431,6 +438,12 @@ class RoundService:
             governor.observe(profile.sessions, profile.drafted_sessions > 0, profile.round_s, profile.tokens)
         self.observer.round_done(g, profile.sessions, profile.draft_s, profile.verify_s, profile.round_s)
         self.observer.round_profile(profile)
+
+    def _decode_steps(self, batch: list[_Tracked], drafts: dict[str, DraftResult]) -> int:
+        if (self.decode_steps == 1 or drafts or self._waiting or len(batch) > self.multi_step_max_sessions
+                or any(t.remote or t.session.prefilling or t.session.verifier_base == 0 for t in batch)):
+            return 1
+        return self.decode_steps
 
     def _features_wanted(self, g: Hashable, batch: list[_Tracked], cap: int | None) -> bool | set[str]:
         """Which sessions' verify asks for drafter features: all of them, unless the verifier can
@@ -473,26 +486,26 @@ class RoundService:
 
     async def _verify_round(self, g, by_id: dict[str, Session], sessions: list[Session],
                             drafts: dict[str, DraftResult], profile: RoundProfile,
-                            want: bool | set[str] = True) -> dict[str, VerifyResult]:
+                            want: bool | set[str] = True, steps: int = 1) -> dict[str, VerifyResult]:
         """One verify call for the round; sessions the replica could not place (``resync``) go
         once more, whole, in a follow-up call of the same round."""
-        results = rounds.by_session(by_id, await self._verify_with_retry(g, sessions, drafts, want))
+        results = rounds.by_session(by_id, await self._verify_with_retry(g, sessions, drafts, want, steps))
         again = rounds.resynced(by_id, results)
         if again:
             self.stats.resyncs += len(again)
             profile.resyncs += len(again)
             ids = {s.id: s for s in again}
-            more = await self._verify_with_retry(g, again, drafts, want)
+            more = await self._verify_with_retry(g, again, drafts, want, steps)
             results.update(rounds.by_session(ids, more))
         return results
 
     async def _verify_with_retry(self, g, sessions: list[Session], drafts: dict[str, DraftResult],
-                                 want: bool | set[str] = True) -> list[VerifyResult]:
+                                 want: bool | set[str] = True, steps: int = 1) -> list[VerifyResult]:
         """A verify call with a timeout and bounded retries (exponential backoff). A failed or timed
         out attempt may have reached a replica that is gone: the retry sends whole token lists. A
         ``ValueError`` means the request itself is wrong: retrying cannot help."""
         for attempt in range(self.verify_retries + 1):
-            reqs = rounds.verify_requests(sessions, drafts, want)
+            reqs = rounds.verify_requests(sessions, drafts, want, steps)
             try:
                 return await _within(self.verify_timeout_s, self._verify(g, reqs))
             except asyncio.CancelledError:
