@@ -55,7 +55,9 @@ def cluster(target, stories_drafter):
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(app_args(target, stories_drafter, max_sessions_per_round=8, session_groups=2)),
+    # every round drafts (no governor): these tests are about speculative rounds and their failures
+    serve.run(build_app(app_args(target, stories_drafter, max_sessions_per_round=8, session_groups=2,
+                                 speculation_governor=False)),
               name="moa", route_prefix="/")
     serve.run(build_app(app_args(target, None, max_sessions_per_round=1, session_groups=1,
                                  max_queued_requests=1)), name="tight", route_prefix="/tight")
