@@ -87,91 +87,23 @@ class NoDrafter:
 
 
 # ---------------------------------------------------------------------- the server side
-def _free_port(lo: int, hi: int) -> int:
-    import socket
+def server_stack(path, tm, dtype, tokenizer, stops, drafter: str | None, max_model_len: int, model_name: str):
+    """The Router's client-server stack for one drafter's feature head (None: no features), over
+    the already loaded target ``tm``."""
+    from moa_serve.cs.local_server import LocalStack
+    from moa_serve.drafter.checkpoint import load_draft_vocab
+    from moa_serve.engine.engine import load_feature_head
+    from moa_serve.verifier.torch_runner import TorchTargetRunner
 
-    for port in range(lo, hi):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {lo}-{hi - 1}")
-
-
-class ServerState:
-    """The Router's client-server stack for one drafter's feature head (None: no features)."""
-
-    def __init__(self, path, tm, dtype, tokenizer, stops, drafter: str | None, max_model_len: int, model_name: str):
-        from moa_serve.app.frontend import Frontend
-        from moa_serve.cs.fingerprint import model_fingerprint
-        from moa_serve.cs.sessions import ClientSessions, ServerIdentity
-        from moa_serve.drafter.checkpoint import load_draft_vocab
-        from moa_serve.engine.engine import load_feature_head
-        from moa_serve.engine.service import RoundService
-        from moa_serve.verifier.torch_runner import TorchTargetRunner
-
-        self.runner = TorchTargetRunner(str(path), dtype, "cpu", max_sessions=16, max_model_len=max_model_len,
-                                        feature_head=load_feature_head(drafter), model=tm,
-                                        draft_vocab=load_draft_vocab(drafter) if drafter else None)
-
-        async def verify(group, reqs):
-            return self.runner.verify(reqs)
-
-        async def release(group, ids):
-            for i in ids:
-                self.runner.release(i)
-
-        self.service = RoundService(verify, None, release, want_features=drafter is not None,
-                                    speculation_governor=False)
-        self.identity = ServerIdentity.build(
-            model=model_name, target_fingerprint=model_fingerprint(self.runner.model), tokenizer=tokenizer,
-            drafter=drafter, vocab_size=self.runner.arch.vocab_size, max_model_len=self.runner.max_model_len,
-            stop_token_ids=stops)
-        self.cs = ClientSessions(self.service, self.identity, ttl_s=300.0)
-        self.frontend = Frontend(self.service, tokenizer, max_model_len=self.runner.max_model_len,
-                                 stop_token_ids=stops, num_speculative_tokens=4, speculative=False,
-                                 model_name=model_name)
-
-    def install(self) -> None:
-        from moa_serve.app import state
-
-        state.install(cs=self.cs, frontend=self.frontend, ready=None, stats=None)
-
-
-class HttpServer:
-    """uvicorn serving the app on 127.0.0.1 (ports 8300-8399) in a thread."""
-
-    def __init__(self):
-        import threading
-
-        import uvicorn
-
-        from moa_serve.app.http import create_app
-
-        self.port = _free_port(*PORTS)
-        self.server = uvicorn.Server(uvicorn.Config(create_app(), host="127.0.0.1", port=self.port,
-                                                    log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the benchmark's server did not start")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        from moa_serve.app import state
-
-        state.install(cs=None, frontend=None)
+    runner = TorchTargetRunner(str(path), dtype, "cpu", max_sessions=16, max_model_len=max_model_len,
+                               feature_head=load_feature_head(drafter), model=tm,
+                               draft_vocab=load_draft_vocab(drafter) if drafter else None)
+    return LocalStack(runner, tokenizer, stops, model_name=model_name, drafter=drafter)
 
 
 # ---------------------------------------------------------------------- helpers
 class _Method:
-    def __init__(self, name: str, kind: str, checkpoint: str | None, device, server: ServerState):
+    def __init__(self, name: str, kind: str, checkpoint: str | None, device, server):
         self.name, self.kind, self.checkpoint, self.device, self.server = name, kind, checkpoint, device, server
 
 
@@ -279,14 +211,14 @@ def run_cs_bench(args) -> dict:
     plain = SpeculativeEngine(TorchTargetRunner(str(path), dt, "cpu", 1, args.max_model_len, None, model=tm),
                               None, tok, stops, 1)
     dtype_name = str(dt).removeprefix("torch.")
-    no_features = ServerState(path, tm, dt, tok, stops, None, args.max_model_len, args.target)
+    no_features = server_stack(path, tm, dt, tok, stops, None, args.max_model_len, args.target)
     methods: list[_Method] = []
     checkpoints = [d for d in (args.drafter or "").split(",") if d and d.lower() != "none"]
     for ck in checkpoints:
         kind = drafter_kind(ck)
         dev = DeviceDrafter.load(ck, args.target, dtype_name, args.max_model_len)
         dev.proposer = SlowedProposer(dev.proposer, args.device_slowdown)
-        srv = (ServerState(path, tm, dt, tok, stops, ck, args.max_model_len, args.target) if dev.needs_features
+        srv = (server_stack(path, tm, dt, tok, stops, ck, args.max_model_len, args.target) if dev.needs_features
                else no_features)
         name = {"moa": "MoA", "eagle": "EAGLE-style", "independent": "independent"}.get(kind, kind)
         if any(m.name == name for m in methods):
@@ -314,7 +246,11 @@ def run_cs_bench(args) -> dict:
         prompts.append({"question_id": q.get("question_id"), "category": q.get("category", "all"), "ids": ids,
                         "reference_answer": final_number(ref[0]) if isinstance(ref, list) and ref else None})
 
-    http = HttpServer()
+    from moa_serve.app import state
+    from moa_serve.app.http import create_app
+    from moa_serve.cs.local_server import UvicornThread
+
+    http = UvicornThread(create_app(), PORTS)
     upstream = ("127.0.0.1", http.port)
     result: dict = {}
     try:
@@ -411,6 +347,7 @@ def run_cs_bench(args) -> dict:
         result = _report(args, methods, profiles, prompts, plain_runs, per_run, cut_runs, partial=False)
     finally:
         http.stop()
+        state.install(cs=None, frontend=None)
     return result
 
 

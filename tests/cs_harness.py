@@ -4,94 +4,47 @@ in-process TorchTargetRunner, ClientSessions, the FastAPI app) served by uvicorn
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import httpx
 
-from moa_serve.app import state
-from moa_serve.app.frontend import Frontend
-from moa_serve.cs.fingerprint import model_fingerprint
-from moa_serve.cs.sessions import ClientSessions, ServerIdentity
+from moa_serve.cs import local_server
+from moa_serve.cs.local_server import LocalStack
 from moa_serve.engine.engine import load_feature_head, stop_token_ids
-from moa_serve.engine.service import RoundService
 from moa_serve.models import load_tokenizer, resolve_model_path
 from moa_serve.verifier.torch_runner import TorchTargetRunner
 
 
-class Server:
-    """One "Router replica": a new one is a server restart (it knows no session)."""
+class Server(LocalStack):
+    """One "Router replica" over a float32 runner of ``target``: a new one is a server restart (it
+    knows no session). Records every verify call; ``verify_hook(requests)`` runs before each."""
 
     def __init__(self, target, drafter, *, ttl_s: float = 300.0, max_model_len: int = 512, verify_hook=None):
         from moa_serve.drafter.checkpoint import load_draft_vocab
 
         path = resolve_model_path(str(target))
-        self.runner = TorchTargetRunner(str(path), "float32", "cpu", max_sessions=8, max_model_len=max_model_len,
-                                        feature_head=load_feature_head(str(drafter) if drafter else None),
-                                        draft_vocab=load_draft_vocab(str(drafter)) if drafter else None)
+        runner = TorchTargetRunner(str(path), "float32", "cpu", max_sessions=8, max_model_len=max_model_len,
+                                   feature_head=load_feature_head(str(drafter) if drafter else None),
+                                   draft_vocab=load_draft_vocab(str(drafter)) if drafter else None)
         self.tokenizer = load_tokenizer(path)
         self.verify_calls: list[list] = []
         self.verify_hook = verify_hook
+        super().__init__(runner, self.tokenizer, stop_token_ids(path, self.tokenizer), model_name=str(target),
+                         drafter=str(drafter) if drafter else None, ttl_s=ttl_s, on_verify=self._record)
 
-        async def verify(group, reqs):
-            self.verify_calls.append(list(reqs))
-            if self.verify_hook is not None:
-                self.verify_hook(reqs)
-            return self.runner.verify(reqs)
-
-        async def release(group, ids):
-            for i in ids:
-                self.runner.release(i)
-
-        self.service = RoundService(verify, None, release, want_features=drafter is not None,
-                                    speculation_governor=False)
-        stops = stop_token_ids(path, self.tokenizer)
-        self.identity = ServerIdentity.build(
-            model=str(target), target_fingerprint=model_fingerprint(self.runner.model), tokenizer=self.tokenizer,
-            drafter=str(drafter) if drafter else None, vocab_size=self.runner.arch.vocab_size,
-            max_model_len=self.runner.max_model_len, stop_token_ids=stops)
-        self.cs = ClientSessions(self.service, self.identity, ttl_s=ttl_s)
-        self.frontend = Frontend(self.service, self.tokenizer, max_model_len=self.runner.max_model_len,
-                                 stop_token_ids=stops, num_speculative_tokens=4, speculative=False,
-                                 model_name=str(target))
-
-    def install(self) -> "Server":
-        state.install(cs=self.cs, frontend=self.frontend, ready=None, stats=None)
-        return self
+    def _record(self, reqs) -> None:
+        self.verify_calls.append(list(reqs))
+        if self.verify_hook is not None:
+            self.verify_hook(reqs)
 
 
 def free_port(lo: int = 8200, hi: int = 8300) -> int:
-    for port in range(lo, hi):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 8200-8299")
+    return local_server.free_port(lo, hi)
 
 
-class Uvicorn:
-    """The app on 127.0.0.1:<port> in a thread; ``stop()`` ends it."""
+class Uvicorn(local_server.UvicornThread):
+    """The app on 127.0.0.1, ports 8200-8299, in a thread; ``stop()`` ends it."""
 
     def __init__(self, app):
-        import uvicorn
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        super().__init__(app, (8200, 8300))
 
 
 class FaultyTransport(httpx.BaseTransport):
