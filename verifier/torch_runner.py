@@ -215,8 +215,7 @@ class TorchTargetRunner(TargetBackend):
             for i, w in enumerate(live):
                 s, r = w.session, results[w.req.session_id]
                 position = w.req.base + len(w.req.tokens) + len(r.tokens)  # this token's index
-                _, tok = self._accept(dataclasses.replace(w.req, drafts=[]), logits[i:i + 1], choice[i:i + 1],
-                                      position)
+                _, tok = self._accept(w.req, logits[i:i + 1], choice[i:i + 1], position)  # w.req has no drafts
                 s.cached += 1
                 s.committed.append(tok)
                 self.cache.lengths[s.slot] = s.cached
