@@ -148,7 +148,7 @@ class Generation:
 class Frontend:
     def __init__(self, service: RoundService, tokenizer, *, max_model_len: int, stop_token_ids: frozenset[int],
                  num_speculative_tokens: int, speculative: bool, model_name: str,
-                 adaptive_speculation: bool = False):
+                 adaptive_speculation: bool = False, drafter_needs_features: bool = True):
         self.service = service
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -157,6 +157,7 @@ class Frontend:
         self.speculative = speculative
         self.model_name = model_name
         self.adaptive_speculation = adaptive_speculation
+        self.drafter_needs_features = drafter_needs_features
         self._encode_lock = threading.Lock()  # one tokenizer, used from worker threads
 
     def encode_prompt(self, prompt: str | None, messages: list | None) -> tuple[list[int], str]:
@@ -192,5 +193,6 @@ class Frontend:
         k = num_speculative_tokens or self.num_speculative_tokens
         session = Session(uuid.uuid4().hex, ids, max_tokens, sampling, k if self.speculative else 0,
                           frozenset() if ignore_eos else self.stop_token_ids, self.max_model_len,
-                          adaptive_speculation=self.adaptive_speculation)
+                          adaptive_speculation=self.adaptive_speculation,
+                          drafter_needs_features=self.drafter_needs_features)
         return Generation(self, session, stops)

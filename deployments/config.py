@@ -102,7 +102,9 @@ class RouterConfig(_Strict):
 
 class AppConfig(_Strict):
     target: str = Field(description="Hugging Face id or local path of the target LLM")
-    drafter: str | None = Field(None, description="drafter checkpoint folder (MoA, EAGLE-style or independent); null = no speculation")
+    drafter: str | None = Field(None, description="drafter checkpoint folder (MoA, EAGLE-style or independent), "
+                                "'lookup' (prompt lookup, no model) or 'hybrid:<checkpoint>' (lookup where the "
+                                "text repeats, the checkpoint's drafts elsewhere); null = no speculation")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="auto: float32 on CPUs without native bf16, bfloat16 otherwise")
     device: Literal["cpu", "cuda"] = "cpu"

@@ -81,7 +81,7 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class DrafterShape:
-    kind: str  # moa | eagle | independent
+    kind: str  # moa | eagle | independent | lookup (prompt lookup: no weights)
     head_params: int  # the draft head's own parameters (what the drafter replica loads of the checkpoint)
     kv_width_per_token: int  # sum over its cache layers of kv_heads x head_dim
     tli_layers: int
@@ -118,6 +118,12 @@ def _local_drafter(name: str) -> Path | None:
 
 
 def drafter_shape(name: str, target: ModelShape) -> DrafterShape:
+    from moa_serve.drafter.checkpoint import split_drafter_spec
+
+    lookup, ckpt = split_drafter_spec(name)
+    if ckpt is None:  # prompt lookup: token lists only, no weights
+        return DrafterShape("lookup", 0, 0, 0, 0)
+    name = ckpt
     path = _local_drafter(name)
     if path is None:  # on the hub only: size it as two target decoder layers (SA + CA), no TLI
         return DrafterShape("moa", 2 * target.layer_params(), 2 * target.kv_width, 0, 0, estimated=True)
@@ -196,6 +202,9 @@ def verifier_fit(cfg: AppConfig, target: ModelShape) -> Fit:
 def drafter_fit(cfg: AppConfig, target: ModelShape, drafter: DrafterShape) -> Fit:
     b = dtype_bytes(cfg.dtype, cfg.device)
     pool = cfg.drafter_pool
+    if drafter.kind == "lookup":  # token lists only (a few MB at most)
+        cap, of = capacity(pool, cfg.device)
+        return Fit("drafter_pool", 0, 0, 0, cap, of)
     borrowed = target.vocab * target.hidden * (1 if target.tied else 2) + drafter.tli_layers * target.layer_params()
     restricted_head = drafter.draft_vocab * target.hidden
     weights = (borrowed + drafter.head_params + restricted_head) * b

@@ -81,6 +81,7 @@ class Router:
         self.groups = group_keys(self.replica, r.session_groups)
         self.calls = CallStats()
         self._call_metrics = CallMetrics()
+        kind = drafter_kind(self.cfg.drafter) if self.cfg.drafter else None
         self.service = RoundService(
             self._verify, self._draft if drafter is not None else None, self._release,
             groups=self.groups, max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,
@@ -88,7 +89,7 @@ class Router:
             observer=PrometheusObserver(), decode_steps=r.decode_steps,
             multi_step_max_sessions=r.multi_step_max_sessions,
             # MoA features come from the verifier's K/V cache: skipped ones can be recomputed later
-            recompute_features=bool(self.cfg.drafter) and drafter_kind(self.cfg.drafter) == "moa")
+            recompute_features=kind == "moa")
         stops = stop_token_ids(path, tokenizer)
         # client-server mode: sessions drafted on the user's device, verified in the same rounds
         self._cs_identity_args = dict(model=self.cfg.model_name or self.cfg.target, tokenizer=tokenizer,
@@ -101,7 +102,8 @@ class Router:
                               stop_token_ids=stops,
                               num_speculative_tokens=self.cfg.num_speculative_tokens,
                               speculative=drafter is not None, model_name=self.cfg.model_name or self.cfg.target,
-                              adaptive_speculation=self.cfg.adaptive_speculation),
+                              adaptive_speculation=self.cfg.adaptive_speculation,
+                              drafter_needs_features=kind in ("moa", "eagle")),
             ready=self.ready, retry_after_s=r.retry_after_s, stats=self.stats)
 
     async def _cs_identity(self) -> ServerIdentity:

@@ -95,10 +95,39 @@ def load_drafter(name_or_path: str) -> tuple[DrafterConfig, dict[str, torch.Tens
     return cfg, state
 
 
+# drafter specs beside checkpoint names: "lookup" (prompt lookup, no model) and
+# "hybrid:<checkpoint>" (prompt lookup where the text repeats, the checkpoint's drafts elsewhere)
+LOOKUP = "lookup"
+HYBRID_PREFIX = "hybrid:"
+
+
+def split_drafter_spec(spec: str) -> tuple[bool, str | None]:
+    """(uses prompt lookup, the model checkpoint or None) of a drafter spec."""
+    spec = str(spec)
+    if spec == LOOKUP:
+        return True, None
+    if spec.startswith(HYBRID_PREFIX):
+        ckpt = spec[len(HYBRID_PREFIX):]
+        if not ckpt:
+            raise DrafterNotFoundError(f"drafter {spec!r}: name a checkpoint after {HYBRID_PREFIX!r}, "
+                                       f"e.g. {HYBRID_PREFIX}smollm2-135m-instruct-moa")
+        return True, ckpt
+    return False, spec
+
+
+def model_checkpoint(spec: str | None) -> str | None:
+    """The trained drafter checkpoint a spec loads (None for none or pure prompt lookup)."""
+    return None if spec is None else split_drafter_spec(spec)[1]
+
+
 def drafter_kind(name_or_path: str) -> str:
-    """The kind of a drafter checkpoint ("moa", "eagle", "independent") from its config alone
-    (the reference layout is always MoA)."""
-    raw = json.loads((resolve_drafter_path(name_or_path) / "config.json").read_text())
+    """The kind of a drafter ("moa", "eagle", "independent") from its checkpoint's config alone
+    (the reference layout is always MoA); "lookup" for prompt lookup. A hybrid spec has its
+    checkpoint's kind (that is what decides the features it needs)."""
+    ckpt = model_checkpoint(name_or_path)
+    if ckpt is None:
+        return LOOKUP
+    raw = json.loads((resolve_drafter_path(ckpt) / "config.json").read_text())
     return raw.get("kind", "moa") if raw.get("format") == FORMAT else "moa"
 
 
@@ -110,6 +139,9 @@ def load_draft_vocab(drafter: str) -> torch.Tensor | None:
     that tensor of the checkpoint."""
     from safetensors import safe_open
 
+    drafter = model_checkpoint(drafter)
+    if drafter is None:
+        return None
     path = resolve_drafter_path(drafter)
     with safe_open(str(path / "model.safetensors"), framework="pt") as st:
         if DRAFT_VOCAB_KEY not in st.keys():

@@ -20,8 +20,10 @@ class VerifyRequest:
     tokens: list[int]  # committed tokens from position ``base`` on
     drafts: list[int] = field(default_factory=list)
     # drafter distributions when sampling: [K, V] over the target vocabulary, or [K, V'] over the
-    # drafter checkpoint's draft vocabulary (the verifier loads that vocabulary); None when greedy
-    # (the drafts are one-hot: the greedy acceptance rule needs no q)
+    # drafter checkpoint's draft vocabulary (the verifier loads that vocabulary); None: the drafts
+    # are treated as one-hot (q = 1 at each draft). That is what greedy acceptance assumes, and for
+    # sampling it is exact for deterministic drafts (prompt lookup) and still lossless for any
+    # draft (accept x with probability p(x), else draw from p without x), at lower acceptance
     draft_probs: torch.Tensor | None = None
     sampling: SamplingParams = GREEDY
     want_features: bool = True

@@ -282,8 +282,10 @@ class TorchTargetRunner(TargetBackend):
         gen = generator_for(params, position, "verify")
         if not drafts:
             return accept_sampling(p, p[:0], [], gen)
-        if req.draft_probs is None:
-            raise ValueError(f"session {req.session_id}: sampling with drafts needs the drafter's probabilities")
+        if req.draft_probs is None:  # deterministic drafts (prompt lookup): q is one-hot at each draft
+            q = torch.zeros(len(drafts), p.shape[-1], dtype=p.dtype)
+            q[torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0
+            return accept_sampling(p, q, drafts, gen)
         return accept_sampling(p, self._full_vocab(req.draft_probs.float(), req.session_id), drafts, gen)
 
     def _full_vocab(self, q: torch.Tensor, session_id: str) -> torch.Tensor:

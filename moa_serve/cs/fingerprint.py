@@ -58,10 +58,14 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def drafter_fingerprint(drafter: str | Path) -> str:
-    from moa_serve.drafter.checkpoint import resolve_drafter_path
+    from moa_serve.drafter.checkpoint import resolve_drafter_path, split_drafter_spec
 
-    path = resolve_drafter_path(str(drafter))
-    h = hashlib.sha256(json.dumps(json.loads((path / "config.json").read_text()), sort_keys=True).encode())
+    lookup, ckpt = split_drafter_spec(str(drafter))
+    h = hashlib.sha256(b"lookup+" if lookup else b"")
+    if ckpt is None:
+        return _digest(h)
+    path = resolve_drafter_path(ckpt)
+    h.update(json.dumps(json.loads((path / "config.json").read_text()), sort_keys=True).encode())
     with open(path / "model.safetensors", "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)

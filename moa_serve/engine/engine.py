@@ -40,9 +40,12 @@ def load_feature_head(drafter: str | None):
     """The verifier-side half of a drafter checkpoint (LSA + Ekv2E), or None."""
     if drafter is None:
         return None
-    from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
+    from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter, model_checkpoint
     from moa_serve.drafter.model import MoADrafter
 
+    drafter = model_checkpoint(drafter)  # prompt lookup needs no features
+    if drafter is None:
+        return None
     cfg, state = load_drafter(drafter)
     if cfg.kind != "moa":  # baselines: EAGLE-style reads the target's hidden states, independent nothing
         from moa_serve.drafter.baselines import HiddenFeatures

@@ -1,0 +1,179 @@
+"""Drafting without a model: prompt lookup (n-gram matching over the session's own tokens), and
+a hybrid that takes the lookup draft where the text repeats and a trained drafter's elsewhere.
+
+Prompt lookup (Saxena 2023; vLLM's ``ngram`` method) finds the latest earlier place where the
+session's last ``n`` tokens occurred (``n`` from ``max_n`` down to ``min_n``) and proposes the
+tokens that followed there. Text that copies its context (extraction, summarisation, code edits,
+RAG answers quoting their sources) is drafted for free. An index per session, updated as tokens
+are committed, makes a lookup a few dictionary reads whatever the context length.
+
+Both speak the proposer protocol of :mod:`moa_serve.drafter.proposer` (token deltas, ``resync``,
+``release``). Lookup drafts are deterministic: when sampling they carry no distribution and the
+verifier treats them as one-hot (q = 1 at the draft), which keeps rejection sampling exact: a
+draft x is accepted with probability p(x), otherwise the token is drawn from p without x.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from moa_serve.drafter.proposer import DraftRequest, DraftResult
+
+
+class NgramIndex:
+    """For one token sequence: for each n in [min_n, max_n], the n-gram ending at each position
+    -> the latest such end position that has a following token. Appending tokens updates it;
+    any other change rebuilds it."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self._last: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self._indexed = 0  # end positions < _indexed are in the index
+
+    def set_tokens(self, tokens: list[int]) -> None:
+        """Makes the index describe ``tokens`` (incremental when the old tokens are a prefix)."""
+        old = self.tokens
+        if len(tokens) < len(old) or tokens[:len(old)] != old:
+            self._last = [{} for _ in range(self.max_n + 1)]
+            self._indexed = 0
+        self.tokens = list(tokens)
+        # an end position i is indexed once token i + 1 exists (a continuation to propose)
+        for i in range(self._indexed, len(self.tokens) - 1):
+            for n in range(self.min_n, min(self.max_n, i + 1) + 1):
+                self._last[n][tuple(self.tokens[i - n + 1:i + 1])] = i
+        self._indexed = max(self._indexed, len(self.tokens) - 1)
+
+    def propose(self, k: int) -> tuple[list[int], int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching
+        suffix, and that suffix's length (0: no match, no drafts)."""
+        t, end = self.tokens, len(self.tokens)
+        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            i = self._last[n].get(tuple(t[end - n:]))
+            if i is not None:
+                return t[i + 1:i + 1 + k], n
+        return [], 0
+
+
+class PromptLookupProposer:
+    """Drafts by n-gram lookup in each session's committed tokens (prompt and output)."""
+
+    needs_features = False
+    draft_vocab = None
+
+    def __init__(self, min_n: int = 2, max_n: int = 4, max_sessions: int = 1024, max_model_len: int = 2048):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"prompt lookup needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.max_sessions = max_sessions
+        self.max_model_len = max_model_len
+        self.sessions: OrderedDict[str, NgramIndex] = OrderedDict()  # least recently used first
+        self.stats = {"steps": 0, "draft_s": 0.0, "evicted": 0, "resync": 0, "matched": 0, "unmatched": 0}
+
+    def sync(self, r: DraftRequest, in_call: set[str]) -> NgramIndex | None:
+        """The session's index brought up to date with ``copy[:base] + tokens``; None when this
+        proposer holds fewer than ``base`` of its tokens (the caller answers ``resync``)."""
+        idx = self.sessions.get(r.session_id)
+        if idx is None:
+            if r.base > 0:
+                return None
+            if len(self.sessions) >= self.max_sessions:
+                victim = next((sid for sid in self.sessions if sid not in in_call), None)
+                if victim is None:
+                    raise RuntimeError(f"prompt lookup full: all {self.max_sessions} sessions are in this call")
+                del self.sessions[victim]
+                self.stats["evicted"] += 1
+            idx = self.sessions[r.session_id] = NgramIndex(self.min_n, self.max_n)
+        elif r.base > len(idx.tokens):
+            return None
+        else:
+            self.sessions.move_to_end(r.session_id)
+        idx.set_tokens(idx.tokens[:r.base] + list(r.tokens))
+        return idx
+
+    def lookup(self, idx: NgramIndex, num_drafts: int) -> tuple[list[int], int]:
+        room = self.max_model_len + 1 - len(idx.tokens)
+        k = min(num_drafts, room)
+        if k <= 0 or not idx.tokens:
+            return [], 0
+        drafts, n = idx.propose(k)
+        self.stats["matched" if drafts else "unmatched"] += 1
+        return drafts, n
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
+        t0 = time.perf_counter()
+        in_call = {r.session_id for r in requests}
+        out = []
+        for r in requests:
+            idx = self.sync(r, in_call)
+            if idx is None:
+                self.stats["resync"] += 1
+                out.append(DraftResult(r.session_id, [], resync=True))
+                continue
+            drafts, _ = self.lookup(idx, r.num_drafts)
+            out.append(DraftResult(r.session_id, drafts))
+        self.stats["steps"] += 1
+        self.stats["draft_s"] += time.perf_counter() - t0
+        return out
+
+    def release(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+
+class HybridProposer:
+    """Prompt lookup first, a trained drafter (MoA, EAGLE-style, independent) otherwise: a
+    session whose last ``min_n``..``max_n`` tokens occurred before gets the lookup draft; the
+    others are drafted by the model in one batched call. The model proposer sees every request
+    (the lookup ones with ``num_drafts=0``), so its tokens and features stay current."""
+
+    def __init__(self, lookup: PromptLookupProposer, model):
+        self.lookup = lookup
+        self.model = model
+        self.needs_features = getattr(model, "needs_features", True)
+        self.draft_vocab = getattr(model, "draft_vocab", None)
+        self.stats = {"lookup_drafts": 0, "model_drafts": 0, "draft_s": 0.0}
+
+    @property
+    def sessions(self):
+        return self.model.sessions
+
+    @property
+    def max_sessions(self) -> int:
+        return self.model.max_sessions
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
+        t0 = time.perf_counter()
+        in_call = {r.session_id for r in requests}
+        from_lookup: dict[str, list[int]] = {}
+        lost = set()  # sessions the lookup copy lacks (evicted): both copies start over
+        for r in requests:
+            idx = self.lookup.sync(r, in_call)
+            if idx is None:
+                lost.add(r.session_id)
+            else:
+                drafts, _ = self.lookup.lookup(idx, r.num_drafts)
+                if drafts:
+                    from_lookup[r.session_id] = drafts
+        asked = [DraftRequest(r.session_id, r.tokens, 0, r.feature_start, r.features, r.sampling, r.base)
+                 if r.session_id in from_lookup else r for r in requests]
+        results = self.model.propose(asked)
+        for res in results:
+            drafts = from_lookup.get(res.session_id)
+            if res.session_id in lost and not res.resync:
+                res.resync, res.drafts, res.probs = True, [], None
+            if res.resync or res.needs_features_from is not None:
+                if res.resync:  # start both copies over together
+                    self.lookup.release(res.session_id)
+                continue
+            if drafts is not None:
+                res.drafts, res.probs = drafts, None  # one-hot: the verifier needs no q
+                self.stats["lookup_drafts"] += len(drafts)
+            else:
+                self.stats["model_drafts"] += len(res.drafts)
+        self.stats["draft_s"] += time.perf_counter() - t0
+        return results
+
+    def release(self, session_id: str) -> None:
+        self.lookup.release(session_id)
+        self.model.release(session_id)
