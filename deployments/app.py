@@ -71,6 +71,6 @@ def build_app(args: dict | AppConfig) -> serve.Application:
     plain = cfg.model_dump()
     verifier = VerifierPool.options(**_options(cfg.verifier_pool), request_router_config=AFFINITY).bind(plain)
     drafter = None
-    if cfg.drafter is not None:
+    if cfg.drafter_checkpoint is not None:  # prompt lookup alone needs no pool: the Router drafts
         drafter = DrafterPool.options(**_options(cfg.drafter_pool), request_router_config=AFFINITY).bind(plain)
     return Router.options(**_options(cfg.router)).bind(plain, verifier, drafter)

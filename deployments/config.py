@@ -127,8 +127,24 @@ class AppConfig(_Strict):
             raise ConfigError("this config cannot work:\n  - " + "\n  - ".join(problems))
         return self
 
+    @property
+    def drafter_checkpoint(self) -> str | None:
+        """The trained drafter the drafter pool serves (None: no pool; pure prompt lookup runs in
+        the Router)."""
+        from moa_serve.drafter.checkpoint import model_checkpoint
+
+        return model_checkpoint(self.drafter)
+
+    @property
+    def prompt_lookup(self) -> bool:
+        """The Router drafts by prompt lookup (``lookup`` / ``hybrid:<checkpoint>``)."""
+        from moa_serve.drafter.checkpoint import split_drafter_spec
+
+        return self.drafter is not None and split_drafter_spec(self.drafter)[0]
+
     def pools(self) -> dict[str, PoolConfig]:
-        return {"verifier_pool": self.verifier_pool, **({"drafter_pool": self.drafter_pool} if self.drafter else {})}
+        return {"verifier_pool": self.verifier_pool,
+                **({"drafter_pool": self.drafter_pool} if self.drafter_checkpoint else {})}
 
 
 def session_problems(cfg: AppConfig) -> list[str]:

@@ -225,7 +225,7 @@ def target_shape(cfg: AppConfig) -> ModelShape:
 def fits(cfg: AppConfig, target: ModelShape | None = None, drafter: DrafterShape | None = None) -> list[Fit]:
     target = target or target_shape(cfg)
     out = [verifier_fit(cfg, target)]
-    if cfg.drafter is not None:
+    if cfg.drafter_checkpoint is not None:
         out.append(drafter_fit(cfg, target, drafter or drafter_shape(cfg.drafter, target)))
     return out
 

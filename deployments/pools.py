@@ -138,7 +138,8 @@ class VerifierPool(_Pool):
                                         self.cfg.max_model_len, load_feature_head(self.cfg.drafter),
                                         max_num_batched_tokens=pool.max_num_batched_tokens,
                                         packed_weights=self.cfg.packed_weights,
-                                        draft_vocab=load_draft_vocab(self.cfg.drafter) if self.cfg.drafter else None)
+                                        draft_vocab=load_draft_vocab(self.cfg.drafter_checkpoint)
+                                        if self.cfg.drafter_checkpoint else None)
         self.target_fingerprint = model_fingerprint(self.runner.model)  # client-server handshake
         log.info("VerifierPool %s ready: %s", self._replica, self.cfg.target)
 
@@ -167,10 +168,11 @@ class DrafterPool(_Pool):
         self.cfg = AppConfig.model_validate(cfg)
         pool = self.cfg.drafter_pool
         _threads(pool)
-        self.proposer = load_proposer(self.cfg.drafter, target=self.cfg.target, dtype=self.cfg.dtype,
+        # a hybrid's prompt lookup runs in the Router: the pool serves the trained drafter
+        self.proposer = load_proposer(self.cfg.drafter_checkpoint, target=self.cfg.target, dtype=self.cfg.dtype,
                                       device=self.cfg.device, max_sessions=pool.max_sessions,
                                       max_model_len=self.cfg.max_model_len)
-        log.info("DrafterPool %s ready: %s", self._replica, self.cfg.drafter)
+        log.info("DrafterPool %s ready: %s", self._replica, self.cfg.drafter_checkpoint)
 
     async def propose(self, requests, group=None) -> PoolReply:
         self._touch(requests)

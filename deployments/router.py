@@ -25,6 +25,7 @@ from moa_serve.deployments.config import AppConfig
 from moa_serve.deployments.metrics import CallMetrics, PrometheusObserver
 from moa_serve.deployments.stats import CallStats
 from moa_serve.drafter.checkpoint import drafter_kind
+from moa_serve.drafter.lookup import LookupTable
 from moa_serve.engine.service import RoundService
 
 log = logging.getLogger("ray.serve")
@@ -82,8 +83,11 @@ class Router:
         self.calls = CallStats()
         self._call_metrics = CallMetrics()
         kind = drafter_kind(self.cfg.drafter) if self.cfg.drafter else None
+        # prompt lookup runs here, on the tokens the Router holds: no call, no replica
+        lookup = LookupTable(max_sessions=2 * r.session_groups * r.max_sessions_per_round, max_model_len=max_model_len) \
+            if self.cfg.prompt_lookup else None
         self.service = RoundService(
-            self._verify, self._draft if drafter is not None else None, self._release,
+            self._verify, self._draft if drafter is not None else None, self._release, lookup=lookup,
             groups=self.groups, max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,
             speculation_token_budget=r.speculation_token_budget, speculation_governor=r.speculation_governor,
             observer=PrometheusObserver(), decode_steps=r.decode_steps,
@@ -101,7 +105,7 @@ class Router:
             frontend=Frontend(self.service, tokenizer, max_model_len=max_model_len,
                               stop_token_ids=stops,
                               num_speculative_tokens=self.cfg.num_speculative_tokens,
-                              speculative=drafter is not None, model_name=self.cfg.model_name or self.cfg.target,
+                              speculative=self.cfg.drafter is not None, model_name=self.cfg.model_name or self.cfg.target,
                               adaptive_speculation=self.cfg.adaptive_speculation,
                               drafter_needs_features=kind in ("moa", "eagle")),
             ready=self.ready, retry_after_s=r.retry_after_s, stats=self.stats)

@@ -56,11 +56,10 @@ class NgramIndex:
         return [], 0
 
 
-class PromptLookupProposer:
-    """Drafts by n-gram lookup in each session's committed tokens (prompt and output)."""
-
-    needs_features = False
-    draft_vocab = None
+class LookupTable:
+    """The n-gram indexes of many sessions, least recently used evicted past ``max_sessions``.
+    ``draft(session_id, tokens, k)`` is all a caller holding the tokens needs (the Router does
+    this for its own sessions: no drafter replica, no call)."""
 
     def __init__(self, min_n: int = 2, max_n: int = 4, max_sessions: int = 1024, max_model_len: int = 2048):
         if not 1 <= min_n <= max_n:
@@ -69,37 +68,73 @@ class PromptLookupProposer:
         self.max_sessions = max_sessions
         self.max_model_len = max_model_len
         self.sessions: OrderedDict[str, NgramIndex] = OrderedDict()  # least recently used first
-        self.stats = {"steps": 0, "draft_s": 0.0, "evicted": 0, "resync": 0, "matched": 0, "unmatched": 0}
+        self.stats = {"evicted": 0, "matched": 0, "unmatched": 0, "drafts": 0}
+
+    def get(self, session_id: str, create: bool, keep: set[str] = frozenset()) -> NgramIndex | None:
+        idx = self.sessions.get(session_id)
+        if idx is not None:
+            self.sessions.move_to_end(session_id)
+            return idx
+        if not create:
+            return None
+        if len(self.sessions) >= self.max_sessions:
+            victim = next((sid for sid in self.sessions if sid not in keep), None)
+            if victim is None:
+                raise RuntimeError(f"prompt lookup full: all {self.max_sessions} sessions are in use")
+            del self.sessions[victim]
+            self.stats["evicted"] += 1
+        idx = self.sessions[session_id] = NgramIndex(self.min_n, self.max_n)
+        return idx
+
+    def propose(self, idx: NgramIndex, num_drafts: int) -> list[int]:
+        """Up to ``num_drafts`` lookup drafts for an up-to-date index (never past the context)."""
+        k = min(num_drafts, self.max_model_len + 1 - len(idx.tokens))
+        if k <= 0 or not idx.tokens:
+            return []
+        drafts, _ = idx.propose(k)
+        self.stats["matched" if drafts else "unmatched"] += 1
+        self.stats["drafts"] += len(drafts)
+        return drafts
+
+    def draft(self, session_id: str, tokens: list[int], num_drafts: int, keep: set[str] = frozenset()) -> list[int]:
+        idx = self.get(session_id, create=True, keep=keep)
+        idx.set_tokens(tokens)
+        return self.propose(idx, num_drafts)
+
+    def release(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+
+class PromptLookupProposer:
+    """Drafts by n-gram lookup in each session's committed tokens (prompt and output), behind the
+    proposer protocol (the in-process engine, a drafter replica, a client's device)."""
+
+    needs_features = False
+    draft_vocab = None
+
+    def __init__(self, min_n: int = 2, max_n: int = 4, max_sessions: int = 1024, max_model_len: int = 2048):
+        self.table = LookupTable(min_n, max_n, max_sessions, max_model_len)
+        self.stats = {"steps": 0, "draft_s": 0.0, "resync": 0}
+
+    @property
+    def sessions(self) -> OrderedDict[str, NgramIndex]:
+        return self.table.sessions
+
+    @property
+    def max_sessions(self) -> int:
+        return self.table.max_sessions
 
     def sync(self, r: DraftRequest, in_call: set[str]) -> NgramIndex | None:
         """The session's index brought up to date with ``copy[:base] + tokens``; None when this
         proposer holds fewer than ``base`` of its tokens (the caller answers ``resync``)."""
-        idx = self.sessions.get(r.session_id)
-        if idx is None:
-            if r.base > 0:
-                return None
-            if len(self.sessions) >= self.max_sessions:
-                victim = next((sid for sid in self.sessions if sid not in in_call), None)
-                if victim is None:
-                    raise RuntimeError(f"prompt lookup full: all {self.max_sessions} sessions are in this call")
-                del self.sessions[victim]
-                self.stats["evicted"] += 1
-            idx = self.sessions[r.session_id] = NgramIndex(self.min_n, self.max_n)
-        elif r.base > len(idx.tokens):
+        idx = self.table.get(r.session_id, create=r.base == 0, keep=in_call)
+        if idx is None or r.base > len(idx.tokens):
             return None
-        else:
-            self.sessions.move_to_end(r.session_id)
         idx.set_tokens(idx.tokens[:r.base] + list(r.tokens))
         return idx
 
-    def lookup(self, idx: NgramIndex, num_drafts: int) -> tuple[list[int], int]:
-        room = self.max_model_len + 1 - len(idx.tokens)
-        k = min(num_drafts, room)
-        if k <= 0 or not idx.tokens:
-            return [], 0
-        drafts, n = idx.propose(k)
-        self.stats["matched" if drafts else "unmatched"] += 1
-        return drafts, n
+    def lookup(self, idx: NgramIndex, num_drafts: int) -> list[int]:
+        return self.table.propose(idx, num_drafts)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
         t0 = time.perf_counter()
@@ -110,15 +145,14 @@ class PromptLookupProposer:
             if idx is None:
                 self.stats["resync"] += 1
                 out.append(DraftResult(r.session_id, [], resync=True))
-                continue
-            drafts, _ = self.lookup(idx, r.num_drafts)
-            out.append(DraftResult(r.session_id, drafts))
+            else:
+                out.append(DraftResult(r.session_id, self.lookup(idx, r.num_drafts)))
         self.stats["steps"] += 1
         self.stats["draft_s"] += time.perf_counter() - t0
         return out
 
     def release(self, session_id: str) -> None:
-        self.sessions.pop(session_id, None)
+        self.table.release(session_id)
 
 
 class HybridProposer:
@@ -152,7 +186,7 @@ class HybridProposer:
             if idx is None:
                 lost.add(r.session_id)
             else:
-                drafts, _ = self.lookup.lookup(idx, r.num_drafts)
+                drafts = self.lookup.lookup(idx, r.num_drafts)
                 if drafts:
                     from_lookup[r.session_id] = drafts
         asked = [DraftRequest(r.session_id, r.tokens, 0, r.feature_start, r.features, r.sampling, r.base)

@@ -66,7 +66,7 @@ def test_lookup_proposer_speaks_the_delta_protocol():
     (r,) = p.propose([req("b", [7], base=3)])  # a session it never saw
     assert r.resync
     p.propose([req("b", [1, 2, 1]), req("c", [5, 5])])  # third session: "a" (least recent) evicted
-    assert set(p.sessions) == {"b", "c"} and p.stats["evicted"] == 1
+    assert set(p.sessions) == {"b", "c"} and p.table.stats["evicted"] == 1
     p.release("b")
     assert set(p.sessions) == {"c"}
 

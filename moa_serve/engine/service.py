@@ -36,6 +36,7 @@ from typing import Awaitable, Callable, Hashable, Sequence
 
 import torch
 
+from moa_serve.drafter.lookup import LookupTable
 from moa_serve.drafter.proposer import DraftRequest, DraftResult
 from moa_serve.engine import rounds
 from moa_serve.engine.governor import SpeculationGovernor
@@ -180,8 +181,12 @@ class RoundService:
                  release_timeout_s: float = 5.0, release_attempts: int = 5,
                  speculation_token_budget: int = 32, speculation_governor: bool = True,
                  observer: Observer | None = None, want_features: bool | None = None,
-                 recompute_features: bool = False, decode_steps: int = 1, multi_step_max_sessions: int = 4):
+                 recompute_features: bool = False, decode_steps: int = 1, multi_step_max_sessions: int = 4,
+                 lookup: LookupTable | None = None):
         self._verify, self._draft, self._release = verify, draft, release
+        # prompt lookup over the sessions' own tokens, here: a session it drafts for skips the
+        # drafter call this round (``hybrid:``); with no drafter pool it is the only drafter
+        self.lookup = lookup
         # ask the verifier for drafter features (default: when there is a drafter pool; remote
         # clients' drafters need them too)
         self.want_features = draft is not None if want_features is None else want_features
@@ -199,7 +204,7 @@ class RoundService:
             raise ValueError(f"session groups must be a non-empty list of distinct keys: {self.groups!r}")
         # per group: speculate only in the rounds where it measurably pays (see governor.py)
         self._governors = ({g: SpeculationGovernor() for g in self.groups}
-                           if speculation_governor and draft is not None else {})
+                           if speculation_governor and (draft is not None or lookup is not None) else {})
         self.max_sessions_per_round = max_sessions_per_round
         self.max_queued = max_queued
         self.verify_retries = verify_retries
@@ -376,6 +381,8 @@ class RoundService:
             return
         self._active[g] = [t for t in self._active[g] if not t.session.finished]
         for t in done:
+            if self.lookup is not None:
+                self.lookup.release(t.session.id)
             if t.session.finish_reason == "abort":
                 t.emit(TokenEvent([], "abort"))
             self._pending_release[g][t.session.id] = 0
@@ -462,11 +469,13 @@ class RoundService:
                            profile: RoundProfile) -> dict[str, DraftResult]:
         """Drafts for the sessions worth it; any failure or timeout degrades the round to plain
         target decoding (and the drafter gets everything again next time)."""
+        local = self._lookup_drafts(sessions, cap)
         if self._draft is None:
-            return {}
-        reqs = rounds.draft_requests(sessions, cap, current_features=self.recompute_features)
+            return local
+        reqs = rounds.draft_requests([s for s in sessions if s.id not in local], cap,
+                                     current_features=self.recompute_features)
         if not reqs:
-            return {}
+            return local
         try:
             res = await _within(self.draft_timeout_s, self._draft(g, reqs))
         except asyncio.CancelledError:
@@ -476,13 +485,27 @@ class RoundService:
             self.observer.fallback(type(exc).__name__)
             log.warning("drafter unavailable (%s): group %s verifies without drafts", type(exc).__name__, g)
             rounds.drafts_failed(by_id, reqs)
-            return {}
+            return local
         res = [r for r in res if r.session_id in by_id]
         self.stats.drafter_resyncs += sum(r.needs_features_from is not None for r in res)
         n_resync = sum(r.resync for r in res)
         self.stats.resyncs += n_resync
         profile.resyncs += n_resync
-        return rounds.drafts_delivered(by_id, reqs, res)
+        return {**rounds.drafts_delivered(by_id, reqs, res), **local}
+
+    def _lookup_drafts(self, sessions: list[Session], cap: int | None) -> dict[str, DraftResult]:
+        """Prompt-lookup drafts (one-hot: no probabilities) for the sessions whose last tokens
+        occurred before."""
+        if self.lookup is None or cap == 0:
+            return {}
+        out, keep = {}, {s.id for s in sessions}
+        for s in sessions:
+            k = s.speculation_length(cap)
+            if k > 0:
+                drafts = self.lookup.draft(s.id, s.tokens, k, keep)
+                if drafts:
+                    out[s.id] = DraftResult(s.id, drafts)
+        return out
 
     async def _verify_round(self, g, by_id: dict[str, Session], sessions: list[Session],
                             drafts: dict[str, DraftResult], profile: RoundProfile,
