@@ -427,6 +427,16 @@ def client_command(a, url: str, model: str, users: int) -> list[str]:
     return cmd
 
 
+def ttft_command(a, url: str, model: str, users: int) -> list[str]:
+    """The streaming probe (``loadtest/ttft_probe.py``) at the same level, for ``--ttft-duration`` s."""
+    cmd = [a.client_python, str(Path(__file__).resolve().parent / "ttft_probe.py"), "--base", url,
+           "--model", model, "--questions", str(a.questions), "--users", str(users),
+           "--duration", str(a.ttft_duration), "--max-tokens", str(a.max_tokens)]
+    if a.limit is not None:
+        cmd += ["--limit", str(a.limit)]
+    return cmd
+
+
 class _Running:
     client: subprocess.Popen | None = None
 
@@ -516,7 +526,7 @@ def write_reports(out: Path, results: dict) -> None:
              f"max_tokens {m['max_tokens']}, users {','.join(map(str, m['users']))}; "
              f"{m['cpus']} CPUs; load average at start {m['loadavg_start']}.", ""]
     any_ttft = any(lv["summary"].get("ttft") is not None for s in results["sides"] for lv in s["levels"])
-    head = ["side", "users", "tok/s", "tok/s/user", "p50 s", "p99 s"] + (["TTFT"] if any_ttft else []) + \
+    head = ["side", "users", "tok/s", "tok/s/user", "p50 s", "p99 s"] + (["TTFT p50 s"] if any_ttft else []) + \
            ["requests", "failures", "load avg"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in results["sides"]:
@@ -531,7 +541,7 @@ def write_reports(out: Path, results: dict) -> None:
                 fails += f" [{lv['error'][:60]}]"
             row = [s["label"], _fmt(r["users"]), _fmt(r["tok_per_s"]), _fmt(r["tok_per_s_per_user"]),
                    _fmt(r["latency_p50_s"]), _fmt(r["latency_p99_s"])] + \
-                  ([_fmt(r.get("ttft"))] if any_ttft else []) + \
+                  ([_fmt(r.get("ttft"), 3)] if any_ttft else []) + \
                   [_fmt(r["requests"]), fails, _fmt(lv.get("loadavg_start"))]
             lines.append("| " + " | ".join(row) + " |")
 
@@ -616,6 +626,9 @@ def build_parser(repo: Path) -> argparse.ArgumentParser:
                                    "ours: first id of GET /v1/models)")
     g.add_argument("--no-warmup", action="store_true", help="skip the one short request before the levels")
     g.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for a server")
+    g.add_argument("--ttft-duration", type=float, default=15.0,
+                   help="after each level, this many seconds of the streaming TTFT probe (loadtest/ttft_probe.py) "
+                        "at the same number of users; 0 = off (default 15)")
     g.add_argument("--level-timeout", type=float,
                    help="bound on one client run (default duration + 660 s: its request timeout is 600 s)")
     p.add_argument("--out", type=Path, help="output folder (default <repo>/runs/side-by-side/<time>)")
@@ -719,11 +732,17 @@ def main(argv: list[str] | None = None) -> int:
                         level["error"] = (f"client exit {rc}" if rc != 0 else "no JSON in client output") + \
                                          (": " + stderr.strip().splitlines()[-1][:300] if stderr.strip() else "")
                         failed = True
+                    if a.ttft_duration > 0:  # the shared client cannot see first tokens: a streaming probe
+                        prc, pout, _ = run_client(ttft_command(a, s["url"], model, u), level_timeout,
+                                                  out / f"{_safe(s['label'])}.ttft.log")
+                        probe = parse_client_output(pout)
+                        level["ttft_probe"] = probe[-1] if probe else {"error": f"probe exit {prc}"}
+                        level["summary"]["ttft"] = level["ttft_probe"].get("ttft_p50_s")
                     r["levels"].append(level)
                     sm = level["summary"]
                     log(f"{s['label']} users={u}: tok/s={_fmt(sm['tok_per_s'])} "
                         f"per-user={_fmt(sm['tok_per_s_per_user'])} p50={_fmt(sm['latency_p50_s'])}s "
-                        f"p99={_fmt(sm['latency_p99_s'])}s requests={_fmt(sm['requests'])} "
+                        f"p99={_fmt(sm['latency_p99_s'])}s TTFT p50={_fmt(sm.get('ttft'), 3)}s requests={_fmt(sm['requests'])} "
                         f"failures={_fmt(sm['failures'])}" + (f" ERROR {level['error']}" if level["error"] else ""))
                     write_reports(out, results)
             except SideError as exc:

@@ -193,3 +193,17 @@ def test_deploy_failure_is_detected(tmp_path):
         f.write("(ServeController pid=1) ERROR controller -- Failed to update the deployments ['Router'].\n")
     assert "Failed to update" in runner._deploy_failure(log)
     assert runner._deploy_failure(tmp_path / "missing.log") is None
+
+
+def test_ttft_probe_streams_and_reports_first_token_times(fake_server, tmp_path):
+    from loadtest import ttft_probe
+
+    q = tmp_path / "q.jsonl"
+    q.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"question {i}"]})
+                           for i in range(3)) + "\n")
+    level = ttft_probe.one_level(fake_server, "fake/model", ttft_probe.load_prompts(str(q), 8), 2, 1.0, 16)
+    assert level["users"] == 2 and level["failures"] == 0 and level["requests"] >= 2
+    assert 0 < level["ttft_p50_s"] <= level["latency_p50_s"]  # the first chunk comes before the end
+    assert level["chunks_per_s"] > 0
+    bad = ttft_probe.one_level(fake_server.rsplit(":", 1)[0] + ":9", "fake/model", ["x"], 1, 0.2, 4)
+    assert bad["requests"] == 0 and bad["failures"] >= 1 and bad["ttft_p50_s"] is None
