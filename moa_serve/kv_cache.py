@@ -120,8 +120,9 @@ class PackedBatch:
 
     def __init__(self, cache: SlotKVCache, slots: list[int], starts: list[int], lens: list[int],
                  device: torch.device | str = "cpu", kernel: bool = False):
-        """``kernel``: attend with ``moa_serve.kernels.attention`` (float32 CPU caches): every token
-        alone over its own slot, in a fixed order, so its output does not depend on the batch."""
+        """``kernel``: attend with ``moa_serve.kernels.attention`` (float32 or bfloat16 CPU caches):
+        every token alone over its own slot, in a fixed order, so its output does not depend on the
+        batch."""
         self.cache = cache
         self.kernel = kernel
         self.n = sum(lens)

@@ -82,9 +82,11 @@ class TorchTargetRunner(TargetBackend):
         self.max_model_len = min(max_model_len, self.arch.max_position_embeddings)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cache = model.new_cache(max_sessions, self.max_model_len)
-        # batch-invariant attention (every token alone over its slot, fixed order) where it runs
-        self.attention_kernel = (self.cache.k.dtype == torch.float32 and self.device.type == "cpu"
-                                 and self.arch.head_dim % 8 == 0 and kernels.library() is not None)
+        # batch-invariant attention (every token alone over its slot, fixed order, float32 sums over a
+        # float32 or bfloat16 cache) where it runs
+        self.attention_kernel = (self.cache.k.dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
+                                 and self.arch.head_dim % 8 == 0 and self.arch.head_dim <= 256
+                                 and kernels.library() is not None)
         self.feature_head = feature_head.to(self.device, self.dtype).eval() if feature_head is not None else None
         self.draft_vocab = draft_vocab  # maps a drafter's [K, V'] probabilities back to the vocabulary
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first

@@ -1,4 +1,4 @@
-"""CPU kernels for weights kept in their GGUF block formats (Q4_1, Q8_0), float32 math.
+"""CPU kernels for weights kept in their GGUF block formats (Q4_1, Q8_0) or in bfloat16, float32 math.
 
 ``qmatmul.c`` is compiled with the system C compiler the first time it is needed on a machine
 (about a second; cached under ``moa_serve.models.cache_dir()/kernels``, keyed by the source, the
@@ -11,6 +11,10 @@ matrices are 540 MB per forward; in Q4_1/Q8_0 blocks they are 100 MB. The blocks
 de-quantized in registers to exactly the float32 values a float32 de-quantization gives (d*q is
 exact in float32), so the model computed is the same one, and every output is one dot product
 accumulated in a fixed order: a token's logits do not depend on how many tokens share the call.
+
+A bfloat16 model gets the same guarantee from bf16 weights (widened to float32 in registers, exact)
+and a bf16 variant of the attention kernel: torch's bf16 attention rounds differently for a
+different number of queries, and its bf16 GEMM may pick kernels by the number of rows.
 """
 
 from __future__ import annotations
@@ -91,16 +95,18 @@ def library() -> ctypes.CDLL | None:
                 i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
                 lib.moa_q4_1_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32]
                 lib.moa_q8_0_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]
+                lib.moa_bf16_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
                 lib.moa_q4_1_rows.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr]
                 lib.moa_q8_0_rows.argtypes = [ptr, ptr, i64, ptr, i64, ptr]
                 lib.moa_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr,
                                               ctypes.c_float, ptr, i64, i32]
-                for f in (lib.moa_q4_1_matmul, lib.moa_q8_0_matmul, lib.moa_q4_1_rows, lib.moa_q8_0_rows,
-                          lib.moa_attention):
+                lib.moa_attention_bf16.argtypes = lib.moa_attention.argtypes
+                for f in (lib.moa_q4_1_matmul, lib.moa_q8_0_matmul, lib.moa_bf16_matmul, lib.moa_q4_1_rows,
+                          lib.moa_q8_0_rows, lib.moa_attention, lib.moa_attention_bf16):
                     f.restype = None
                 _lib = lib
         if _lib is None:
-            log.warning("packed-weight kernels unavailable (%s): float32 weights are used", _why_not)
+            log.warning("packed-weight kernels unavailable (%s): plain torch weights and attention are used", _why_not)
         return _lib
 
 
@@ -135,6 +141,19 @@ def q8_0_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Ten
     return y
 
 
+def bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ W.T for W [N, K] bfloat16 (or its bits as int16/uint16), K a multiple of 32."""
+    lib = library()
+    rows, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or k % 32 or w.element_size() != 2 or not w.is_contiguous():
+        raise ValueError(f"bf16 matmul: W must be contiguous 16-bit [N, {k}] with K a multiple of 32")
+    x = x.contiguous()
+    y = torch.empty(rows, n, dtype=torch.float32)
+    lib.moa_bf16_matmul(_ptr(x), rows, k, _ptr(w), n, _ptr(y), torch.get_num_threads())
+    return y
+
+
 def dequantize_rows(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                     ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of a packed matrix as float32 [len(ids), K] (through the same de-quantization
@@ -153,19 +172,24 @@ def dequantize_rows(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
               positions: torch.Tensor) -> torch.Tensor:
     """Causal attention of packed new tokens over one layer of a slot KV cache, batch-invariant:
-    q [n, H, hd] float32; k/v [slots, KVH, max_len, hd] (a view of the cache, strided is fine
-    as long as the last dim is contiguous); token i attends to keys 0..positions[i] of slot
-    slots[i] (its own K/V must already be written). Returns [n, H, hd]."""
+    q [n, H, hd]; k/v [slots, KVH, max_len, hd] float32 or bfloat16 (a view of the cache, strided
+    is fine as long as the last dim is contiguous); token i attends to keys 0..positions[i] of
+    slot slots[i] (its own K/V must already be written). Computed in float32 (a bf16 cache is
+    widened in registers); returns [n, H, hd] in q's dtype."""
     lib = library()
     n, heads, hd = q.shape
     kv_heads, max_len = k.shape[1], k.shape[2]
-    if hd % 8 or hd > 256 or k.stride(-1) != 1 or k.stride() != v.stride():
+    if hd % 8 or hd > 256 or k.stride(-1) != 1 or k.stride() != v.stride() or k.dtype != v.dtype:
         raise ValueError("attention kernel: head_dim must be a multiple of 8 up to 256, K/V alike and contiguous per row")
-    q = q.contiguous()
+    if k.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"attention kernel: float32 or bfloat16 K/V; got {k.dtype}")
+    dtype = q.dtype
+    kernel = lib.moa_attention if k.dtype == torch.float32 else lib.moa_attention_bf16
+    q = q.to(torch.float32).contiguous()
     slots = slots.to(torch.int64).contiguous()
     positions = positions.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     ss, hs, ps, _ = k.stride()
-    lib.moa_attention(_ptr(q), n, heads, kv_heads, hd, _ptr(k), _ptr(v), ss, hs, ps, _ptr(slots), _ptr(positions),
-                      hd ** -0.5, _ptr(out), max_len, torch.get_num_threads())
-    return out
+    kernel(_ptr(q), n, heads, kv_heads, hd, _ptr(k), _ptr(v), ss, hs, ps, _ptr(slots), _ptr(positions),
+           hd ** -0.5, _ptr(out), max_len, torch.get_num_threads())
+    return out.to(dtype)

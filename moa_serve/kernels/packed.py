@@ -1,7 +1,9 @@
 """Target weights kept in their GGUF blocks: ``PackedLinear`` modules swapped into a float32
-``TargetModel`` loaded from a GGUF folder.
+``TargetModel`` loaded from a GGUF folder; or, for a bfloat16 ``TargetModel`` (any source), its
+own bf16 weights behind the same fixed-order kernel (:func:`pack_bf16`), so that a token's
+output does not depend on the batch in bf16 either.
 
-Each matrix is read from the GGUF file, repacked (per-block scales as float32 next to the
+Each GGUF matrix is read from the GGUF file, repacked (per-block scales as float32 next to the
 quantized values) and checked bitwise against the float32 weight the model was loaded with (the
 de-quantization transformers does); rows are matched by content, so the Q/K row permutation
 transformers applies to llama GGUFs is carried over whatever it is. A matrix that is not a
@@ -42,15 +44,18 @@ def hf_module_name(gguf_name: str) -> str | None:
 
 @dataclass
 class PackedMatrix:
-    """W [N, K] in blocks of 32 along K: ``q4_1`` (qs uint8 [N, K/2], d, m float32 [N, K/32]) or
-    ``q8_0`` (qs int8 [N, K], d float32 [N, K/32])."""
+    """W [N, K] in blocks of 32 along K: ``q4_1`` (qs uint8 [N, K/2], d, m float32 [N, K/32]),
+    ``q8_0`` (qs int8 [N, K], d float32 [N, K/32]) or ``bf16`` (qs: the bfloat16 weights' bits as
+    int16 [N, K], no scales)."""
     kind: str
     qs: torch.Tensor
-    d: torch.Tensor
+    d: torch.Tensor | None
     m: torch.Tensor | None
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.kind == "bf16":
+            return tuple(self.qs.shape)
         return self.qs.shape[0], self.d.shape[1] * BLOCK
 
     @property
@@ -69,31 +74,47 @@ class PackedMatrix:
             return cls("q4_1", torch.from_numpy(raw[:, 4:].copy().reshape(n, k // 2)), d, m)
         return cls("q8_0", torch.from_numpy(raw[:, 2:].copy().view(np.int8).reshape(n, k)), d, None)
 
+    @classmethod
+    def from_bf16(cls, weight: torch.Tensor) -> "PackedMatrix":
+        """A bfloat16 [N, K] weight (K a multiple of 32) as its bits: shares the weight's storage
+        when it is contiguous."""
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % BLOCK:
+            raise ValueError(f"bf16 packing needs a bfloat16 [N, K] weight with K a multiple of {BLOCK}")
+        return cls("bf16", weight.detach().contiguous().view(torch.int16), None, None)
+
     def rows(self, ids: torch.Tensor) -> "PackedMatrix":
-        return PackedMatrix(self.kind, self.qs[ids].contiguous(), self.d[ids].contiguous(),
-                            None if self.m is None else self.m[ids].contiguous())
+        pick = lambda t: None if t is None else t[ids].contiguous()  # noqa: E731
+        return PackedMatrix(self.kind, pick(self.qs), pick(self.d), pick(self.m))
 
     @staticmethod
     def cat(parts: list["PackedMatrix"]) -> "PackedMatrix":
         kinds = {p.kind for p in parts}
         if len(kinds) != 1:
             raise ValueError(f"cannot stack packed matrices of kinds {sorted(kinds)}")
-        return PackedMatrix(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]),
-                            None if parts[0].m is None else torch.cat([p.m for p in parts]))
+        join = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+        return PackedMatrix(parts[0].kind, torch.cat([p.qs for p in parts]), join([p.d for p in parts]),
+                            join([p.m for p in parts]))
 
     def dequantize(self) -> torch.Tensor:
+        """W as float32 [N, K]."""
+        if self.kind == "bf16":
+            return self.qs.view(torch.bfloat16).float()
         return kernels.dequantize_rows(self.kind, self.qs, self.d, self.m, torch.arange(self.shape[0]))
 
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 -> x @ W.T [M, N]."""
+        """x [M, K] float32 -> x @ W.T [M, N] float32."""
         if self.kind == "q4_1":
             return kernels.q4_1_matmul(x, self.qs, self.d, self.m)
+        if self.kind == "bf16":
+            return kernels.bf16_matmul(x, self.qs)
         return kernels.q8_0_matmul(x, self.qs, self.d)
 
 
 class PackedLinear(nn.Module):
-    """A bias-optional linear layer over a :class:`PackedMatrix` (float32 in, float32 out).
-    ``weight`` stays readable (de-quantized on demand, or the tied float32 tensor it shares)."""
+    """A bias-optional linear layer over a :class:`PackedMatrix` (float32 in, float32 out; a
+    ``bf16`` matrix also takes bfloat16 in: widened exactly, float32 sums, the output rounded to
+    bfloat16 once). ``weight`` stays readable (de-quantized on demand, or the model's own tensor
+    it shares: the tied embeddings, a bf16 weight)."""
 
     def __init__(self, packed: PackedMatrix, bias: torch.Tensor | None = None, dense: torch.Tensor | None = None):
         super().__init__()
@@ -112,12 +133,15 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
         flat = x.reshape(-1, k)
-        if flat.dtype != torch.float32:
-            raise TypeError(f"PackedLinear computes in float32; got {flat.dtype}")
+        dtype = flat.dtype
+        if dtype == torch.bfloat16 and self.packed.kind == "bf16":
+            flat = flat.float()
+        elif dtype != torch.float32:
+            raise TypeError(f"PackedLinear computes in float32 (bfloat16 too for bf16 weights); got {dtype}")
         out = self.packed.matmul_t(flat) if flat.shape[0] else flat.new_zeros(0, self.out_features)
         if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+            out = out + self.bias.float()
+        return out.to(dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         n, k = self.packed.shape
@@ -145,16 +169,21 @@ def gguf_file(path: Path) -> str | None:
 
 def pack_target(model: nn.Module, path: Path) -> dict:
     """Swaps the float32 linear layers of ``model`` (a ``TargetModel`` loaded from the GGUF in
-    ``path``) for :class:`PackedLinear` over the file's blocks. Returns what was done:
+    ``path``) for :class:`PackedLinear` over the file's blocks; a bfloat16 CPU model (GGUF or
+    not) gets :func:`pack_bf16` instead. Returns what was done:
     ``{"packed": n, "kept": [names...], "bytes": packed bytes, "dense_bytes": float32 bytes}``;
     ``{"packed": 0, "reason": ...}`` when nothing could be packed."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    dtype = model.model.embed_tokens.weight.dtype
+    if on_cpu and dtype == torch.bfloat16:
+        return pack_bf16(model)
     gguf_path = gguf_file(path)
     if gguf_path is None:
         return {"packed": 0, "reason": "no GGUF file: the weights are not block-quantized"}
     if kernels.library() is None:
         return {"packed": 0, "reason": kernels.unavailable_reason()}
-    if next(model.parameters()).device.type != "cpu" or model.model.embed_tokens.weight.dtype != torch.float32:
-        return {"packed": 0, "reason": "packed kernels run float32 on CPU"}
+    if not on_cpu or dtype != torch.float32:
+        return {"packed": 0, "reason": "packed kernels run float32 (or bfloat16) on CPU"}
     import gguf
 
     reader = gguf.GGUFReader(gguf_path)
@@ -188,6 +217,54 @@ def pack_target(model: nn.Module, path: Path) -> dict:
     if kept:
         log.warning("kept float32 for %d matrices: %s", len(kept), ", ".join(kept[:5]))
     return {"packed": packed, "kept": kept, "bytes": nbytes, "dense_bytes": dense_bytes, "fused": fused}
+
+
+def pack_bf16(model: nn.Module) -> dict:
+    """Swaps every bfloat16 ``nn.Linear`` of ``model`` (a CPU ``TargetModel``: the projections and
+    the LM head) for a :class:`PackedLinear` over its own weights (``bf16`` kind, sharing their
+    storage), then fuses q/k/v and gate/up. Each output is a fixed-order float32 dot product, so a
+    token's result does not depend on how many rows share the call (torch's bf16 GEMM may pick
+    a kernel by the number of rows). Same report as :func:`pack_target`; a weight whose input
+    size is not a multiple of 32 stays a torch layer."""
+    if kernels.library() is None:
+        return {"packed": 0, "reason": kernels.unavailable_reason()}
+    packed, kept, nbytes = 0, [], 0
+    for parent_name, parent in list(model.named_modules()):
+        for attr, module in list(parent.named_children()):
+            if not isinstance(module, nn.Linear) or module.weight.dtype != torch.bfloat16:
+                continue
+            name = f"{parent_name}.{attr}" if parent_name else attr
+            if module.weight.device.type != "cpu" or module.in_features % BLOCK:
+                kept.append(f"{name} (in_features {module.in_features})")
+                continue
+            weight = module.weight.detach()
+            bias = None if module.bias is None else module.bias.detach()
+            setattr(parent, attr, PackedLinear(PackedMatrix.from_bf16(weight), bias, weight))
+            packed += 1
+            nbytes += weight.numel() * 2
+    fused = _fuse_projections(model)
+    _share_fused_storage(model)
+    if kept:
+        log.warning("kept torch bf16 layers for %d matrices: %s", len(kept), ", ".join(kept[:5]))
+    return {"packed": packed, "kept": kept, "bytes": nbytes, "dense_bytes": nbytes, "fused": fused}
+
+
+def _share_fused_storage(model: nn.Module) -> None:
+    """Points the q/k/v and gate/up layers of a bf16 model at row slices of their fused matrix
+    (same values), so the model holds those weights once, not twice."""
+    for layer in model.model.layers:
+        for fused, parts in ((layer.self_attn.qkv, ("q_proj", "k_proj", "v_proj")),
+                             (layer.mlp.gate_up, ("gate_proj", "up_proj"))):
+            if fused is None or fused.packed.kind != "bf16":
+                continue
+            owner = layer.self_attn if parts[0] == "q_proj" else layer.mlp
+            start = 0
+            for attr in parts:
+                part = getattr(owner, attr)
+                rows = fused.packed.qs[start:start + part.out_features]
+                part.packed = PackedMatrix("bf16", rows, None, None)
+                part._dense = rows.view(torch.bfloat16)
+                start += part.out_features
 
 
 def packed_lm_head(lm_head: nn.Module, path: Path | None, rows: torch.Tensor | None = None) -> PackedMatrix | None:

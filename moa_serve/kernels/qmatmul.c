@@ -1,6 +1,7 @@
 /* y[M,N] = x[M,K] @ W[N,K]^T in float32, W kept in GGUF block formats and de-quantized in
  * registers (Q4_1: w = d*q + m, Q8_0: w = d*q; d*q is exact in float32, so w is bitwise the
- * value a float32 de-quantization gives).
+ * value a float32 de-quantization gives), or kept as bfloat16 (widened to float32 by a 16-bit
+ * shift, which is exact).
  *
  * Batch invariance by construction: every output y[i,j] is one dot product accumulated in the
  * same order (8 float lanes, k ascending, one fused multiply-add per step, then a fixed
@@ -8,7 +9,8 @@
  *
  * Layout (repacked at load, see packed.py): Q4_1 qs uint8 [N, K/2] (per 32-block 16 bytes, byte j
  * holds element j in its low nibble and element j+16 in its high nibble, as GGUF), d and m float
- * [N, K/32]; Q8_0 qs int8 [N, K], d float [N, K/32]. K must be a multiple of 32. */
+ * [N, K/32]; Q8_0 qs int8 [N, K], d float [N, K/32]; bf16: uint16 [N, K] (the bit patterns).
+ * K must be a multiple of 32. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -45,13 +47,25 @@ static inline __attribute__((always_inline)) void block_q8_0(const int8_t *qs, f
         w[c] = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * c)))));
 }
 
-/* Block b of row n of a kind-0 (Q4_1) or kind-1 (Q8_0) matrix with K columns. */
+/* 8 bfloat16 values as 8 floats: a bf16 is the upper half of the float32 with the same bits. */
+static inline __attribute__((always_inline)) __m256 bf16x8(const uint16_t *p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+static inline __attribute__((always_inline)) void block_bf16(const uint16_t *qs, __m256 w[4]) {
+    for (int c = 0; c < 4; c++) w[c] = bf16x8(qs + 8 * c);
+}
+
+/* Block b of row n of a kind-0 (Q4_1), kind-1 (Q8_0) or kind-2 (bf16) matrix with K columns. */
 static inline __attribute__((always_inline)) void block(int kind, const void *qs, const float *d, const float *m,
                                                         int64_t K, int64_t n, int64_t b, __m256 w[4]) {
     if (kind == 0)
         block_q4_1((const uint8_t *)qs + n * (K / 2) + 16 * b, d[n * (K / 32) + b], m[n * (K / 32) + b], w);
-    else
+    else if (kind == 1)
         block_q8_0((const int8_t *)qs + n * K + 32 * b, d[n * (K / 32) + b], w);
+    else
+        block_bf16((const uint16_t *)qs + n * K + 32 * b, w);
 }
 
 static inline void dequant_row(int kind, const void *qs, const float *d, const float *m, int64_t K, int64_t n,
@@ -116,7 +130,8 @@ static void rows(const float *x, int64_t mc, int64_t K, const float *w, float *y
     }
 }
 
-/* kind 0: Q4_1 (qs uint8 [N, K/2], d, m), kind 1: Q8_0 (qs int8 [N, K], d; m unused). */
+/* kind 0: Q4_1 (qs uint8 [N, K/2], d, m), kind 1: Q8_0 (qs int8 [N, K], d; m unused), kind 2: bf16
+ * (qs uint16 [N, K]; d, m unused). */
 static void matmul(int kind, const float *x, int64_t M, int64_t K, const void *qs, const float *d, const float *m,
                    int64_t N, float *y, int threads) {
     const int64_t nblocks = (N + NB - 1) / NB;
@@ -155,6 +170,10 @@ void moa_q8_0_matmul(const float *x, int64_t M, int64_t K, const int8_t *qs, con
     matmul(1, x, M, K, qs, d, NULL, N, y, threads);
 }
 
+void moa_bf16_matmul(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y, int threads) {
+    matmul(2, x, M, K, w, NULL, NULL, N, y, threads);
+}
+
 /* Rows `ids` of a Q8_0 / Q4_1 matrix, de-quantized (embedding lookups, checks). */
 void moa_q8_0_rows(const int8_t *qs, const float *d, int64_t K, const int64_t *ids, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i++) dequant_row(1, qs, d, NULL, K, ids[i], out + i * K);
@@ -166,15 +185,22 @@ void moa_q4_1_rows(const uint8_t *qs, const float *d, const float *m, int64_t K,
 }
 
 /* Causal attention of packed new tokens over a slot KV cache, one (token, head) at a time:
- * token t (slot slots[t], position pos[t]) attends to its slot's keys 0..pos[t]. q, out [n, H, hd];
- * k, v: one layer of the cache, element (slot, kv head, position, dim) at
- * slot*ss + head*hs + position*ps + dim. hd must be a multiple of 8, at most 256.
+ * token t (slot slots[t], position pos[t]) attends to its slot's keys 0..pos[t]. q, out [n, H, hd]
+ * float32; k, v: one layer of the cache, float32 or (kv_bf16) bfloat16 widened in registers,
+ * element (slot, kv head, position, dim) at slot*ss + head*hs + position*ps + dim. hd must be a
+ * multiple of 8, at most 256.
  * Fixed order everywhere (dot products as in the matmul, max and sum over positions ascending, the
  * weighted sum of values over positions ascending), so a token's output does not depend on which
  * other tokens share the call. */
-void moa_attention(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t hd, const float *k, const float *v,
-                   int64_t ss, int64_t hs, int64_t ps, const int64_t *slots, const int64_t *pos, float scale,
-                   float *out, int64_t max_len, int threads) {
+static inline __attribute__((always_inline)) __m256 load8(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16x8((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) void attention(int kv_bf16, const float *q, int64_t n, int64_t H,
+                                                            int64_t KVH, int64_t hd, const void *k, const void *v,
+                                                            int64_t ss, int64_t hs, int64_t ps, const int64_t *slots,
+                                                            const int64_t *pos, float scale, float *out,
+                                                            int64_t max_len, int threads) {
     const int64_t groups = H / KVH;
 #pragma omp parallel num_threads(threads)
     {
@@ -183,12 +209,12 @@ void moa_attention(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t hd
         for (int64_t th = 0; th < n * H; th++) {
             const int64_t t = th / H, h = th % H, g = h / groups, len = pos[t] + 1;
             const float *qv = q + (t * H + h) * hd;
-            const float *kb = k + slots[t] * ss + g * hs, *vb = v + slots[t] * ss + g * hs;
+            const int64_t base = slots[t] * ss + g * hs; /* element offset of (slot, kv head, 0, 0) */
             float mx = -INFINITY;
             for (int64_t j = 0; j < len; j++) {
                 __m256 acc = _mm256_setzero_ps();
                 for (int64_t d = 0; d < hd; d += 8)
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kb + j * ps + d), acc);
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), load8(k, base + j * ps + d, kv_bf16), acc);
                 s[j] = hsum(acc) * scale;
                 if (s[j] > mx) mx = s[j];
             }
@@ -202,7 +228,7 @@ void moa_attention(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t hd
             for (int64_t j = 0; j < len; j++) {
                 const __m256 p = _mm256_set1_ps(s[j]);
                 for (int64_t d = 0; d < hd / 8; d++)
-                    o[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vb + j * ps + 8 * d), o[d]);
+                    o[d] = _mm256_fmadd_ps(p, load8(v, base + j * ps + 8 * d, kv_bf16), o[d]);
             }
             const __m256 inv = _mm256_set1_ps(1.0f / sum);
             float *ov = out + (t * H + h) * hd;
@@ -210,4 +236,17 @@ void moa_attention(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t hd
         }
         free(s);
     }
+}
+
+void moa_attention(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t hd, const float *k, const float *v,
+                   int64_t ss, int64_t hs, int64_t ps, const int64_t *slots, const int64_t *pos, float scale,
+                   float *out, int64_t max_len, int threads) {
+    attention(0, q, n, H, KVH, hd, k, v, ss, hs, ps, slots, pos, scale, out, max_len, threads);
+}
+
+/* The same over a bfloat16 cache (k, v uint16 bit patterns; q and out stay float32). */
+void moa_attention_bf16(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t hd, const uint16_t *k,
+                        const uint16_t *v, int64_t ss, int64_t hs, int64_t ps, const int64_t *slots, const int64_t *pos,
+                        float scale, float *out, int64_t max_len, int threads) {
+    attention(1, q, n, H, KVH, hd, k, v, ss, hs, ps, slots, pos, scale, out, max_len, threads);
 }
