@@ -143,17 +143,20 @@ def test_local_configs_are_valid(name):  # MOA_MODEL_DIR: ../shared/models (conf
     cfg = AppConfig.model_validate(args_of(name))
     assert cfg.dtype == "auto"
     results = validate(cfg)
-    assert {f.pool for f in results} == {"verifier_pool", "drafter_pool"} and all(f.ok for f in results)
-    if name == "local-cpu.yaml":
+    assert all(f.ok for f in results)
+    if name == "local-cpu.yaml":  # prompt lookup in the Router: no drafter pool
+        assert cfg.drafter == "lookup" and cfg.drafter_checkpoint is None and cfg.prompt_lookup
+        assert {f.pool for f in results} == {"verifier_pool"} and set(cfg.pools()) == {"verifier_pool"}
         assert cfg.router.session_groups == 1 and cfg.router.max_sessions_per_round == 64
         assert cfg.verifier_pool.max_sessions == 64 and cfg.verifier_pool.torch_threads == 2
     else:
+        assert {f.pool for f in results} == {"verifier_pool", "drafter_pool"}
         assert cfg.verifier_pool.autoscaling_config.min_replicas == 2
         assert cfg.drafter_pool.autoscaling_config.min_replicas == 2 and cfg.router.session_groups >= 2
 
 
 def test_drafter_shape_from_a_packaged_checkpoint():
-    cfg = AppConfig.model_validate(args_of("local-cpu.yaml"))
+    cfg = AppConfig.model_validate(args_of("local-cpu-2x.yaml"))
     t = fit.target_shape(cfg)
     d = fit.drafter_shape(cfg.drafter, t)
     assert d.kind == "moa" and not d.estimated and d.draft_vocab == 8192
@@ -167,3 +170,14 @@ def test_unchanged_input_not_mutated():
     before = copy.deepcopy(a)
     AppConfig.model_validate(a)
     assert a == before
+
+
+def test_prompt_lookup_specs_size_the_drafter_pool():
+    cfg = AppConfig.model_validate(args_of("local-cpu-2x.yaml"))
+    t = fit.target_shape(cfg)
+    assert fit.drafter_shape("lookup", t).kind == "lookup"
+    h = fit.drafter_shape("hybrid:smollm2-135m-instruct-moa", t)
+    assert h.kind == "moa" and not h.estimated and h.draft_vocab == 8192
+    hybrid = AppConfig.model_validate({**args_of("local-cpu-2x.yaml"), "drafter": "hybrid:smollm2-135m-instruct-moa"})
+    assert hybrid.drafter_checkpoint == "smollm2-135m-instruct-moa" and hybrid.prompt_lookup
+    assert {f.pool for f in validate(hybrid)} == {"verifier_pool", "drafter_pool"}
