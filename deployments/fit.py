@@ -202,9 +202,6 @@ def verifier_fit(cfg: AppConfig, target: ModelShape) -> Fit:
 def drafter_fit(cfg: AppConfig, target: ModelShape, drafter: DrafterShape) -> Fit:
     b = dtype_bytes(cfg.dtype, cfg.device)
     pool = cfg.drafter_pool
-    if drafter.kind == "lookup":  # token lists only (a few MB at most)
-        cap, of = capacity(pool, cfg.device)
-        return Fit("drafter_pool", 0, 0, 0, cap, of)
     borrowed = target.vocab * target.hidden * (1 if target.tied else 2) + drafter.tli_layers * target.layer_params()
     restricted_head = drafter.draft_vocab * target.hidden
     weights = (borrowed + drafter.head_params + restricted_head) * b

@@ -51,13 +51,18 @@ def prompt_tokens(tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def cmd_generate(args) -> int:
-    from moa_serve.engine.engine import SpeculativeEngine
-
+def check_generation_args(args) -> None:
+    """The length arguments every generating command shares."""
     if args.num_speculative_tokens < 1:
         raise CLIError("--num-speculative-tokens must be >= 1")
     if args.max_new_tokens < 1:
         raise CLIError("--max-new-tokens must be >= 1")
+
+
+def cmd_generate(args) -> int:
+    from moa_serve.engine.engine import SpeculativeEngine
+
+    check_generation_args(args)
     sampling = _sampling(args)
     engine = SpeculativeEngine.load(args.target, _drafter_arg(args.drafter), args.dtype, args.device,
                                     max_sessions=1, max_model_len=args.max_model_len,

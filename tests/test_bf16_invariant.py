@@ -10,6 +10,7 @@ from moa_serve.kernels.packed import PackedLinear, PackedMatrix, pack_target
 from moa_serve.kv_cache import PackedBatch
 from moa_serve.verifier.api import VerifyRequest
 from moa_serve.verifier.torch_runner import TorchTargetRunner
+from tests.test_kernels import assert_rows_batch_invariant
 
 needs_kernels = pytest.mark.skipif(kernels.library() is None,
                                    reason=f"packed kernels unavailable here: {kernels.unavailable_reason()}")
@@ -39,18 +40,7 @@ def test_bf16_matmul_matches_float64_and_rounds_once(rows):
 @needs_kernels
 def test_bf16_rows_do_not_depend_on_the_batch():
     lin = PackedLinear(PackedMatrix.from_bf16(_bf16(64, 256, scale=0.05)), bias=_bf16(64, seed=5))
-    x = _bf16(130, 256, seed=2)
-    full = lin(x)
-    for i in (0, 3, 4, 63, 64, 129):
-        assert torch.equal(lin(x[i:i + 1]), full[i:i + 1])
-        assert torch.equal(lin(x[max(0, i - 2):i + 3])[min(i, 2)], full[i])
-        assert torch.equal(lin(x[max(0, i - 8):i + 8])[min(i, 8)], full[i])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(lin(x), full)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_batch_invariant(lin, _bf16(130, 256, seed=2))
 
 
 def test_bf16_packed_matrix_shares_the_weight_and_stacks():

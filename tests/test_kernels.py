@@ -52,22 +52,27 @@ def test_matmul_matches_float64(kind, rows):
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_a_rows_output_does_not_depend_on_the_batch(kind):
-    """Batch invariance: each row alone, in a batch of 130, at any position, with 1 or 2 threads."""
-    p = _random_packed(kind, 64, 256)
-    lin = PackedLinear(p)
-    x = torch.randn(130, 256, generator=torch.Generator().manual_seed(2))
+def assert_rows_batch_invariant(lin, x: torch.Tensor) -> None:
+    """Each row of ``lin(x)`` (x: 130 rows) is bitwise the same alone, in windows of 5 and 16
+    rows at any position, and with 1 thread."""
     full = lin(x)
     for i in (0, 3, 4, 63, 64, 129):
         assert torch.equal(lin(x[i:i + 1]), full[i:i + 1])
         assert torch.equal(lin(x[max(0, i - 2):i + 3])[min(i, 2)], full[i])
+        assert torch.equal(lin(x[max(0, i - 8):i + 8])[min(i, 8)], full[i])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         assert torch.equal(lin(x), full)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_rows_output_does_not_depend_on_the_batch(kind):
+    """Batch invariance: each row alone, in a batch of 130, at any position, with 1 or 2 threads."""
+    lin = PackedLinear(_random_packed(kind, 64, 256))
+    assert_rows_batch_invariant(lin, torch.randn(130, 256, generator=torch.Generator().manual_seed(2)))
 
 
 def test_packed_linear_bias_shapes_and_dtype():

@@ -8,13 +8,10 @@ import sys
 
 
 def cmd_client_generate(args) -> int:
-    from moa_serve.cli import CLIError, _sampling, prompt_tokens
+    from moa_serve.cli import CLIError, _sampling, check_generation_args, prompt_tokens
     from moa_serve.client import DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, ServerError, Transport
 
-    if args.max_new_tokens < 1:
-        raise CLIError("--max-new-tokens must be >= 1")
-    if args.num_speculative_tokens < 1:
-        raise CLIError("--num-speculative-tokens must be >= 1")
+    check_generation_args(args)
     sampling = _sampling(args)
     device = DeviceDrafter.load(args.drafter, args.target, args.dtype, args.max_model_len, args.device)
     transport = Transport(args.server, timeout_s=args.timeout)
