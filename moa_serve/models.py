@@ -106,6 +106,31 @@ def _converted_gguf(path: Path, gguf: str) -> Path:
     return target
 
 
+def hf_folder(path: Path) -> Path:
+    """A Hugging Face folder (config, tokenizer, safetensors) for loaders that read folders only
+    (vLLM): ``path`` itself when it holds safetensors; for a GGUF-only folder, a cached folder of
+    links to its config/tokenizer files and to the de-quantized float32 safetensors."""
+    path = Path(path)
+    if _safetensors_files(path):
+        return path
+    ggufs = sorted(glob.glob(str(path / "*.gguf")))
+    if not ggufs:
+        raise ModelNotFoundError(f"{path}: neither safetensors nor GGUF weights")
+    weights = _converted_gguf(path, ggufs[0])
+    out = weights.parent / "hf"
+    out.mkdir(exist_ok=True)
+    for f in list(path.iterdir()) + [weights]:
+        if f.suffix == ".gguf" or f.is_dir():
+            continue
+        link = out / f.name
+        if not link.exists():
+            try:
+                link.symlink_to(f.resolve())
+            except FileExistsError:  # another process made it
+                pass
+    return out
+
+
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """The Hugging Face state dict of a causal LM folder (safetensors, GGUF, or anything
     ``from_pretrained`` reads), on CPU in the stored dtype."""

