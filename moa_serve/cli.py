@@ -161,9 +161,10 @@ def _extra_commands() -> list:
     from moa_serve.drafter.regenerate import register as register_regenerate
     from moa_serve.drafter.train import register as register_train
     from moa_serve.netem import register as register_netem
+    from moa_serve.vllm_bench import register as register_vllm_bench
 
     return [register_train, register_bench, register_regenerate, _register_loadtest, register_netem, register_client,
-            register_cs_bench]
+            register_cs_bench, register_vllm_bench]
 
 
 def _register_loadtest(sub) -> None:

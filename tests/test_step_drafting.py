@@ -170,3 +170,54 @@ def test_cpu_expand_kernel_fix_writes_in_place_for_every_dtype():
         expand_kernel(out, torch.tensor([0.5 if dtype.is_floating_point else 3, 9, -1], dtype=dtype), cu, -1, 1)
         first = 0.5 if dtype.is_floating_point else 3
         assert out.tolist() == [first, first, 1, 1, 1]
+
+
+def test_lazy_features_run_the_head_only_for_sessions_that_draft():
+    """With a feature_fn, rows carry the head's inputs; steps without drafts (governor off)
+    compute nothing, and the next draft call computes every pending position at once."""
+    src, calls = Source(), []
+
+    def head(x):
+        calls.append(x.shape[0])
+        return x * 10
+
+    class Gov:
+        on = False
+
+        def speculate(self, n):
+            return self.on
+
+        def observe(self, *a):
+            pass
+
+    gov = Gov()
+    d = StepDrafting(src, num_drafts=2, feature_fn=head, governor=gov)
+    d.step([StepRow("a", [1, 2, 3, 4], 0, feature_input=feats(0, 3))])
+    d.step([StepRow("a", [1, 2, 3, 4, 5], 3, feature_input=feats(3, 4))])
+    assert calls == [] and src.calls == []
+    gov.on = True
+    d.step([StepRow("a", [1, 2, 3, 4, 5, 6], 4, feature_input=feats(4, 5))])
+    assert calls == [5]
+    (r,) = src.calls[-1]
+    assert r.feature_start == 0 and torch.equal(r.features, feats(0, 5) * 10)
+    d.step([StepRow("a", [1, 2, 3, 4, 5, 6, 7], 5, feature_input=feats(5, 6))])
+    assert calls == [5, 1] and torch.equal(src.calls[-1][0].features, feats(5, 6) * 10)
+
+
+def test_lazy_features_are_dropped_past_the_cap():
+    src = Source()
+
+    class Off:
+        def speculate(self, n):
+            return False
+
+        def observe(self, *a):
+            pass
+
+    d = StepDrafting(src, num_drafts=1, feature_fn=lambda x: x, governor=Off(), max_pending_positions=4)
+    toks = [1, 2]
+    for pos in range(0, 6):
+        toks.append(9)
+        d.step([StepRow("a", list(toks), pos, feature_input=feats(pos, pos + 1))])
+    assert d.stats.dropped_features == 1 and d.tracks["a"].features_broken
+    assert d.tracks["a"].pending.length == 0

@@ -58,6 +58,9 @@ class StepRow:
     tokens: Sequence[int]  # all its tokens (prompt + output); the newest is not in the target cache yet
     feature_start: int = 0  # position of features[0]: where this step's forward began for the request
     features: torch.Tensor | None = None  # [n, F] of the positions this step verified (n may be 0)
+    # or, with a ``feature_fn``, the feature head's input for those positions: features are then
+    # computed only when the request drafts (a step the governor runs without drafts costs none)
+    feature_input: torch.Tensor | None = None
     sampled: bool = True  # the step produced tokens (False: mid chunked prefill, nothing to draft from)
 
 
@@ -91,9 +94,42 @@ class FeatureBuffer:
         return self.data[start:self.length].clone()
 
 
+class PendingInputs:
+    """Feature-head inputs of positions ``start..`` not turned into features yet."""
+
+    def __init__(self):
+        self.start = 0
+        self.chunks: list[torch.Tensor] = []
+        self.length = 0  # positions held
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def put(self, start: int, inputs: torch.Tensor) -> None:
+        """Inputs of positions start.. (``start`` within [self.start, self.end]), dropping any
+        held at or after ``start``."""
+        keep = start - self.start
+        if keep < self.length:
+            rows = torch.cat(self.chunks)[:keep] if keep else None
+            self.chunks = [rows] if rows is not None else []
+            self.length = keep
+        self.chunks.append(inputs)
+        self.length += inputs.shape[0]
+
+    def take(self) -> torch.Tensor | None:
+        """All held inputs (then empty, starting where they ended)."""
+        if not self.length:
+            return None
+        rows = torch.cat(self.chunks)
+        self.start, self.chunks, self.length = self.end, [], 0
+        return rows
+
+
 @dataclass
 class _Track:
     features: FeatureBuffer = field(default_factory=FeatureBuffer)
+    pending: PendingInputs = field(default_factory=PendingInputs)
     sent_tokens: int = 0  # committed tokens the source holds
     sent_features: int = 0  # features the source holds
     features_broken: bool = False  # a gap in the features: this request gets no drafts
@@ -112,18 +148,22 @@ class StepStats:
     failures: int = 0  # source calls that raised
     skipped_steps: int = 0  # steps without drafts because the source was down
     governed_steps: int = 0  # steps the governor ran without drafts (speculation did not pay)
+    dropped_features: int = 0  # sessions that stopped drafting: too long without a draft
+    feature_s: float = 0.0  # computing lazy features (inside draft_s)
     draft_s: float = 0.0
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["draft_s"] = round(self.draft_s, 4)
+        d["feature_s"] = round(self.feature_s, 4)
         d["acceptance_rate"] = round(self.accepted / self.drafted, 4) if self.drafted else 0.0
         return d
 
 
 class StepDrafting:
     def __init__(self, source: DraftSource, num_drafts: int, needs_features: bool = True,
-                 retry_after_s: float = 5.0, clock=time.monotonic, governor=None):
+                 retry_after_s: float = 5.0, clock=time.monotonic, governor=None, feature_fn=None,
+                 max_pending_positions: int = 64):
         if num_drafts < 1:
             raise ValueError("num_drafts must be >= 1")
         self.source = source
@@ -135,6 +175,12 @@ class StepDrafting:
         self.stats = StepStats()
         self._down_until = float("-inf")
         self.governor = governor
+        # lazy features: rows carry the feature head's inputs; ``feature_fn`` (batched over the
+        # sessions of a draft call) turns them into features only for sessions that draft. A
+        # session that has not drafted for ``max_pending_positions`` positions drops its inputs
+        # (bounded memory) and decodes without drafts to its end
+        self.feature_fn = feature_fn
+        self.max_pending_positions = max_pending_positions
         self._last: tuple[float, int, bool] | None = None  # (time, rows, drafted) of the previous step
 
     # ------------------------------------------------------------------ the step
@@ -148,11 +194,8 @@ class StepDrafting:
             if r.sampled and t.last_tokens:
                 committed += max(0, len(r.tokens) - t.last_tokens)
             self._account(t, r)
-            if self.needs_features and r.features is not None and not t.features.put(r.feature_start, r.features):
-                if not t.features_broken:
-                    log.warning("request %s: features missing before position %d (prefix cache?): "
-                                "it decodes without drafts", r.session_id, r.feature_start)
-                t.features_broken = True
+            if self.needs_features and not t.features_broken:
+                self._keep_features(t, r)
             if r.sampled and not t.features_broken and len(r.tokens) > 0:
                 wanting.append(r)
         self._observe(now, committed)
@@ -176,6 +219,38 @@ class StepDrafting:
         self._last = (now, len(wanting), any(drafts.values())) if wanting else None
         return [drafts[r.session_id] for r in rows]
 
+    def _keep_features(self, t: _Track, r: StepRow) -> None:
+        if r.feature_input is not None:
+            start, ok = r.feature_start, r.feature_start <= t.pending.end
+            if ok and start < t.pending.start:  # recomputed positions: some were features already
+                t.features.length = min(t.features.length, start)
+                t.pending = PendingInputs()
+                t.pending.start = start
+            if ok:
+                t.pending.put(start, r.feature_input)
+                if t.pending.length > self.max_pending_positions:
+                    t.features_broken, t.pending = True, PendingInputs()
+                    self.stats.dropped_features += 1
+                    return
+        else:
+            ok = r.features is None or t.features.put(r.feature_start, r.features)
+        if not ok:
+            t.features_broken = True
+            log.warning("request %s: features missing before position %d (prefix cache?): "
+                        "it decodes without drafts", r.session_id, r.feature_start)
+
+    def _materialize(self, rows: list[StepRow]) -> None:
+        """Features of every pending position of these sessions, in one feature-head call."""
+        if self.feature_fn is None:
+            return
+        work = [(self.tracks[r.session_id], self.tracks[r.session_id].pending) for r in rows]
+        work = [(t, p.start, p.take()) for t, p in work if p.length]
+        if not work:
+            return
+        feats = self.feature_fn(torch.cat([x for _, _, x in work]))
+        for (t, start, _), chunk in zip(work, torch.split(feats, [x.shape[0] for _, _, x in work])):
+            t.features.put(start, chunk)
+
     def _observe(self, now: float, committed: int) -> None:
         """The previous step, now finished: its seconds and committed tokens go to the governor."""
         if self.governor is not None and self._last is not None:
@@ -198,6 +273,10 @@ class StepDrafting:
 
     def _draft(self, rows: list[StepRow]) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
+        if self.needs_features:
+            t0 = time.perf_counter()
+            self._materialize(rows)
+            self.stats.feature_s += time.perf_counter() - t0
         pending = rows
         for attempt in range(2):  # a second call only for sessions the source asked to resend
             try:

