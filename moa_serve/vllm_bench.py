@@ -15,6 +15,7 @@ Writes ``--out`` (JSON) and the same name with ``.md``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -40,7 +41,7 @@ def _configs(spec: str) -> list[tuple[str, str | None, bool, bool]]:
 
 def closed_loop(engine, prompts: list[list[int]], users: int, duration_s: float, max_new_tokens: int) -> dict:
     """``users`` requests in flight for ``duration_s``: tokens/s over the window, latencies, τ."""
-    it = iter(prompts * (1 + (users * 1000) // max(1, len(prompts))))
+    it = itertools.cycle(prompts)
     live: dict[str, dict] = {}
 
     def start():

@@ -56,10 +56,10 @@ class StepRow:
     """One running request after an engine step."""
     session_id: str
     tokens: Sequence[int]  # all its tokens (prompt + output); the newest is not in the target cache yet
-    feature_start: int = 0  # position of features[0]: where this step's forward began for the request
-    features: torch.Tensor | None = None  # [n, F] of the positions this step verified (n may be 0)
-    # or, with a ``feature_fn``, the feature head's input for those positions: features are then
-    # computed only when the request drafts (a step the governor runs without drafts costs none)
+    feature_start: int = 0  # position of feature_input[0]: where this step's forward began for the request
+    # the feature head's input for the positions this step verified (n may be 0), turned into
+    # features by ``StepDrafting.feature_fn`` only when the request drafts (a step the governor
+    # runs without drafts costs none)
     feature_input: torch.Tensor | None = None
     sampled: bool = True  # the step produced tokens (False: mid chunked prefill, nothing to draft from)
 
@@ -176,9 +176,10 @@ class StepDrafting:
         self._down_until = float("-inf")
         self.governor = governor
         # lazy features: rows carry the feature head's inputs; ``feature_fn`` (batched over the
-        # sessions of a draft call) turns them into features only for sessions that draft. A
-        # session that has not drafted for ``max_pending_positions`` positions drops its inputs
-        # (bounded memory) and decodes without drafts to its end
+        # sessions of a draft call; None: the inputs are the features) turns them into features
+        # only for sessions that draft. A session that has not drafted for
+        # ``max_pending_positions`` positions drops its inputs (bounded memory) and decodes
+        # without drafts to its end
         self.feature_fn = feature_fn
         self.max_pending_positions = max_pending_positions
         self._last: tuple[float, int, bool] | None = None  # (time, rows, drafted) of the previous step
@@ -219,35 +220,37 @@ class StepDrafting:
         self._last = (now, len(wanting), any(drafts.values())) if wanting else None
         return [drafts[r.session_id] for r in rows]
 
+    def keeps_features(self, session_id: str) -> bool:
+        """Whether this request's feature inputs are still wanted (unknown requests: yes)."""
+        t = self.tracks.get(session_id)
+        return self.needs_features and (t is None or not t.features_broken)
+
     def _keep_features(self, t: _Track, r: StepRow) -> None:
-        if r.feature_input is not None:
-            start, ok = r.feature_start, r.feature_start <= t.pending.end
-            if ok and start < t.pending.start:  # recomputed positions: some were features already
-                t.features.length = min(t.features.length, start)
-                t.pending = PendingInputs()
-                t.pending.start = start
-            if ok:
-                t.pending.put(start, r.feature_input)
-                if t.pending.length > self.max_pending_positions:
-                    t.features_broken, t.pending = True, PendingInputs()
-                    self.stats.dropped_features += 1
-                    return
-        else:
-            ok = r.features is None or t.features.put(r.feature_start, r.features)
-        if not ok:
+        if r.feature_input is None:
+            return
+        start = r.feature_start
+        if start > t.pending.end:
             t.features_broken = True
             log.warning("request %s: features missing before position %d (prefix cache?): "
-                        "it decodes without drafts", r.session_id, r.feature_start)
+                        "it decodes without drafts", r.session_id, start)
+            return
+        if start < t.pending.start:  # recomputed positions: some were features already
+            t.features.length = min(t.features.length, start)
+            t.pending = PendingInputs()
+            t.pending.start = start
+        t.pending.put(start, r.feature_input)
+        if t.pending.length > self.max_pending_positions:
+            t.features_broken, t.pending = True, PendingInputs()
+            self.stats.dropped_features += 1
 
     def _materialize(self, rows: list[StepRow]) -> None:
         """Features of every pending position of these sessions, in one feature-head call."""
-        if self.feature_fn is None:
-            return
         work = [(self.tracks[r.session_id], self.tracks[r.session_id].pending) for r in rows]
         work = [(t, p.start, p.take()) for t, p in work if p.length]
         if not work:
             return
-        feats = self.feature_fn(torch.cat([x for _, _, x in work]))
+        inputs = torch.cat([x for _, _, x in work])
+        feats = self.feature_fn(inputs) if self.feature_fn is not None else inputs
         for (t, start, _), chunk in zip(work, torch.split(feats, [x.shape[0] for _, _, x in work])):
             t.features.put(start, chunk)
 
@@ -278,7 +281,7 @@ class StepDrafting:
             self._materialize(rows)
             self.stats.feature_s += time.perf_counter() - t0
         pending = rows
-        for attempt in range(2):  # a second call only for sessions the source asked to resend
+        for _ in range(2):  # a second call only for sessions the source asked to resend
             try:
                 self.stats.calls += 1
                 results = self.source.propose([self._request(r) for r in pending])

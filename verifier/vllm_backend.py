@@ -202,5 +202,5 @@ class MoAStepProposer:
             start = cap.seq_lens[r] - (q1 - q0)
             end = min(len(row.tokens) - 1 if row.sampled else cap.seq_lens[r], cap.seq_lens[r])
             row.feature_start = start
-            if end > start:
+            if end > start and self.drafting.keeps_features(row.session_id):
                 row.feature_input = cap.rows(q0, q0 + end - start)

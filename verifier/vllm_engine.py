@@ -157,6 +157,8 @@ class VllmEngine:
             toks, r = tokens[rid], rounds[rid]
             end, reason = ended.get(rid, (time.perf_counter(), "length"))
             accepted = len(toks) - r
+            # drafted: K per round after the first (prefill) one, an upper bound (vLLM may trim
+            # drafts at the end, and a governed engine skips some rounds); ``stats()`` counts them
             results.append(GenerationResult(
                 toks, "stop" if reason == "stop" else "length", r, max(0, r - 1) * k, accepted,
                 len(toks) / r if r else 0.0, end - t0, self.tokenizer.decode(toks, skip_special_tokens=True)))
