@@ -69,7 +69,8 @@ def _frame(reply: Reply, codec: str, **extra) -> Response:
 def _sessions() -> ClientSessions:
     cs = state.get("cs")
     if cs is None:
-        raise CSError(404, "client-server mode is not enabled on this server", None, "not_found_error")
+        reason = state.get("cs_unavailable") or "client-server mode is not enabled on this server"
+        raise CSError(404, reason, None, "not_found_error")
     return cs
 
 

@@ -5,6 +5,8 @@ the ``Frontend``, the readiness check and Retry-After from ``moa_serve.app.state
 
 from __future__ import annotations
 
+import inspect
+
 import json
 import time
 
@@ -106,9 +108,11 @@ def create_app() -> FastAPI:
     async def stats(request: Request):
         fe = frontend(request)
         extra = state.get("stats")  # the ingress's own view (work per pool replica, call timings)
+        extra = extra() if extra else {}
+        if inspect.isawaitable(extra):
+            extra = await extra
         return {**fe.service.stats.as_dict(), "queue_depth": fe.service.queue_depth,
-                "active_sessions": fe.service.active_sessions, "speculative": fe.speculative,
-                **(extra() if extra else {})}
+                "active_sessions": fe.service.active_sessions, "speculative": fe.speculative, **extra}
 
     @api.get("/v1/models")
     async def models(request: Request):

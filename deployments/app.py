@@ -14,7 +14,7 @@ from ray.serve.config import RequestRouterConfig
 
 from moa_serve.deployments import fit
 from moa_serve.deployments.autoscaling import policy_options
-from moa_serve.deployments.config import AppConfig, PoolConfig, RouterConfig, session_warnings
+from moa_serve.deployments.config import AppConfig, ConfigError, PoolConfig, RouterConfig, session_warnings
 from moa_serve.deployments.pools import DrafterPool, VerifierPool
 from moa_serve.deployments.router import Router
 
@@ -34,10 +34,10 @@ AFFINITY = RequestRouterConfig(request_router_class="moa_serve.deployments.affin
 REPLICA_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def _options(pool: PoolConfig | RouterConfig) -> dict:
+def _options(pool: PoolConfig | RouterConfig, env: dict | None = None) -> dict:
     actor = pool.ray_actor_options.model_dump(exclude_none=True)
     runtime_env = dict(actor.get("runtime_env") or {})
-    runtime_env["env_vars"] = {**REPLICA_ENV, **(runtime_env.get("env_vars") or {})}
+    runtime_env["env_vars"] = {**REPLICA_ENV, **(env or {}), **(runtime_env.get("env_vars") or {})}
     actor["runtime_env"] = runtime_env
     autoscaling = pool.autoscaling_config.model_dump(exclude_none=True)
     if isinstance(pool, PoolConfig):  # pools scale on the sessions they hold
@@ -68,9 +68,23 @@ def validate(cfg: AppConfig, target: fit.ModelShape | None = None,
 def build_app(args: dict | AppConfig) -> serve.Application:
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
     validate(cfg)
+    if cfg.backend == "vllm":
+        from moa_serve.verifier.vllm_engine import INSTALL_HINT, vllm_available
+
+        if not vllm_available():
+            raise ConfigError(f"backend: vllm, but {INSTALL_HINT}")
     plain = cfg.model_dump()
-    verifier = VerifierPool.options(**_options(cfg.verifier_pool), request_router_config=AFFINITY).bind(plain)
     drafter = None
     if cfg.drafter_checkpoint is not None:  # prompt lookup alone needs no pool: the Router drafts
         drafter = DrafterPool.options(**_options(cfg.drafter_pool), request_router_config=AFFINITY).bind(plain)
+    if cfg.backend == "vllm":  # vLLM batches every user's steps; its replica calls the drafter pool
+        from moa_serve.deployments.vllm_pool import VllmVerifier
+
+        # vLLM steps on its own thread: OpenMP gives a new thread OMP_NUM_THREADS (Ray: num_cpus),
+        # not the main thread's setting, and vLLM's CPU attention insists both agree
+        pool = cfg.verifier_pool
+        threads = pool.torch_threads or max(1, int(pool.ray_actor_options.num_cpus or 1))
+        verifier = VllmVerifier.options(**_options(pool, {"OMP_NUM_THREADS": str(threads)})).bind(plain, drafter)
+        return Router.options(**_options(cfg.router)).bind(plain, verifier, None)
+    verifier = VerifierPool.options(**_options(cfg.verifier_pool), request_router_config=AFFINITY).bind(plain)
     return Router.options(**_options(cfg.router)).bind(plain, verifier, drafter)

@@ -79,6 +79,10 @@ class PoolConfig(_Strict):
 
 class VerifierPoolConfig(PoolConfig):
     max_num_batched_tokens: int = Field(512, ge=16, description="tokens per verify forward (chunked prefill budget)")
+    kv_cache_gib: float | None = Field(
+        None, gt=0, description="backend vllm: GiB of paged KV cache per replica (vLLM's kv_cache_memory_bytes); "
+        "default: enough for max_sessions full contexts. Fewer blocks than that is allowed: vLLM preempts and "
+        "recomputes a request when its cache is full")
 
 
 class RouterConfig(_Strict):
@@ -108,6 +112,10 @@ class AppConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="auto: float32 on CPUs without native bf16, bfloat16 otherwise")
     device: Literal["cpu", "cuda"] = "cpu"
+    backend: Literal["torch", "vllm"] = Field(
+        "torch", description="torch: the project's PyTorch verifier, rounds batched by the Router; vllm: stock vLLM "
+        "runs the target (its scheduler batches every user's steps), drafts come from the drafter pool in one call "
+        "per engine step ('lookup' = vLLM's n-gram proposer); needs pip install -e '.[vllm]'")
     packed_weights: Literal["auto", "off"] = Field(
         "auto", description="auto: a float32 CPU verifier whose target is a GGUF keeps its Q4_1/Q8_0 blocks and "
         "de-quantizes them in registers (same float32 values, 5x fewer bytes read per forward, batch-invariant "
@@ -122,7 +130,7 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _sessions_fit(self):
-        problems = session_problems(self)
+        problems = session_problems(self) + backend_problems(self)
         if problems:
             raise ConfigError("this config cannot work:\n  - " + "\n  - ".join(problems))
         return self
@@ -153,6 +161,8 @@ def session_problems(cfg: AppConfig) -> list[str]:
     per_router = r.session_groups * r.max_sessions_per_round
     total = r.autoscaling_config.max_replicas * per_router
     out = []
+    if cfg.backend == "vllm":  # vLLM queues what its batch cannot take; the drafter rule is in backend_problems
+        return out
     for name, pool in cfg.pools().items():
         if r.max_sessions_per_round > pool.max_sessions:
             out.append(f"router.max_sessions_per_round ({r.max_sessions_per_round}) > {name}.max_sessions "
@@ -164,6 +174,21 @@ def session_problems(cfg: AppConfig) -> list[str]:
                        f" x session_groups {r.session_groups} x max_sessions_per_round {r.max_sessions_per_round}) but "
                        f"{name} holds at most {cap} ({name}.max_sessions {pool.max_sessions} x max_replicas "
                        f"{pool.autoscaling_config.max_replicas}); lower the Router side or raise the pool's")
+    return out
+
+
+def backend_problems(cfg: AppConfig) -> list[str]:
+    """What the vLLM backend cannot serve."""
+    if cfg.backend != "vllm":
+        return []
+    out = []
+    if cfg.drafter is not None and cfg.prompt_lookup and cfg.drafter_checkpoint is not None:
+        out.append(f"drafter {cfg.drafter!r}: the hybrid drafter needs backend torch (its lookup runs in the Router's "
+                   "rounds); with backend vllm use 'lookup' (vLLM's n-gram proposer) or the checkpoint alone")
+    if cfg.drafter_checkpoint is not None and cfg.drafter_pool.max_sessions < cfg.verifier_pool.max_sessions:
+        out.append(f"drafter_pool.max_sessions ({cfg.drafter_pool.max_sessions}) < verifier_pool.max_sessions "
+                   f"({cfg.verifier_pool.max_sessions}): with backend vllm every running request of a verifier replica "
+                   "drafts on one drafter replica, which must hold them all")
     return out
 
 

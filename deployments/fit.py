@@ -190,13 +190,34 @@ def context_len(cfg: AppConfig, target: ModelShape) -> int:
     return min(cfg.max_model_len, target.max_positions)
 
 
+def full_kv_bytes(cfg: AppConfig, target: ModelShape) -> int:
+    """KV cache for max_sessions sessions at full context."""
+    b = dtype_bytes(cfg.dtype, cfg.device)
+    return target.kv_bytes_per_token(b) * (context_len(cfg, target) + 1) * cfg.verifier_pool.max_sessions
+
+
+def vllm_kv_bytes(cfg: AppConfig, target: ModelShape) -> int:
+    """The paged KV cache a vLLM verifier replica allocates: ``kv_cache_gib`` or full contexts.
+    vLLM refuses to start below one full-context request."""
+    pool = cfg.verifier_pool
+    if pool.kv_cache_gib is None:
+        return full_kv_bytes(cfg, target)
+    kv = int(pool.kv_cache_gib * GiB)
+    one = target.kv_bytes_per_token(dtype_bytes(cfg.dtype, cfg.device)) * context_len(cfg, target)
+    if kv < one:
+        raise ConfigError(f"verifier_pool.kv_cache_gib {pool.kv_cache_gib:g} holds less than one request at "
+                          f"max_model_len {context_len(cfg, target)} ({one / GiB:.3f} GiB): vLLM would not start")
+    return kv
+
+
 def verifier_fit(cfg: AppConfig, target: ModelShape) -> Fit:
     b = dtype_bytes(cfg.dtype, cfg.device)
     pool = cfg.verifier_pool
-    kv = target.kv_bytes_per_token(b) * (context_len(cfg, target) + 1) * pool.max_sessions
+    vllm = cfg.backend == "vllm"
+    kv = vllm_kv_bytes(cfg, target) if vllm else full_kv_bytes(cfg, target)
     logits = pool.max_num_batched_tokens * target.vocab * 4
     cap, of = capacity(pool, cfg.device)
-    return Fit("verifier_pool", target.params() * b, kv, logits, cap, of)
+    return Fit("verifier_pool", target.params() * b, kv, logits, cap, of, " [vLLM paged KV cache]" if vllm else "")
 
 
 def drafter_fit(cfg: AppConfig, target: ModelShape, drafter: DrafterShape) -> Fit:

@@ -27,6 +27,7 @@ from moa_serve.deployments.stats import CallStats
 from moa_serve.drafter.checkpoint import drafter_kind
 from moa_serve.drafter.lookup import LookupTable
 from moa_serve.engine.service import RoundService
+from moa_serve.engine.stream_service import StreamService
 
 log = logging.getLogger("ray.serve")
 api = create_app()
@@ -83,25 +84,21 @@ class Router:
         self.calls = CallStats()
         self._call_metrics = CallMetrics()
         kind = drafter_kind(self.cfg.drafter) if self.cfg.drafter else None
-        # prompt lookup runs here, on the tokens the Router holds: no call, no replica
-        lookup = LookupTable(max_sessions=2 * r.session_groups * r.max_sessions_per_round, max_model_len=max_model_len) \
-            if self.cfg.prompt_lookup else None
-        self.service = RoundService(
-            self._verify, self._draft if drafter is not None else None, self._release, lookup=lookup,
-            groups=self.groups, max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,
-            speculation_token_budget=r.speculation_token_budget, speculation_governor=r.speculation_governor,
-            observer=PrometheusObserver(), decode_steps=r.decode_steps,
-            multi_step_max_sessions=r.multi_step_max_sessions,
-            # MoA features come from the verifier's K/V cache: skipped ones can be recomputed later
-            recompute_features=kind == "moa")
+        if self.cfg.backend == "vllm":  # vLLM's scheduler batches the steps: one stream per session
+            self.service = StreamService(self._stream, max_sessions=r.session_groups * r.max_sessions_per_round,
+                                         max_queued=r.max_queued_requests)
+        else:
+            self.service = self._round_service(kind, max_model_len)
         stops = stop_token_ids(path, tokenizer)
         # client-server mode: sessions drafted on the user's device, verified in the same rounds
         self._cs_identity_args = dict(model=self.cfg.model_name or self.cfg.target, tokenizer=tokenizer,
                                       drafter=self.cfg.drafter, vocab_size=hf_config.vocab_size,
                                       max_model_len=max_model_len, stop_token_ids=stops)
-        self.cs = ClientSessions(self.service, self._cs_identity, ttl_s=r.cs_session_ttl_s)
+        self.cs = ClientSessions(self.service, self._cs_identity, ttl_s=r.cs_session_ttl_s) \
+            if self.cfg.backend == "torch" else None
         state.install(
             cs=self.cs,
+            cs_unavailable="client-server mode needs backend: torch (this server runs backend: vllm)",
             frontend=Frontend(self.service, tokenizer, max_model_len=max_model_len,
                               stop_token_ids=stops,
                               num_speculative_tokens=self.cfg.num_speculative_tokens,
@@ -109,6 +106,20 @@ class Router:
                               adaptive_speculation=self.cfg.adaptive_speculation,
                               drafter_needs_features=kind in ("moa", "eagle")),
             ready=self.ready, retry_after_s=r.retry_after_s, stats=self.stats)
+
+    def _round_service(self, kind: str | None, max_model_len: int) -> RoundService:
+        r = self.cfg.router
+        # prompt lookup runs here, on the tokens the Router holds: no call, no replica
+        lookup = LookupTable(max_sessions=2 * r.session_groups * r.max_sessions_per_round, max_model_len=max_model_len) \
+            if self.cfg.prompt_lookup else None
+        return RoundService(
+            self._verify, self._draft if drafter is not None else None, self._release, lookup=lookup,
+            groups=self.groups, max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,
+            speculation_token_budget=r.speculation_token_budget, speculation_governor=r.speculation_governor,
+            observer=PrometheusObserver(), decode_steps=r.decode_steps,
+            multi_step_max_sessions=r.multi_step_max_sessions,
+            # MoA features come from the verifier's K/V cache: skipped ones can be recomputed later
+            recompute_features=kind == "moa")
 
     async def _cs_identity(self) -> ServerIdentity:
         """The handshake's identity; the target's fingerprint comes from a verifier replica (the
@@ -125,6 +136,23 @@ class Router:
         self._call_metrics.call(pool, call_s, reply.compute_s)
         return reply.results
 
+    async def _stream(self, session):
+        """backend vllm: one streaming call to a verifier replica for the rest of the session (its
+        committed tokens are the prompt: a resumed session is re-prefilled)."""
+        gen = detached(lambda: self.verifier.options(stream=True).generate.remote(
+            list(session.tokens), session.max_new_tokens - len(session.generated), session.sampling.model_dump(),
+            ignore_eos=not session.stop_token_ids))
+        finished = False
+        try:
+            async for u in gen:
+                if u.tokens:
+                    self.calls.rounds["verifier"][u.replica] += 1
+                finished = u.finish_reason is not None
+                yield u
+        finally:
+            if not finished:
+                gen.cancel()
+
     async def _verify(self, group, requests):
         return await self._call("verifier", self.verifier.verify, requests, group)
 
@@ -140,10 +168,18 @@ class Router:
         if failed:
             raise failed[0]
 
-    def stats(self) -> dict:
-        """Work per pool replica and the round-time breakdown, for ``GET /v1/stats``."""
+    async def stats(self) -> dict:
+        """Work per pool replica and the round-time breakdown, for ``GET /v1/stats``; with
+        backend vllm, also a verifier replica's engine and drafting counters."""
         d = self.calls.as_dict()
+        d["backend"] = self.cfg.backend
         d["router_replica"] = self.replica
+        if self.cfg.backend == "vllm":
+            try:
+                d["verifier_engine"] = await asyncio.wait_for(self.verifier.info.remote(), 5.0)
+            except Exception as exc:  # noqa: BLE001 - stats never fail for a busy or restarting replica
+                d["verifier_engine"] = {"error": type(exc).__name__}
+            return d
         d["groups"] = assignment.snapshot()
         d["speculation_governor"] = self.service.governor_snapshot()
         d["client_server"] = self.cs.snapshot()

@@ -106,19 +106,40 @@ def test_kv_arithmetic_llama3_8b():
 
 def test_gpu_yaml_fits_an_80gb_gpu(llama3_dir):
     cfg = AppConfig.model_validate(args_of("gpu.yaml"))
+    assert cfg.backend == "vllm"
     results = validate(cfg)
     v = next(f for f in results if f.pool == "verifier_pool")
     assert v.ok and v.capacity == int(0.9 * 80 * GiB)
-    assert abs(v.kv - 48 * 8193 * 128 * 1024) == 0 and 14.9 * GiB < v.weights < 15.0 * GiB
+    assert v.kv == 48 * GiB and 14.9 * GiB < v.weights < 15.0 * GiB  # vLLM's paged cache: kv_cache_gib
+    assert v.total < 64 * GiB
     d = next(f for f in results if f.pool == "drafter_pool")
-    assert d.ok and d.capacity == int(0.9 * 80 * GiB * 0.25)
+    assert d.ok and d.capacity == int(0.9 * 80 * GiB * 0.25) and d.total < 9 * GiB
 
 
-def test_old_gpu_yaml_is_refused_with_the_arithmetic(llama3_dir):
+def test_gpu_yaml_arithmetic_refuses_what_does_not_fit(llama3_dir):
     a = args_of("gpu.yaml")
-    a["verifier_pool"]["max_sessions"] = 64
-    with pytest.raises(ValueError, match=r"verifier_pool: weights 14.96 GiB \+ KV cache 64.01 GiB .* > 72.00 GiB"):
+    a["verifier_pool"]["kv_cache_gib"] = 60
+    with pytest.raises(ValueError, match=r"verifier_pool: weights 14.96 GiB \+ KV cache 60.00 GiB .* > 72.00 GiB"):
         build_app(a)
+    # the torch backend preallocates max_sessions full contexts: 96 x 1 GiB
+    a = args_of("gpu.yaml")
+    a["backend"] = "torch"
+    del a["verifier_pool"]["kv_cache_gib"]
+    with pytest.raises(ValueError, match=r"verifier_pool: weights 14.96 GiB \+ KV cache 96.01 GiB .* > 72.00 GiB"):
+        build_app(a)
+
+
+def test_vllm_backend_rules(llama3_dir):
+    a = args_of("gpu.yaml")
+    with pytest.raises(ValueError, match="hybrid drafter needs backend torch"):
+        AppConfig.model_validate({**a, "drafter": "hybrid:" + a["drafter"]})
+    with pytest.raises(ValueError, match=r"drafter_pool.max_sessions \(8\) < verifier_pool.max_sessions \(96\)"):
+        AppConfig.model_validate({**a, "drafter_pool": {**a["drafter_pool"], "max_sessions": 8}})
+    a["verifier_pool"]["kv_cache_gib"] = 0.5  # less than one 8,192-token request (1 GiB)
+    with pytest.raises(ValueError, match="holds less than one request"):
+        validate(AppConfig.model_validate(a))
+    lookup = AppConfig.model_validate({**args_of("gpu.yaml"), "drafter": "lookup"})  # vLLM's n-gram: no pool
+    assert set(lookup.pools()) == {"verifier_pool"}
 
 
 def test_cpu_memory_option_is_the_limit(stories_path, monkeypatch):
@@ -138,7 +159,7 @@ def test_cuda_without_gpus_is_refused(llama3_dir):
         validate(AppConfig.model_validate(a))
 
 
-@pytest.mark.parametrize("name", ["local-cpu.yaml", "local-cpu-2x.yaml"])
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "local-cpu-2x.yaml", "local-cpu-vllm.yaml"])
 def test_local_configs_are_valid(name):  # MOA_MODEL_DIR: ../shared/models (conftest)
     cfg = AppConfig.model_validate(args_of(name))
     assert cfg.dtype == "auto"
@@ -149,6 +170,10 @@ def test_local_configs_are_valid(name):  # MOA_MODEL_DIR: ../shared/models (conf
         assert {f.pool for f in results} == {"verifier_pool"} and set(cfg.pools()) == {"verifier_pool"}
         assert cfg.router.session_groups == 1 and cfg.router.max_sessions_per_round == 64
         assert cfg.verifier_pool.max_sessions == 64 and cfg.verifier_pool.torch_threads == 2
+    elif name == "local-cpu-vllm.yaml":
+        assert cfg.backend == "vllm" and cfg.drafter_checkpoint is not None
+        v = next(f for f in results if f.pool == "verifier_pool")
+        assert v.kv == fit.full_kv_bytes(cfg, fit.target_shape(cfg))  # no kv_cache_gib: full contexts
     else:
         assert {f.pool for f in results} == {"verifier_pool", "drafter_pool"}
         assert cfg.verifier_pool.autoscaling_config.min_replicas == 2

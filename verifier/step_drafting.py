@@ -135,6 +135,8 @@ class _Track:
     features_broken: bool = False  # a gap in the features: this request gets no drafts
     last_tokens: int = 0  # tokens at the previous step (acceptance statistics)
     last_drafts: int = 0  # drafts proposed at the previous step
+    drafted: int = 0  # drafts this request verified so far
+    accepted: int = 0  # of those, accepted by the target
 
 
 @dataclass
@@ -262,8 +264,17 @@ class StepDrafting:
 
     def _account(self, t: _Track, r: StepRow) -> None:
         if t.last_drafts and r.sampled and len(r.tokens) > t.last_tokens:
+            accepted = min(t.last_drafts, len(r.tokens) - t.last_tokens - 1)
             self.stats.verified_rounds += 1
-            self.stats.accepted += min(t.last_drafts, len(r.tokens) - t.last_tokens - 1)
+            self.stats.accepted += accepted
+            t.drafted += t.last_drafts
+            t.accepted += accepted
+
+    def request_counts(self, session_id: str) -> tuple[int, int]:
+        """(drafts verified, drafts accepted) of a running request so far; a request's counts
+        stay readable until the step after it finished."""
+        t = self.tracks.get(session_id)
+        return (t.drafted, t.accepted) if t is not None else (0, 0)
 
     def _request(self, r: StepRow) -> DraftRequest:
         t = self.tracks[r.session_id]

@@ -29,8 +29,9 @@ def vllm_available() -> bool:
 class VllmEngine:
     def __init__(self, target: str, drafter: str | None = None, *, num_speculative_tokens: int = 4,
                  ngram: bool = False, dtype: str = "auto", max_model_len: int = 2048, max_num_seqs: int = 16,
-                 kv_cache_gib: float = 1.0, seed: int = 0, draft_source: DraftSource | None = None,
-                 retry_after_s: float = 5.0, speculation_governor: bool = False):
+                 kv_cache_gib: float = 1.0, max_num_batched_tokens: int | None = None, seed: int = 0,
+                 draft_source: DraftSource | None = None,
+                 retry_after_s: float = 5.0, speculation_governor: bool = False, device: str = "cpu"):
         if not vllm_available():
             raise RuntimeError(INSTALL_HINT)
         if drafter is not None and ngram:
@@ -42,7 +43,7 @@ class VllmEngine:
         from vllm import LLM
 
         self.path = resolve_model_path(target)
-        self.dtype = parse_dtype(dtype, "cpu")
+        self.dtype = parse_dtype(dtype, device)
         self.drafter = drafter
         self.num_speculative_tokens = num_speculative_tokens if (drafter or ngram) else 0
         self.max_model_len = max_model_len
@@ -58,7 +59,8 @@ class VllmEngine:
                        enforce_eager=True, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        # a drafter reading features needs every position's forward
                        enable_prefix_caching=head is None, kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
-                       seed=seed, speculative_config=spec)
+                       seed=seed, speculative_config=spec,
+                       **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}))
         self.engine = self.llm.llm_engine
         from moa_serve.verifier.vllm_fixes import fix_cpu_expand_kernel
 
@@ -73,7 +75,7 @@ class VllmEngine:
                 from moa_serve.drafter.baselines import load_proposer
 
                 draft_source = ProposerSource(load_proposer(
-                    drafter, target=str(self.path), dtype=self.dtype, device="cpu",
+                    drafter, target=str(self.path), dtype=self.dtype, device=device,
                     max_sessions=2 * max_num_seqs, max_model_len=max_model_len))
             from moa_serve.engine.governor import SpeculationGovernor
 
@@ -83,6 +85,8 @@ class VllmEngine:
             kind = getattr(head, "input_kind", "per_layer_kv")
             self.llm.collective_rpc(bind_worker, args=(register_binding(self.drafting, head, kind),))
         self._ids = itertools.count()
+        self._internal: dict[str, str] = {}  # our request id -> vLLM's internal one
+        self._ended: list[str] = []  # finished or aborted in the last step
         self.timings = {"draft_s": 0.0, "verify_s": 0.0}  # cumulative seconds, for benchmarks
 
     # ------------------------------------------------------------------ requests
@@ -96,18 +100,22 @@ class VllmEngine:
                    output_kind=RequestOutputKind.DELTA)
 
     def add(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
-            ignore_eos: bool = False) -> str:
+            ignore_eos: bool = False, request_id: str | None = None) -> str:
         if not prompt:
             raise ValueError("empty prompt")
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len={self.max_model_len}")
-        rid = f"r{next(self._ids)}"
-        self.engine.add_request(rid, {"prompt_token_ids": list(prompt)},
-                                self.sampling_params(max_new_tokens, sampling, ignore_eos))
+        rid = request_id if request_id is not None else f"r{next(self._ids)}"
+        # vLLM runs it under an internal id (``<rid>-<random>``): the proposer's rows carry that one
+        self._internal[rid] = self.engine.add_request(rid, {"prompt_token_ids": list(prompt)},
+                                                      self.sampling_params(max_new_tokens, sampling, ignore_eos))
         return rid
 
     def step(self) -> list[tuple[str, list[int], str | None]]:
         """One engine step: (request id, new tokens, finish reason or None) per request that moved."""
+        for rid in self._ended:  # counts stay readable until this next step
+            self._internal.pop(rid, None)
+        self._ended.clear()
         d0 = self.drafting.stats.draft_s if self.drafting else 0.0
         t0 = time.perf_counter()
         outs = self.engine.step()
@@ -119,10 +127,19 @@ class VllmEngine:
         for o in outs:
             c = o.outputs[0]
             moved.append((o.request_id, list(c.token_ids), c.finish_reason if o.finished else None))
+            if o.finished:
+                self._ended.append(o.request_id)
         return moved
 
     def abort(self, request_ids: list[str]) -> None:
         self.engine.abort_request(list(request_ids))
+        self._ended.extend(request_ids)
+
+    def request_counts(self, request_id: str) -> tuple[int, int]:
+        """(drafts verified, drafts accepted) so far for a request (readable until the step after
+        it finished); (0, 0) without a drafter (vLLM's n-gram proposer included)."""
+        internal = self._internal.get(request_id)
+        return self.drafting.request_counts(internal) if self.drafting and internal else (0, 0)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
