@@ -113,7 +113,7 @@ class Router:
         lookup = LookupTable(max_sessions=2 * r.session_groups * r.max_sessions_per_round, max_model_len=max_model_len) \
             if self.cfg.prompt_lookup else None
         return RoundService(
-            self._verify, self._draft if drafter is not None else None, self._release, lookup=lookup,
+            self._verify, self._draft if self.drafter is not None else None, self._release, lookup=lookup,
             groups=self.groups, max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,
             speculation_token_budget=r.speculation_token_budget, speculation_governor=r.speculation_governor,
             observer=PrometheusObserver(), decode_steps=r.decode_steps,
