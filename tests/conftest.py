@@ -15,6 +15,17 @@ SMOLLM = MODELS / "smollm2-135m-instruct"
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def require_vllm() -> None:
+    """At the top of a vLLM test module: skips it without vLLM, except in CI (``.ci/run``
+    installs ``.[vllm]``), where a missing vLLM is an error, never a silent skip."""
+    from moa_serve.verifier.vllm_engine import INSTALL_HINT, vllm_available
+
+    if not vllm_available():
+        if os.environ.get("CI"):
+            raise RuntimeError(f"CI must test the vLLM backend: {INSTALL_HINT}")
+        pytest.skip(INSTALL_HINT, allow_module_level=True)
+
+
 @pytest.fixture(scope="session")
 def stories_path() -> Path:
     if not (STORIES / "config.json").is_file():

@@ -5,19 +5,11 @@ target-only decoding when the drafter fails.
 
 CI installs vLLM (``.[vllm]``); there a missing vLLM is an error, never a silent skip."""
 
-import os
-
 import pytest
 import torch
+from conftest import REPO, SMOLLM, require_vllm
 
-from moa_serve.verifier.vllm_engine import INSTALL_HINT, vllm_available
-
-if not vllm_available():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"CI must test the vLLM backend: {INSTALL_HINT}")
-    pytest.skip(INSTALL_HINT, allow_module_level=True)
-
-from conftest import REPO, SMOLLM  # noqa: E402
+require_vllm()
 
 from moa_serve.drafter.data import prompt_ids  # noqa: E402
 from moa_serve.engine.sampling import SamplingParams  # noqa: E402

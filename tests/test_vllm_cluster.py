@@ -6,21 +6,15 @@ mid-generation changes no token.
 CI installs vLLM (``.[vllm]``); there a missing vLLM is an error, never a silent skip."""
 
 import asyncio
-import os
 import threading
 import time
 
 import httpx
 import pytest
+from conftest import REPO, SMOLLM, require_vllm
 
-from moa_serve.verifier.vllm_engine import INSTALL_HINT, vllm_available
+require_vllm()
 
-if not vllm_available():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"CI must test the vLLM backend: {INSTALL_HINT}")
-    pytest.skip(INSTALL_HINT, allow_module_level=True)
-
-from conftest import REPO, SMOLLM  # noqa: E402
 from test_cluster import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -100,6 +100,19 @@ class _Tracked:
             self.pending = None
 
 
+async def stream_events(tracked: _Tracked, abort: Callable[[_Tracked], None]):
+    """A session's TokenEvents until it finishes; a consumer that stops early aborts it."""
+    try:
+        while True:
+            ev: TokenEvent = await tracked.events.get()
+            yield ev
+            if ev.finish_reason is not None:
+                return
+    finally:
+        if not tracked.session.finished:
+            abort(tracked)
+
+
 @dataclass
 class RoundProfile:
     """What one round did and where its wall time went (router-side view: ``verify_s`` and
@@ -273,17 +286,9 @@ class RoundService:
         self._admit()
         return tracked
 
-    async def stream(self, tracked: _Tracked):
+    def stream(self, tracked: _Tracked):
         """Yields TokenEvents until the session finishes; aborting the consumer frees it."""
-        try:
-            while True:
-                ev: TokenEvent = await tracked.events.get()
-                yield ev
-                if ev.finish_reason is not None:
-                    return
-        finally:
-            if not tracked.session.finished:
-                self.abort(tracked)
+        return stream_events(tracked, self.abort)
 
     async def verify_remote(self, tracked: _Tracked, drafts: list[int],
                             probs: torch.Tensor | None = None) -> TokenEvent:

@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from moa_serve.engine.service import QueueFullError, TokenEvent, _Tracked
+from moa_serve.engine.service import QueueFullError, TokenEvent, _Tracked, stream_events
 from moa_serve.engine.session import Session
 
 log = logging.getLogger(__name__)
@@ -94,17 +94,9 @@ class StreamService:
         self._admit()
         return tracked
 
-    async def stream(self, tracked: _Tracked):
+    def stream(self, tracked: _Tracked):
         """Yields TokenEvents until the session finishes; a consumer that stops aborts it."""
-        try:
-            while True:
-                ev: TokenEvent = await tracked.events.get()
-                yield ev
-                if ev.finish_reason is not None:
-                    return
-        finally:
-            if not tracked.session.finished:
-                self.abort(tracked)
+        return stream_events(tracked, self.abort)
 
     def abort(self, tracked: _Tracked) -> None:
         s = tracked.session
