@@ -83,8 +83,7 @@ def build_app(args: dict | AppConfig) -> serve.Application:
         # vLLM steps on its own thread: OpenMP gives a new thread OMP_NUM_THREADS (Ray: num_cpus),
         # not the main thread's setting, and vLLM's CPU attention insists both agree
         pool = cfg.verifier_pool
-        threads = pool.torch_threads or max(1, int(pool.ray_actor_options.num_cpus or 1))
-        verifier = VllmVerifier.options(**_options(pool, {"OMP_NUM_THREADS": str(threads)})).bind(plain, drafter)
+        verifier = VllmVerifier.options(**_options(pool, {"OMP_NUM_THREADS": str(pool.threads())})).bind(plain, drafter)
         return Router.options(**_options(cfg.router)).bind(plain, verifier, None)
     verifier = VerifierPool.options(**_options(cfg.verifier_pool), request_router_config=AFFINITY).bind(plain)
     return Router.options(**_options(cfg.router)).bind(plain, verifier, drafter)

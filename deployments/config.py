@@ -72,6 +72,10 @@ class PoolConfig(_Strict):
     gpu_memory_gb: float = Field(80.0, gt=0, description="GiB of one GPU (device cuda): the memory fit check")
     memory_utilization: float = Field(0.9, gt=0, le=1.0, description="share of the replica's memory weights + caches may take")
 
+    def threads(self) -> int:
+        """Threads of one replica's forward: ``torch_threads``, default its ``num_cpus``."""
+        return self.torch_threads or max(1, int(self.ray_actor_options.num_cpus or 1))
+
     def target_sessions(self) -> float:
         t = self.autoscaling_config.target_sessions_per_replica
         return t if t is not None else max(1, math.floor(0.75 * self.max_sessions))

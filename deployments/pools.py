@@ -45,8 +45,7 @@ class PoolReply:
 def _threads(pool: PoolConfig) -> None:
     import torch
 
-    n = pool.torch_threads or max(1, int(pool.ray_actor_options.num_cpus or 1))
-    torch.set_num_threads(n)
+    torch.set_num_threads(pool.threads())
 
 
 def _replica_name() -> str:

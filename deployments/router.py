@@ -146,7 +146,7 @@ class Router:
         try:
             async for u in gen:
                 if u.tokens:
-                    self.calls.rounds["verifier"][u.replica] += 1
+                    self.calls.count("verifier", u.replica)
                 finished = u.finish_reason is not None
                 yield u
         finally:

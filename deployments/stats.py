@@ -18,11 +18,15 @@ class CallStats:
         self._n = defaultdict(int)  # pool -> calls
 
     def record(self, pool: str, replica: str, call_s: float, compute_s: float, queued_s: float) -> None:
-        self.rounds.setdefault(pool, defaultdict(int))[replica] += 1
+        self.count(pool, replica)
         self._n[pool] += 1
         self._sum[pool, "call"] += call_s
         self._sum[pool, "compute"] += compute_s
         self._sum[pool, "queued"] += queued_s
+
+    def count(self, pool: str, replica: str) -> None:
+        """Work of a replica without a call to time (backend vllm: a streamed engine step)."""
+        self.rounds.setdefault(pool, defaultdict(int))[replica] += 1
 
     def mean_ms(self, pool: str, what: str) -> float:
         n = self._n[pool]

@@ -50,26 +50,33 @@ def app_args(target, drafter, **router):
             "verifier_pool": pool, "drafter_pool": pool}
 
 
-@pytest.fixture(scope="module")
-def cluster(target, stories_drafter):
+def serve_locally(apps, ready_timeout_s: float, poll_s: float):
+    """Ray (2 CPUs) and Serve on a free loopback port, running ``apps`` ((application, name,
+    route_prefix) each); waits for ``/readyz`` at the root, yields the base URL, then shuts down."""
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    # every round drafts (no governor): these tests are about speculative rounds and their failures
-    serve.run(build_app(app_args(target, stories_drafter, max_sessions_per_round=8, session_groups=2,
-                                 speculation_governor=False)),
-              name="moa", route_prefix="/")
-    serve.run(build_app(app_args(target, None, max_sessions_per_round=1, session_groups=1,
-                                 max_queued_requests=1)), name="tight", route_prefix="/tight")
+    for app, name, prefix in apps:
+        serve.run(app, name=name, route_prefix=prefix)
     base = f"http://127.0.0.1:{port}"
     with httpx.Client(base_url=base, timeout=120) as c:
-        deadline = time.time() + 120
+        deadline = time.time() + ready_timeout_s
         while c.get("/readyz").status_code != 200:
             assert time.time() < deadline, "cluster never became ready"
-            time.sleep(0.5)
+            time.sleep(poll_s)
     yield base
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(target, stories_drafter):
+    # every round drafts (no governor): these tests are about speculative rounds and their failures
+    yield from serve_locally([
+        (build_app(app_args(target, stories_drafter, max_sessions_per_round=8, session_groups=2,
+                            speculation_governor=False)), "moa", "/"),
+        (build_app(app_args(target, None, max_sessions_per_round=1, session_groups=1, max_queued_requests=1)),
+         "tight", "/tight")], ready_timeout_s=120, poll_s=0.5)
 
 
 @pytest.fixture(scope="module")

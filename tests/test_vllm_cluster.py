@@ -15,12 +15,11 @@ from conftest import REPO, SMOLLM, require_vllm
 
 require_vllm()
 
-from test_cluster import free_port  # noqa: E402
+from test_cluster import serve_locally  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
 
 from moa_serve.deployments.app import build_app  # noqa: E402
 
@@ -41,19 +40,7 @@ def app_args():
 
 @pytest.fixture(scope="module")
 def cluster():
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(app_args()), name="moa", route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
-    with httpx.Client(base_url=base, timeout=120) as c:
-        deadline = time.time() + 300
-        while c.get("/readyz").status_code != 200:
-            assert time.time() < deadline, "cluster never became ready"
-            time.sleep(1)
-    yield base
-    serve.shutdown()
-    ray.shutdown()
+    yield from serve_locally([(build_app(app_args()), "moa", "/")], ready_timeout_s=300, poll_s=1)
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,15 @@ class _Tracked:
             self.pending = None
 
 
+def last_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[-1]
+
+
+def error_reason(exc: BaseException) -> str:
+    """A session's finish reason for a failure: ``error: <type>: <last line of the message>``."""
+    return f"error: {type(exc).__name__}: {last_line(exc)}"
+
+
 async def stream_events(tracked: _Tracked, abort: Callable[[_Tracked], None]):
     """A session's TokenEvents until it finishes; a consumer that stops early aborts it."""
     try:
@@ -374,11 +383,11 @@ class RoundService:
     def _fail(batch: list[_Tracked], exc: Exception) -> None:
         """Errors the sessions of a failed round, and only those: sessions admitted while it ran
         were never part of it."""
-        last = (str(exc).strip().splitlines() or [""])[-1]
+        reason = error_reason(exc)
         for t in batch:
             if not t.session.finished:
                 t.session.finish_reason = "error"
-                t.emit(TokenEvent([], f"error: {type(exc).__name__}: {last}"))
+                t.emit(TokenEvent([], reason))
 
     def _drop_finished(self, g: Hashable) -> None:
         done = [t for t in self._active[g] if t.session.finished]

@@ -7,7 +7,7 @@ session is one streaming call to a verifier replica, opened by ``open_stream(ses
 session's committed tokens as the prompt, whose
 updates (``verifier.engine_loop.Update``) are committed to the session and become its
 ``TokenEvent``s. The interface is the one ``app.frontend`` uses of ``RoundService``: ``submit``,
-``stream``, ``abort``, ``stats``, ``queue_depth``, ``active_sessions``, ``governor_snapshot``.
+``stream``, ``abort``, ``stats``, ``queue_depth``, ``active_sessions``.
 
 Admission is bounded the same way: ``max_sessions`` streams at once (a Router's share of the
 verifier pool: ``session_groups x max_sessions_per_round``), ``max_queued`` more wait here, beyond
@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from moa_serve.engine.service import QueueFullError, TokenEvent, _Tracked, stream_events
+from moa_serve.engine.service import QueueFullError, TokenEvent, _Tracked, error_reason, last_line, stream_events
 from moa_serve.engine.session import Session
 
 log = logging.getLogger(__name__)
@@ -81,9 +81,6 @@ class StreamService:
     def active_sessions(self) -> int:
         return len(self._running)
 
-    def governor_snapshot(self) -> dict:
-        return {}  # the verifier replicas govern speculation per engine step (their /info)
-
     def submit(self, session: Session, remote: bool = False) -> _Tracked:
         if remote:
             raise ValueError("client-server sessions need backend: torch (the Router's rounds)")
@@ -111,13 +108,6 @@ class StreamService:
             running[1].cancel()  # closes the stream: the verifier aborts the request
             self._admit()
         tracked.emit(TokenEvent([], "abort"))
-
-    async def stop(self) -> None:
-        tasks = [task for _, task in self._running.values()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._running.clear()
 
     # ------------------------------------------------------------------ admission and streams
     def _admit(self) -> None:
@@ -152,8 +142,7 @@ class StreamService:
             log.warning("session %s failed: %s", s.id, exc)
             self.stats.errors += 1
             s.finish_reason = "error"
-            last = (str(exc).strip().splitlines() or [""])[-1]
-            tracked.emit(TokenEvent([], last if isinstance(exc, _VerifierError) else f"error: {type(exc).__name__}: {last}"))
+            tracked.emit(TokenEvent([], last_line(exc) if isinstance(exc, _VerifierError) else error_reason(exc)))
         finally:
             if self._running.get(s.id, (None,))[0] is tracked:
                 del self._running[s.id]
