@@ -160,16 +160,28 @@ def _pack_all_linears_q8_0(model) -> None:
                 setattr(module, attr, PackedLinear(_quantize_q8_0(child.weight.detach()), child.bias))
 
 
-def test_verify_logits_do_not_depend_on_drafts_or_neighbours(tiny_model):
-    """With the kernels, a token's logits are bitwise the same verified alone, with drafts after
-    it, or beside other sessions (what makes greedy speculative output the target's own, bit for
-    bit, whatever shares the round)."""
-    from moa_serve.kv_cache import PackedBatch
+def _tiny_packed_model(tiny_model, fused: bool):
+    from moa_serve.kernels.packed import FusedStack, _fuse_projections
     from moa_serve.models import load_state_dict, read_config
     from moa_serve.verifier.target_model import TargetModel
 
     model = TargetModel.from_state_dict(read_config(tiny_model), load_state_dict(tiny_model), torch.float32)
     _pack_all_linears_q8_0(model)  # a random Llama has no GGUF: quantize its matrices here
+    if fused:
+        _fuse_projections(model)
+        model.fused_stack = FusedStack.build(model)
+        assert model.fused_stack is not None
+    return model
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-layer", "fused-stack"])
+def test_verify_logits_do_not_depend_on_drafts_or_neighbours(tiny_model, fused):
+    """With the kernels, a token's logits are bitwise the same verified alone, with drafts after
+    it, or beside other sessions (what makes greedy speculative output the target's own, bit for
+    bit, whatever shares the round) — through torch layer by layer or the fused layer stack."""
+    from moa_serve.kv_cache import PackedBatch
+
+    model = _tiny_packed_model(tiny_model, fused)
     cache = model.new_cache(3, 128)
     prompts = [torch.randint(0, 16, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (20, 45, 9)]
     for slot, p in enumerate(prompts):
@@ -187,3 +199,24 @@ def test_verify_logits_do_not_depend_on_drafts_or_neighbours(tiny_model):
     assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
     assert torch.equal(alone[0], with_drafts[0])
     assert torch.equal(with_drafts, beside[3:8])
+
+
+def test_fused_stack_computes_the_per_layer_forward(tiny_model):
+    """The fused layer stack (one kernel call for all layers) gives the per-layer torch forward's
+    hidden states and K/V cache to float32 rounding, prefill chunks and decode steps mixed."""
+    from moa_serve.kv_cache import PackedBatch
+
+    fused, plain = _tiny_packed_model(tiny_model, True), _tiny_packed_model(tiny_model, False)
+    caches = {id(m): m.new_cache(3, 64) for m in (fused, plain)}
+    g = torch.Generator().manual_seed(5)
+    steps = [([0, 1], [0, 0], [12, 30]), ([0, 1, 2], [12, 30, 0], [1, 4, 7]), ([2, 0], [7, 13], [1, 1])]
+    for slots, starts, lens in steps:
+        tokens = torch.randint(0, 16, (sum(lens),), generator=g)
+        out = []
+        for m in (fused, plain):
+            cache = caches[id(m)]
+            out.append(m.forward_packed(tokens, PackedBatch(cache, slots, starts, lens, kernel=True)))
+        torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-5)
+    a, b = caches[id(fused)], caches[id(plain)]
+    torch.testing.assert_close(a.k, b.k, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(a.v, b.v, rtol=1e-4, atol=1e-5)

@@ -130,6 +130,10 @@ class TargetModel(nn.Module):
         final-norm hidden states [N, H]."""
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rotary(batch.positions, x.dtype)  # [1, N, hd]
+        fused = getattr(self, "fused_stack", None)
+        if fused is not None and batch.kernel and fused.usable(x, batch.cache):
+            x = fused(x.clone(), cos[0], sin[0], batch.cache, batch.token_slots, batch.positions)
+            return self.model.norm(x)
         cos, sin = cos[0][:, None], sin[0][:, None]  # [N, 1, hd]: broadcast over heads
         for i, layer in enumerate(self.model.layers):
             x = layer.forward_packed(x, cos, sin, batch.attention(i))

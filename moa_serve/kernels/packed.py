@@ -214,9 +214,11 @@ def pack_target(model: nn.Module, path: Path) -> dict:
         nbytes += matrix.nbytes
         dense_bytes += dense.numel() * 4
     fused = _fuse_projections(model)
+    model.fused_stack = FusedStack.build(model)
     if kept:
         log.warning("kept float32 for %d matrices: %s", len(kept), ", ".join(kept[:5]))
-    return {"packed": packed, "kept": kept, "bytes": nbytes, "dense_bytes": dense_bytes, "fused": fused}
+    return {"packed": packed, "kept": kept, "bytes": nbytes, "dense_bytes": dense_bytes, "fused": fused,
+            "fused_layers": model.fused_stack is not None}
 
 
 def pack_bf16(model: nn.Module) -> dict:
@@ -310,3 +312,69 @@ def _fuse_projections(model: nn.Module) -> int:
             mlp.gate_up = PackedLinear(PackedMatrix.cat([m.packed for m in gu]))
             fused += 1
     return fused
+
+
+class FusedStack:
+    """All decoder layers of a float32 ``TargetModel`` whose projections are packed (fused q/k/v
+    and gate/up, no biases) as one kernel call per forward (``kernels.decoder_layers``): the
+    per-op cost of ~40 small torch ops per layer disappears from every decode step. Built by
+    :func:`pack_target`; ``MOA_FUSED_LAYERS=off`` keeps the per-layer torch path."""
+
+    KINDS = {"q4_1": 0, "q8_0": 1}
+
+    def __init__(self, model: nn.Module, layers: list[tuple]):
+        self.arch = model.arch
+        self._layers = layers  # (norm1, norm2, qkv, o, gate_up, down) per layer
+        self._params: dict[int, torch.Tensor] = {}  # per cache (its K storage address)
+
+    @classmethod
+    def build(cls, model: nn.Module) -> "FusedStack | None":
+        import os
+
+        arch = getattr(model, "arch", None)
+        if arch is None or os.environ.get("MOA_FUSED_LAYERS", "auto").lower() in ("0", "off", "false", "no"):
+            return None
+        if arch.hidden_size % 8 or arch.intermediate_size % 8 or arch.head_dim % 8 or arch.head_dim > 256:
+            return None
+        layers = []
+        for layer in model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            mats = (a.qkv, a.o_proj, mlp.gate_up, mlp.down_proj)
+            if not all(isinstance(m, PackedLinear) and m.bias is None and m.packed.kind in cls.KINDS for m in mats):
+                return None
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(n.weight.dtype != torch.float32 or n.eps != arch.rms_norm_eps for n in norms):
+                return None
+            layers.append((norms[0].weight.detach().contiguous(), norms[1].weight.detach().contiguous(), *mats))
+        return cls(model, layers)
+
+    def _params_for(self, cache) -> torch.Tensor:
+        key = cache.k.data_ptr()
+        params = self._params.get(key)
+        if params is None:
+            rows = []
+            for i, (n1, n2, *mats) in enumerate(self._layers):
+                row = [n1.data_ptr(), n2.data_ptr()]
+                for m in mats:
+                    pm = m.packed
+                    row += [self.KINDS[pm.kind], pm.qs.data_ptr(), pm.d.data_ptr(),
+                            pm.m.data_ptr() if pm.m is not None else 0, pm.shape[0]]
+                row += [cache.k[i].data_ptr(), cache.v[i].data_ptr()]
+                rows.append(row)
+            params = self._params[key] = torch.tensor(rows, dtype=torch.int64)
+            assert params.shape[1] == kernels.LAYER_PARAMS
+        return params
+
+    def usable(self, x: torch.Tensor, cache) -> bool:
+        return (x.dtype == torch.float32 and x.device.type == "cpu" and cache.k.dtype == torch.float32
+                and cache.k.is_contiguous() and cache.v.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, slots: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] through every layer (K/V of the n tokens written to ``cache`` at
+        ``slots``/``positions``); cos/sin [n, head_dim]."""
+        a = self.arch
+        _, ss, hs, ps, _ = cache.k.stride()
+        return kernels.decoder_layers(x.contiguous(), self._params_for(cache), a.rms_norm_eps, a.num_heads,
+                                      a.num_kv_heads, a.head_dim, a.intermediate_size, cos.contiguous(),
+                                      sin.contiguous(), slots, positions, (ss, hs, ps), cache.k.shape[3])

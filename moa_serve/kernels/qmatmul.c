@@ -250,3 +250,123 @@ void moa_attention_bf16(const float *q, int64_t n, int64_t H, int64_t KVH, int64
                         float scale, float *out, int64_t max_len, int threads) {
     attention(1, q, n, H, KVH, hd, k, v, ss, hs, ps, slots, pos, scale, out, max_len, threads);
 }
+
+/* ------------------------------------------------------------------ fused decoder layers
+ * The whole stack of Llama decoder layers over packed new tokens in one call, so that a decode
+ * step pays no per-op Python and dispatch cost (about half of a one-session step otherwise).
+ * Per layer: RMSNorm, fused q/k/v projection, rotary embedding, K/V written to the slot cache,
+ * attention (the kernel above), output projection + residual, RMSNorm, fused gate/up, SiLU(gate)
+ * * up, down projection + residual. Every element is computed alone in a fixed order (norm sums
+ * in 8 lanes then the fixed horizontal sum, the matmuls above), so a token's output still does not
+ * depend on the other tokens of the call. */
+
+/* exp(x) for 8 floats (Cephes' single-precision polynomial, about 1 ulp): used by SiLU. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* out[i] = w * (x[i] * rsqrt(mean(x[i]^2) + eps)) for n rows of width H (a multiple of 8). */
+static void rmsnorm_rows(const float *x, int64_t n, int64_t H, const float *w, float eps, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *xr = x + i * H;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t k = 0; k < H; k += 8) {
+            __m256 v = _mm256_loadu_ps(xr + k);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        const __m256 r = _mm256_set1_ps(1.0f / sqrtf(hsum(acc) / (float)H + eps));
+        for (int64_t k = 0; k < H; k += 8)
+            _mm256_storeu_ps(out + i * H + k, _mm256_mul_ps(_mm256_loadu_ps(w + k),
+                                                            _mm256_mul_ps(_mm256_loadu_ps(xr + k), r)));
+    }
+}
+
+/* x (one head, hd values) rotated: out[j] = x[j] cos[j] - x[j+hd/2] sin[j], out[j+hd/2] =
+ * x[j+hd/2] cos[j+hd/2] + x[j] sin[j+hd/2]. */
+static inline void rope_head(const float *x, const float *c, const float *s, int64_t hd, float *out) {
+    const int64_t half = hd / 2;
+    for (int64_t j = 0; j < half; j++) {
+        out[j] = x[j] * c[j] - x[j + half] * s[j];
+        out[j + half] = x[j + half] * c[j + half] + x[j] * s[j + half];
+    }
+}
+
+/* One matrix of a layer as the int64 parameter block describes it: kind, qs, d, m, N. */
+static inline void layer_matmul(const int64_t *p, const float *x, int64_t M, int64_t K, float *y, int threads) {
+    matmul((int)p[0], x, M, K, (const void *)p[1], (const float *)p[2], (const float *)p[3], p[4], y, threads);
+}
+
+#define LP_NORM1 0
+#define LP_NORM2 1
+#define LP_QKV 2   /* kind, qs, d, m, N at 2..6 */
+#define LP_O 7     /* 7..11 */
+#define LP_GU 12   /* 12..16 */
+#define LP_DOWN 17 /* 17..21 */
+#define LP_K 22    /* the layer's K cache [slots, KVH, max_len, hd] */
+#define LP_V 23
+#define LP_SIZE 24
+
+/* x [n, H] float32, updated in place through `layers` layers; params [layers, LP_SIZE]; cos/sin
+ * [n, hd]; slots/pos [n]: each token's cache slot and position; cache strides (elements) ss, hs,
+ * ps and max_len (positions per slot) are those of every layer's K and V. */
+void moa_decoder_layers(float *x, int64_t n, int64_t H, int64_t layers, const int64_t *params, float eps,
+                        int64_t heads, int64_t kv_heads, int64_t hd, int64_t inter, const float *cos,
+                        const float *sin, const int64_t *slots, const int64_t *pos, int64_t ss, int64_t hs,
+                        int64_t ps, int64_t max_len, int threads) {
+    const int64_t nq = heads * hd, nkv = kv_heads * hd, wqkv = nq + 2 * nkv;
+    float *h = aligned_alloc(32, sizeof(float) * n * H);
+    float *qkv = aligned_alloc(32, sizeof(float) * n * wqkv);
+    float *q = aligned_alloc(32, sizeof(float) * n * nq);
+    float *att = aligned_alloc(32, sizeof(float) * n * nq);
+    float *gu = aligned_alloc(32, sizeof(float) * n * 2 * inter);
+    float *act = aligned_alloc(32, sizeof(float) * n * inter);
+    float *y = aligned_alloc(32, sizeof(float) * n * H);
+    const float scale = 1.0f / sqrtf((float)hd);
+    for (int64_t l = 0; l < layers; l++) {
+        const int64_t *p = params + l * LP_SIZE;
+        float *kc = (float *)p[LP_K], *vc = (float *)p[LP_V];
+        rmsnorm_rows(x, n, H, (const float *)p[LP_NORM1], eps, h);
+        layer_matmul(p + LP_QKV, h, n, H, qkv, threads);
+        for (int64_t t = 0; t < n; t++) {
+            const float *row = qkv + t * wqkv, *c = cos + t * hd, *s = sin + t * hd;
+            for (int64_t a = 0; a < heads; a++) rope_head(row + a * hd, c, s, hd, q + (t * heads + a) * hd);
+            for (int64_t g = 0; g < kv_heads; g++) {
+                const int64_t at = slots[t] * ss + g * hs + pos[t] * ps;
+                rope_head(row + nq + g * hd, c, s, hd, kc + at);
+                memcpy(vc + at, row + nq + nkv + g * hd, sizeof(float) * hd);
+            }
+        }
+        attention(0, q, n, heads, kv_heads, hd, kc, vc, ss, hs, ps, slots, pos, scale, att, max_len, threads);
+        layer_matmul(p + LP_O, att, n, nq, y, threads);
+        for (int64_t i = 0; i < n * H; i += 8)
+            _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        rmsnorm_rows(x, n, H, (const float *)p[LP_NORM2], eps, h);
+        layer_matmul(p + LP_GU, h, n, H, gu, threads);
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t j = 0; j < inter; j += 8) {
+                const __m256 g = _mm256_loadu_ps(gu + t * 2 * inter + j), u = _mm256_loadu_ps(gu + t * 2 * inter + inter + j);
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+                const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+                _mm256_storeu_ps(act + t * inter + j, _mm256_mul_ps(silu, u));
+            }
+        layer_matmul(p + LP_DOWN, act, n, inter, y, threads);
+        for (int64_t i = 0; i < n * H; i += 8)
+            _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    }
+    free(h); free(qkv); free(q); free(att); free(gu); free(act); free(y);
+}
