@@ -127,8 +127,9 @@ class FakeVerifier(_FakePool):
         if q.want_features and q.features_from is not None:
             start = max(0, min(start, q.features_from))
         feats = fake_features(start, end) if q.want_features else None
+        # as the runner counts it: each extra decode step computes one more position
         return VerifyResult(q.session_id, new, len(acc), start, feats,
-                            num_computed=len(copy) - cached + len(q.drafts))
+                            num_computed=len(copy) - cached + len(q.drafts) + len(new) - 1 - len(acc))
 
 
 class FakeDrafter(_FakePool):
@@ -590,14 +591,15 @@ def test_multi_step_rounds_commit_several_tokens_per_verify_call_and_stop_where_
         s.stop_token_ids = frozenset(stop)
         toks, finish = await collect(svc, svc.submit(s))
         await svc.stop()
-        return verifier, s, toks, finish
+        return verifier, s, toks, finish, svc
 
-    verifier, s, toks, finish = asyncio.run(main(()))
+    verifier, s, toks, finish, svc = asyncio.run(main(()))
     assert toks == reference(s.prompt, 22) and finish == "length" and not verifier.errors
     steps = [q.decode_steps for _, reqs in verifier.calls for q in reqs]
     assert steps == [1, 4, 4, 4, 4, 4, 1]  # the prefill round alone; never past max_new (1+5*4+1 = 22)
+    assert svc.stats.reprefills == 0  # several tokens of a multi-step round are not a re-prefill
     stop = reference(s.prompt, 22)[9]
-    verifier, s, toks, finish = asyncio.run(main((stop,)))
+    verifier, s, toks, finish, svc = asyncio.run(main((stop,)))
     assert toks == reference(s.prompt, 22)[:reference(s.prompt, 22).index(stop) + 1] and finish == "stop"
 
 

@@ -565,7 +565,9 @@ class RoundService:
                          drafts: dict[str, DraftResult], profile: RoundProfile) -> None:
         for sid, r in results.items():
             d = drafts.get(sid)
-            if r.num_computed > 1 + (len(d.drafts) if d else 0):  # a prompt, a chunk or a re-prefill
+            # multi-step decoding computes one more position per extra token of the target's own
+            extra_steps = max(0, len(r.tokens) - 1 - r.num_accepted)
+            if r.num_computed - extra_steps > 1 + (len(d.drafts) if d else 0):  # a prompt, a chunk or a re-prefill
                 profile.prefilled_sessions += 1
                 if by_id[sid].rounds > 0 and r.tokens:
                     self.stats.reprefills += 1
