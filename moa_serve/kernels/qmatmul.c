@@ -17,7 +17,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define NB 2      /* weight rows de-quantized and used together */
+#define NB 3      /* weight rows de-quantized and used together (4 x 3 accumulators: one FMA per load on
+                     AVX2 cores that split 256-bit loads) */
+#define NBD 2     /* weight rows per tile when de-quantizing straight into registers (1-2 rows of x) */
 #define MT 4      /* rows of x per register tile */
 #define MCHUNK 64 /* rows of x kept hot in cache per pass over the weights */
 
@@ -85,11 +87,12 @@ static inline __attribute__((always_inline)) void tile(int mt, const float *x, i
     for (int i = 0; i < mt; i++)
         for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) {
-        __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + K + k);
+        __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + K + k), w2 = _mm256_loadu_ps(w + 2 * K + k);
         for (int i = 0; i < mt; i++) {
             __m256 xv = _mm256_loadu_ps(x + i * K + k);
             acc[i][0] = _mm256_fmadd_ps(w0, xv, acc[i][0]);
             acc[i][1] = _mm256_fmadd_ps(w1, xv, acc[i][1]);
+            acc[i][2] = _mm256_fmadd_ps(w2, xv, acc[i][2]);
         }
     }
     for (int i = 0; i < mt; i++)
@@ -101,9 +104,9 @@ static inline __attribute__((always_inline)) void tile(int mt, const float *x, i
 static inline __attribute__((always_inline)) void tile_direct(int kind, int mt, const float *x, int64_t K,
                                                               const void *qs, const float *d, const float *m,
                                                               int64_t n0, int nn, float *y, int64_t ldy) {
-    __m256 acc[2][NB];
+    __m256 acc[2][NBD];
     for (int i = 0; i < mt; i++)
-        for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < NBD; j++) acc[i][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / 32; b++) {
         __m256 w0[4], w1[4];
         block(kind, qs, d, m, K, n0, b, w0);
@@ -140,15 +143,18 @@ static void matmul(int kind, const float *x, int64_t M, int64_t K, const void *q
         float *w = aligned_alloc(32, sizeof(float) * NB * K);
         for (int64_t m0 = 0; m0 < M; m0 += MCHUNK) {
             const int64_t mc = M - m0 < MCHUNK ? M - m0 : MCHUNK;
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
             for (int64_t nb = 0; nb < nblocks; nb++) {
                 const int64_t n0 = nb * NB;
                 const int nn = N - n0 < NB ? (int)(N - n0) : NB;
                 if (mc <= 2) {
-                    if (mc == 1)
-                        tile_direct(kind, 1, x + m0 * K, K, qs, d, m, n0, nn, y + m0 * N + n0, N);
-                    else
-                        tile_direct(kind, 2, x + m0 * K, K, qs, d, m, n0, nn, y + m0 * N + n0, N);
+                    for (int r = 0; r < nn; r += NBD) {
+                        const int nd = nn - r < NBD ? nn - r : NBD;
+                        if (mc == 1)
+                            tile_direct(kind, 1, x + m0 * K, K, qs, d, m, n0 + r, nd, y + m0 * N + n0 + r, N);
+                        else
+                            tile_direct(kind, 2, x + m0 * K, K, qs, d, m, n0 + r, nd, y + m0 * N + n0 + r, N);
+                    }
                     continue;
                 }
                 for (int r = 0; r < NB; r++) /* a short last block repeats a row */
