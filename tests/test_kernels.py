@@ -108,10 +108,10 @@ def test_smollm2_gguf_target_is_packed_and_decodes_like_float32():
     b = plain.generate(prompts, 48, SamplingParams())
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     # the layers' outputs agree to float32 rounding (the order of the sums differs)
-    # (seeded input; sums of 1,536 products in another order differ by a few 1e-4 at most)
+    # (a seeded input: an unseeded one made the check flaky)
     h = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
     layer_p, layer_f = packed.verifier.model.model.layers[3].mlp, plain.verifier.model.model.layers[3].mlp
-    torch.testing.assert_close(layer_p(h), layer_f(h), rtol=1e-3, atol=5e-4)
+    torch.testing.assert_close(layer_p(h), layer_f(h), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow

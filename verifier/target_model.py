@@ -132,7 +132,8 @@ class TargetModel(nn.Module):
         cos, sin = self.rotary(batch.positions, x.dtype)  # [1, N, hd]
         fused = getattr(self, "fused_stack", None)
         if fused is not None and batch.kernel and fused.usable(x, batch.cache):
-            x = fused(x.clone(), cos[0], sin[0], batch.cache, batch.token_slots, batch.positions)
+            # updates x in place: the embedding lookup's output is this forward's own tensor
+            x = fused(x, cos[0], sin[0], batch.cache, batch.token_slots, batch.positions)
             return self.model.norm(x)
         cos, sin = cos[0][:, None], sin[0][:, None]  # [N, 1, hd]: broadcast over heads
         for i, layer in enumerate(self.model.layers):

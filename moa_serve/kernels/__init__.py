@@ -70,6 +70,11 @@ def _compile(cc: str) -> Path:
     return out
 
 
+def switched_off(variable: str) -> bool:
+    """True when the environment variable turns a kernel path off (0 / off / false / no)."""
+    return os.environ.get(variable, "auto").lower() in ("0", "off", "false", "no")
+
+
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None when this machine cannot build or run them (reason in
     :func:`unavailable_reason`)."""
@@ -80,7 +85,7 @@ def library() -> ctypes.CDLL | None:
         _tried = True
         missing = REQUIRED_CPU_FLAGS - _cpu_flags()
         cc = shutil.which(os.environ.get("CC", "gcc"))
-        if os.environ.get("MOA_KERNELS", "auto").lower() in ("0", "off", "false", "no"):
+        if switched_off("MOA_KERNELS"):
             _why_not = "MOA_KERNELS=off"
         elif missing:
             _why_not = f"the CPU lacks {', '.join(sorted(missing))}"

@@ -329,10 +329,8 @@ class FusedStack:
 
     @classmethod
     def build(cls, model: nn.Module) -> "FusedStack | None":
-        import os
-
         arch = getattr(model, "arch", None)
-        if arch is None or os.environ.get("MOA_FUSED_LAYERS", "auto").lower() in ("0", "off", "false", "no"):
+        if arch is None or kernels.switched_off("MOA_FUSED_LAYERS"):
             return None
         if arch.hidden_size % 8 or arch.intermediate_size % 8 or arch.head_dim % 8 or arch.head_dim > 256:
             return None

@@ -312,6 +312,12 @@ static inline void rope_head(const float *x, const float *c, const float *s, int
     }
 }
 
+/* x += y over `count` floats (a multiple of 8): the residual connections. */
+static inline void add_rows(float *x, const float *y, int64_t count) {
+    for (int64_t i = 0; i < count; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+}
+
 /* One matrix of a layer as the int64 parameter block describes it: kind, qs, d, m, N. */
 static inline void layer_matmul(const int64_t *p, const float *x, int64_t M, int64_t K, float *y, int threads) {
     matmul((int)p[0], x, M, K, (const void *)p[1], (const float *)p[2], (const float *)p[3], p[4], y, threads);
@@ -359,8 +365,7 @@ void moa_decoder_layers(float *x, int64_t n, int64_t H, int64_t layers, const in
         }
         attention(0, q, n, heads, kv_heads, hd, kc, vc, ss, hs, ps, slots, pos, scale, att, max_len, threads);
         layer_matmul(p + LP_O, att, n, nq, y, threads);
-        for (int64_t i = 0; i < n * H; i += 8)
-            _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        add_rows(x, y, n * H);
         rmsnorm_rows(x, n, H, (const float *)p[LP_NORM2], eps, h);
         layer_matmul(p + LP_GU, h, n, H, gu, threads);
         for (int64_t t = 0; t < n; t++)
@@ -371,8 +376,7 @@ void moa_decoder_layers(float *x, int64_t n, int64_t H, int64_t layers, const in
                 _mm256_storeu_ps(act + t * inter + j, _mm256_mul_ps(silu, u));
             }
         layer_matmul(p + LP_DOWN, act, n, inter, y, threads);
-        for (int64_t i = 0; i < n * H; i += 8)
-            _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        add_rows(x, y, n * H);
     }
     free(h); free(qkv); free(q); free(att); free(gu); free(act); free(y);
 }
