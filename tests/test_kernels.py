@@ -176,11 +176,13 @@ def _tiny_packed_model(tiny_model, fused: bool):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["per-layer", "fused-stack"])
-def test_verify_logits_do_not_depend_on_drafts_or_neighbours(tiny_model, fused):
+def test_verify_logits_do_not_depend_on_drafts_or_neighbours(tiny_model, fused, monkeypatch):
     """With the kernels, a token's logits are bitwise the same verified alone, with drafts after
     it, or beside other sessions (what makes greedy speculative output the target's own, bit for
     bit, whatever shares the round) — through torch layer by layer or the fused layer stack."""
     from moa_serve.kv_cache import PackedBatch
+
+    monkeypatch.delenv("MOA_FUSED_LAYERS", raising=False)  # the path under test, whatever the shell says
 
     model = _tiny_packed_model(tiny_model, fused)
     cache = model.new_cache(3, 128)
@@ -202,11 +204,12 @@ def test_verify_logits_do_not_depend_on_drafts_or_neighbours(tiny_model, fused):
     assert torch.equal(with_drafts, beside[3:8])
 
 
-def test_fused_stack_computes_the_per_layer_forward(tiny_model):
+def test_fused_stack_computes_the_per_layer_forward(tiny_model, monkeypatch):
     """The fused layer stack (one kernel call for all layers) gives the per-layer torch forward's
     hidden states and K/V cache to float32 rounding, prefill chunks and decode steps mixed."""
     from moa_serve.kv_cache import PackedBatch
 
+    monkeypatch.delenv("MOA_FUSED_LAYERS", raising=False)
     fused, plain = _tiny_packed_model(tiny_model, True), _tiny_packed_model(tiny_model, False)
     caches = {id(m): m.new_cache(3, 64) for m in (fused, plain)}
     g = torch.Generator().manual_seed(5)
