@@ -124,23 +124,30 @@ def test_pack_target_refuses_what_it_cannot_pack(tmp_path, stories_path):
     assert report["packed"] == 0 and "GGUF" in report["reason"]
 
 
-def test_attention_kernel_matches_sdpa_and_is_batch_invariant():
+@pytest.mark.parametrize("kv_heads,heads,hd,cache_dtype", [
+    (2, 6, 16, torch.float32),    # groups of 3 (SmolLM2's), one 16-dim chunk
+    (2, 8, 40, torch.float32),    # groups of 4: head chunks 3 + 1; dims 32 + 8
+    (1, 1, 64, torch.float32),    # no grouping
+    (3, 9, 64, torch.bfloat16),   # SmolLM2's shape over a bf16 cache
+])
+def test_attention_kernel_matches_sdpa_and_is_batch_invariant(kv_heads, heads, hd, cache_dtype):
     from torch.nn import functional as F
 
     g = torch.Generator().manual_seed(3)
-    slots, kv_heads, max_len, hd, heads = 4, 2, 40, 16, 6
-    k = torch.randn(slots, kv_heads, max_len, hd, generator=g)
-    v = torch.randn(slots, kv_heads, max_len, hd, generator=g)
-    q = torch.randn(7, heads, hd, generator=g)
-    tok_slots = torch.tensor([0, 0, 0, 2, 3, 3, 1])
-    positions = torch.tensor([5, 6, 7, 0, 30, 31, 12])
+    slots, max_len = 4, 41  # 41: the last 8-position block of a full slot is partial
+    k = torch.randn(slots, kv_heads, max_len, hd, generator=g).to(cache_dtype)
+    v = torch.randn(slots, kv_heads, max_len, hd, generator=g).to(cache_dtype)
+    q = torch.randn(8, heads, hd, generator=g)
+    tok_slots = torch.tensor([0, 0, 0, 2, 3, 3, 1, 1])
+    positions = torch.tensor([5, 6, 7, 0, 30, 31, 12, 40])
     out = kernels.attention(q, k, v, tok_slots, positions)
-    for i in range(7):
+    for i in range(len(q)):
         s, p = int(tok_slots[i]), int(positions[i])
-        keys = k[s, :, :p + 1].repeat_interleave(heads // kv_heads, 0)  # [H, p+1, hd]
-        vals = v[s, :, :p + 1].repeat_interleave(heads // kv_heads, 0)
+        keys = k[s, :, :p + 1].float().repeat_interleave(heads // kv_heads, 0)  # [H, p+1, hd]
+        vals = v[s, :, :p + 1].float().repeat_interleave(heads // kv_heads, 0)
         ref = F.scaled_dot_product_attention(q[i][:, None], keys, vals)[:, 0]
         torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
+        # alone in the call (other head grouping, other tasks): bitwise the same
         assert torch.equal(kernels.attention(q[i:i + 1], k, v, tok_slots[i:i + 1], positions[i:i + 1])[0], out[i])
 
 

@@ -190,59 +190,135 @@ void moa_q4_1_rows(const uint8_t *qs, const float *d, const float *m, int64_t K,
     for (int64_t i = 0; i < n; i++) dequant_row(0, qs, d, m, K, ids[i], out + i * K);
 }
 
-/* Causal attention of packed new tokens over a slot KV cache, one (token, head) at a time:
- * token t (slot slots[t], position pos[t]) attends to its slot's keys 0..pos[t]. q, out [n, H, hd]
- * float32; k, v: one layer of the cache, float32 or (kv_bf16) bfloat16 widened in registers,
- * element (slot, kv head, position, dim) at slot*ss + head*hs + position*ps + dim. hd must be a
- * multiple of 8, at most 256.
- * Fixed order everywhere (dot products as in the matmul, max and sum over positions ascending, the
- * weighted sum of values over positions ascending), so a token's output does not depend on which
- * other tokens share the call. */
+/* Causal attention of packed new tokens over a slot KV cache: token t (slot slots[t], position
+ * pos[t]) attends to its slot's keys 0..pos[t]. q, out [n, H, hd] float32; k, v: one layer of the
+ * cache, float32 or (kv_bf16) bfloat16 widened in registers, element (slot, kv head, position, dim)
+ * at slot*ss + head*hs + position*ps + dim. hd must be a multiple of 8, at most 256.
+ * The query heads that share a KV head (grouped-query attention) are taken together, up to 3 at a
+ * time, so each K/V block is read once for all of them; scores are computed 8 positions at a time
+ * (8 dot-product accumulators reduced together).
+ * Fixed order everywhere: each score is the same 8-lane FMA chain and the same reduction tree
+ * whatever else is computed beside it, the softmax sum runs over 8 lanes in ascending blocks, and
+ * the weighted sum of values over positions ascending; so a token's output depends neither on the
+ * other tokens of the call nor on how heads are grouped into tasks. */
 static inline __attribute__((always_inline)) __m256 load8(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16x8((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
 }
+
+/* lane r = the horizontal sum of a[r] (each lane's tree depends on a[r] alone) */
+static inline __attribute__((always_inline)) __m256 hsum8(const __m256 a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline __m256 exp8(__m256 x);
+
+/* Softmax numerators of one (token, head): s[0..len) = exp(q.k_j * scale - max); returns their sum.
+ * s has room for len rounded up to 8. */
+static inline __attribute__((always_inline)) float scores(int kv_bf16, const float *qv, int64_t hd, const void *k,
+                                                          int64_t base, int64_t ps, int64_t len, float scale,
+                                                          float *s) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    int64_t j0 = 0;
+    for (; j0 + 8 <= len; j0 += 8) {
+        __m256 acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < hd; d += 8) {
+            const __m256 qd = _mm256_loadu_ps(qv + d);
+            for (int r = 0; r < 8; r++)
+                acc[r] = _mm256_fmadd_ps(qd, load8(k, base + (j0 + r) * ps + d, kv_bf16), acc[r]);
+        }
+        const __m256 sc = _mm256_mul_ps(hsum8(acc), vscale);
+        _mm256_storeu_ps(s + j0, sc);
+        vmax = _mm256_max_ps(vmax, sc);
+    }
+    if (j0 < len) { /* the last, partial block: the same chain per lane, absent lanes zero */
+        __m256 acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+        for (int r = 0; r < len - j0; r++)
+            for (int64_t d = 0; d < hd; d += 8)
+                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), load8(k, base + (j0 + r) * ps + d, kv_bf16), acc[r]);
+        _mm256_storeu_ps(s + j0, _mm256_mul_ps(hsum8(acc), vscale));
+        for (int64_t j = j0; j < len; j++) vmax = _mm256_max_ps(vmax, _mm256_set1_ps(s[j]));
+    }
+    float lanes[8], mx = -INFINITY;
+    _mm256_storeu_ps(lanes, vmax);
+    for (int r = 0; r < 8; r++) mx = lanes[r] > mx ? lanes[r] : mx;
+    const __m256 vmx = _mm256_set1_ps(mx), idx = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 vsum = _mm256_setzero_ps();
+    for (j0 = 0; j0 < len; j0 += 8) {
+        const __m256 live = _mm256_cmp_ps(_mm256_add_ps(idx, _mm256_set1_ps((float)j0)),
+                                          _mm256_set1_ps((float)len), _CMP_LT_OQ);
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j0), vmx)), live);
+        _mm256_storeu_ps(s + j0, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    return hsum(vsum);
+}
+
+/* out (HC heads, DV vectors of 8 dims from d0) = sum_j p[h][j] v_j / sum[h], j ascending */
+static inline __attribute__((always_inline)) void weigh_values(int HC, int DV, int kv_bf16, const float *p,
+                                                               int64_t pstride, const void *v, int64_t base,
+                                                               int64_t ps, int64_t len, int64_t d0,
+                                                               const float *inv, float *out, int64_t ostride) {
+    __m256 o[3][4];
+    for (int a = 0; a < HC; a++)
+        for (int b = 0; b < DV; b++) o[a][b] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < len; j++) {
+        __m256 pb[3];
+        for (int a = 0; a < HC; a++) pb[a] = _mm256_set1_ps(p[a * pstride + j]);
+        for (int b = 0; b < DV; b++) {
+            const __m256 vv = load8(v, base + j * ps + d0 + 8 * b, kv_bf16);
+            for (int a = 0; a < HC; a++) o[a][b] = _mm256_fmadd_ps(pb[a], vv, o[a][b]);
+        }
+    }
+    for (int a = 0; a < HC; a++)
+        for (int b = 0; b < DV; b++)
+            _mm256_storeu_ps(out + a * ostride + d0 + 8 * b, _mm256_mul_ps(o[a][b], _mm256_set1_ps(inv[a])));
+}
+
+#define WEIGH(HC, DV) weigh_values(HC, DV, kv_bf16, s, sstride, v, base, ps, len, d0, inv, ov, hd)
 
 static inline __attribute__((always_inline)) void attention(int kv_bf16, const float *q, int64_t n, int64_t H,
                                                             int64_t KVH, int64_t hd, const void *k, const void *v,
                                                             int64_t ss, int64_t hs, int64_t ps, const int64_t *slots,
                                                             const int64_t *pos, float scale, float *out,
                                                             int64_t max_len, int threads) {
-    const int64_t groups = H / KVH;
+    const int64_t groups = H / KVH, sstride = (max_len + 7) / 8 * 8;
+    /* heads per task: up to 3 of one group; single heads when there are too few tasks to share */
+    const int64_t per = n * KVH < 4 * threads ? 1 : (groups < 3 ? groups : 3);
+    const int64_t chunks = (groups + per - 1) / per, tasks = n * KVH * chunks;
 #pragma omp parallel num_threads(threads)
     {
-        float *s = aligned_alloc(32, sizeof(float) * ((max_len + 7) / 8 * 8));
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t th = 0; th < n * H; th++) {
-            const int64_t t = th / H, h = th % H, g = h / groups, len = pos[t] + 1;
-            const float *qv = q + (t * H + h) * hd;
-            const int64_t base = slots[t] * ss + g * hs; /* element offset of (slot, kv head, 0, 0) */
-            float mx = -INFINITY;
-            for (int64_t j = 0; j < len; j++) {
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t d = 0; d < hd; d += 8)
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), load8(k, base + j * ps + d, kv_bf16), acc);
-                s[j] = hsum(acc) * scale;
-                if (s[j] > mx) mx = s[j];
+        float *s = aligned_alloc(32, sizeof(float) * sstride * 3);
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t t = task / (KVH * chunks), g = task / chunks % KVH, c = task % chunks;
+            const int64_t h0 = g * groups + c * per, hc = groups - c * per < per ? groups - c * per : per;
+            const int64_t len = pos[t] + 1, base = slots[t] * ss + g * hs; /* (slot, kv head, 0, 0) */
+            float inv[3];
+            for (int64_t a = 0; a < hc; a++)
+                inv[a] = 1.0f / scores(kv_bf16, q + (t * H + h0 + a) * hd, hd, k, base, ps, len, scale, s + a * sstride);
+            float *ov = out + (t * H + h0) * hd;
+            for (int64_t d0 = 0; d0 < hd; d0 += 32) {
+                const int64_t dv = (hd - d0) / 8 < 4 ? (hd - d0) / 8 : 4;
+                switch (hc * 4 + dv) {
+                    case 5: WEIGH(1, 1); break; case 6: WEIGH(1, 2); break;
+                    case 7: WEIGH(1, 3); break; case 8: WEIGH(1, 4); break;
+                    case 9: WEIGH(2, 1); break; case 10: WEIGH(2, 2); break;
+                    case 11: WEIGH(2, 3); break; case 12: WEIGH(2, 4); break;
+                    case 13: WEIGH(3, 1); break; case 14: WEIGH(3, 2); break;
+                    case 15: WEIGH(3, 3); break; default: WEIGH(3, 4); break;
+                }
             }
-            float sum = 0.0f;
-            for (int64_t j = 0; j < len; j++) {
-                s[j] = expf(s[j] - mx);
-                sum += s[j];
-            }
-            __m256 o[32];
-            for (int64_t d = 0; d < hd / 8; d++) o[d] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < len; j++) {
-                const __m256 p = _mm256_set1_ps(s[j]);
-                for (int64_t d = 0; d < hd / 8; d++)
-                    o[d] = _mm256_fmadd_ps(p, load8(v, base + j * ps + 8 * d, kv_bf16), o[d]);
-            }
-            const __m256 inv = _mm256_set1_ps(1.0f / sum);
-            float *ov = out + (t * H + h) * hd;
-            for (int64_t d = 0; d < hd / 8; d++) _mm256_storeu_ps(ov + 8 * d, _mm256_mul_ps(o[d], inv));
         }
         free(s);
     }
 }
+#undef WEIGH
 
 void moa_attention(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t hd, const float *k, const float *v,
                    int64_t ss, int64_t hs, int64_t ps, const int64_t *slots, const int64_t *pos, float scale,
