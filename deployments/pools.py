@@ -136,7 +136,7 @@ class VerifierPool(_Pool):
         self.runner = TorchTargetRunner(self.cfg.target, self.cfg.dtype, self.cfg.device, pool.max_sessions,
                                         self.cfg.max_model_len, load_feature_head(self.cfg.drafter),
                                         max_num_batched_tokens=pool.max_num_batched_tokens,
-                                        packed_weights=self.cfg.packed_weights,
+                                        packed_weights=self.cfg.packed_weights, prefix_caching=pool.prefix_caching,
                                         draft_vocab=load_draft_vocab(self.cfg.drafter_checkpoint)
                                         if self.cfg.drafter_checkpoint else None)
         self.target_fingerprint = model_fingerprint(self.runner.model)  # client-server handshake
@@ -152,6 +152,7 @@ class VerifierPool(_Pool):
     async def info(self, group=None) -> dict:
         return {"replica": self._replica, "max_model_len": self.runner.max_model_len,
                 "free_slots": self.runner.free_slots, "sessions": len(self.runner.sessions),
+                "retained_slots": len(self.runner.retained), "runner": dict(self.runner.stats),
                 "active_sessions": self.active_sessions(), "calls": self.calls,
                 "target_fingerprint": self.target_fingerprint}
 

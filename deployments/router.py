@@ -174,11 +174,11 @@ class Router:
         d = self.calls.as_dict()
         d["backend"] = self.cfg.backend
         d["router_replica"] = self.replica
+        try:  # one verifier replica's engine counters (torch: forwards, prefix cache; vllm: its engine)
+            d["verifier_engine"] = await asyncio.wait_for(self.verifier.info.remote(), 5.0)
+        except Exception as exc:  # noqa: BLE001 - stats never fail for a busy or restarting replica
+            d["verifier_engine"] = {"error": type(exc).__name__}
         if self.cfg.backend == "vllm":
-            try:
-                d["verifier_engine"] = await asyncio.wait_for(self.verifier.info.remote(), 5.0)
-            except Exception as exc:  # noqa: BLE001 - stats never fail for a busy or restarting replica
-                d["verifier_engine"] = {"error": type(exc).__name__}
             return d
         d["groups"] = assignment.snapshot()
         d["speculation_governor"] = self.service.governor_snapshot()

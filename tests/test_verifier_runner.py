@@ -165,3 +165,76 @@ def test_multi_step_decoding_gives_the_single_step_tokens(target, seed):
     stop = (single[5],)
     stopped, _ = run(4, stop)
     assert stopped == single[:single.index(single[5]) + 1]
+
+
+def test_a_released_sessions_prefix_is_reused_and_decodes_the_same(target, hf):
+    """Prefix caching: a new session whose prompt extends a finished one's tokens takes over its
+    slot and prefills only the rest; the tokens equal Hugging Face greedy and a runner without it."""
+    shared = prompt_of(40, 7)
+    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=256)
+    first = decode(runner, {"a": shared}, 4)["a"]
+    runner.release("a")
+    assert runner.free_slots == 2 and len(runner.retained) == 1
+    follow_up = shared + first + prompt_of(6, 8)  # a multi-turn chat resends its history
+    (r,) = runner.verify([VerifyRequest("b", follow_up, want_features=False)])
+    # only the new turn is prefilled, and "a"'s last token (answered, never fed: not in the cache)
+    assert r.num_computed == 6 + 1
+    assert runner.stats["prefix_hits"] == 1 and runner.stats["prefix_tokens"] == len(shared) + 3
+    got = decode(runner, {"b": follow_up}, 6)["b"]  # "b" continues from what it holds
+    plain = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=256, prefix_caching=False)
+    assert got == decode(plain, {"b": follow_up}, 6)["b"] == hf_greedy(hf, follow_up, 6)
+    assert plain.stats["prefix_hits"] == 0 and not plain.retained
+
+
+def test_a_repeated_prompt_prefills_one_token(target, hf):
+    prompt = prompt_of(30, 9)
+    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=128)
+    (a,) = runner.verify([VerifyRequest("a", prompt, want_features=False)])
+    runner.release("a")
+    (b,) = runner.verify([VerifyRequest("b", prompt, want_features=False)])
+    assert b.num_computed == 1 and b.tokens == a.tokens == hf_greedy(hf, prompt, 1)
+
+
+def test_a_shared_prefix_is_copied_from_a_live_session(target, hf):
+    system = prompt_of(24, 10)  # e.g. a chat template's system prompt
+    prompts = {"a": system + prompt_of(5, 11), "b": system + prompt_of(7, 12)}
+    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=128)
+    (ra,) = runner.verify([VerifyRequest("a", prompts["a"], want_features=False)])
+    (rb,) = runner.verify([VerifyRequest("b", prompts["b"], want_features=False)])
+    assert rb.num_computed == 7 and runner.stats["prefix_tokens"] == 24
+    assert runner.sessions["a"].slot != runner.sessions["b"].slot
+    got = decode(runner, {"a": prompts["a"] + ra.tokens, "b": prompts["b"] + rb.tokens}, 4)
+    for sid, first in (("a", ra.tokens), ("b", rb.tokens)):
+        assert first + got[sid] == hf_greedy(hf, prompts[sid], 5), sid
+
+
+def test_retained_slots_give_way_to_new_sessions(target):
+    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=128)
+    for sid in "ab":
+        runner.verify([VerifyRequest(sid, prompt_of(12, ord(sid)), want_features=False)])
+        runner.release(sid)
+    assert runner.cache.num_free == 0 and runner.free_slots == 2
+    for sid in "cd":  # unrelated prompts: the retained slots are given back, nothing is evicted
+        runner.verify([VerifyRequest(sid, prompt_of(12, ord(sid)), want_features=False)])
+    assert set(runner.sessions) == {"c", "d"} and not runner.retained
+    assert runner.stats["evictions"] == 0 and runner.stats["prefix_hits"] == 0
+
+
+def test_a_reused_prefix_still_sends_every_positions_features(target, stories_drafter):
+    """MoA features come from the cache: a session that reused a prefix gets the features of every
+    position from 0, equal to those of a session that prefilled it all."""
+    from moa_serve.engine.engine import load_feature_head
+
+    head = load_feature_head(str(stories_drafter))
+    prompt = prompt_of(20, 13)
+    feats = {}
+    for caching in (True, False):
+        runner = TorchTargetRunner("unused", torch.float32, model=target, max_sessions=2, max_model_len=128,
+                                   feature_head=head, prefix_caching=caching)
+        runner.verify([VerifyRequest("a", prompt[:15], want_features=True, features_from=0)])
+        runner.release("a")
+        (r,) = runner.verify([VerifyRequest("b", prompt, want_features=True, features_from=0)])
+        assert r.num_computed == (5 if caching else 20)
+        assert r.feature_start == 0 and len(r.features) == len(prompt)
+        feats[caching] = r.features
+    torch.testing.assert_close(feats[True], feats[False], rtol=1e-5, atol=1e-6)

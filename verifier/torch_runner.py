@@ -10,6 +10,14 @@ prefilled over several calls, and answers with no tokens (``prefill_remaining``)
 Sessions travel as token deltas (``VerifyRequest.base``); a session this replica does not hold
 answers ``resync``. When every slot is taken, the least recently used session that is not in
 the call is evicted (it resyncs later): a full cache never fails a request.
+
+Prefix caching: a released session's slot keeps its K/V (``retained``, least recently used first,
+given back only when a slot is needed), and a new session starts from the longest prefix of its
+tokens already in the cache: it takes over a retained slot, or copies the positions from a live
+session's slot. Its prefill then covers only what differs (a repeated prompt: one token; a shared
+system prompt: the rest of the prompt). The fixed-order kernels make a token's K/V independent of
+the batch and chunk it was computed in, so reused positions are bitwise those a fresh prefill
+would write.
 """
 
 from __future__ import annotations
@@ -35,6 +43,21 @@ from moa_serve.verifier.target_model import TargetModel
 log = logging.getLogger(__name__)
 
 MIN_PREFILL_CHUNK = 32  # a waiting prefill always advances by at least this much per call
+MIN_PREFIX_COPY = 16  # positions worth copying from a live session's slot (a retained slot is taken at any length)
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of a and b, at most ``limit`` (slice compares: C speed)."""
+    lo, hi = 0, min(len(a), len(b), limit)
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class ContextTooLongError(ValueError):
@@ -66,7 +89,8 @@ class TorchTargetRunner(TargetBackend):
     def __init__(self, target: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  max_sessions: int = 16, max_model_len: int = 2048, feature_head: FeatureHead | None = None,
                  model: TargetModel | None = None, max_num_batched_tokens: int = 512,
-                 draft_vocab: torch.Tensor | None = None, packed_weights: str = "auto"):
+                 draft_vocab: torch.Tensor | None = None, packed_weights: str = "auto",
+                 prefix_caching: bool = True):
         self.dtype = parse_dtype(dtype, device)
         self.device = torch.device(device)
         self.packing: dict = {"packed": 0, "reason": "packed_weights is off"}
@@ -90,28 +114,69 @@ class TorchTargetRunner(TargetBackend):
         self.feature_head = feature_head.to(self.device, self.dtype).eval() if feature_head is not None else None
         self.draft_vocab = draft_vocab  # maps a drafter's [K, V'] probabilities back to the vocabulary
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
-        self.stats = {"forwards": 0, "tokens": 0, "forward_s": 0.0, "evictions": 0, "resyncs": 0}
+        self.prefix_caching = prefix_caching
+        # slot -> the tokens whose K/V a released session left in it, least recently used first
+        self.retained: OrderedDict[int, list[int]] = OrderedDict()
+        self.stats = {"forwards": 0, "tokens": 0, "forward_s": 0.0, "evictions": 0, "resyncs": 0,
+                      "prefix_hits": 0, "prefix_tokens": 0}
 
     # ------------------------------------------------------------------ sessions
     def release(self, session_id: str) -> None:
         s = self.sessions.pop(session_id, None)
-        if s is not None:
+        if s is None:
+            return
+        if self.prefix_caching and s.cached > 0:
+            self.retained[s.slot] = s.committed[:s.cached]
+        else:
             self.cache.free(s.slot)
 
     @property
     def free_slots(self) -> int:
-        return self.cache.num_free
+        return self.cache.num_free + len(self.retained)
 
-    def _new_session(self, session_id: str, keep: set[str]) -> _Session:
+    def _slot(self, keep: set[str]) -> int:
+        """A slot for a new session: a free one, else the least recently used retained one, else
+        the least recently used idle session's (evicted: it resyncs later)."""
         if self.cache.num_free == 0:
-            victim = next((sid for sid in self.sessions if sid not in keep), None)
-            if victim is None:
-                raise CacheFullError(f"all {self.cache.num_slots} KV slots are used by sessions of this call; "
-                                     "send fewer sessions per call or raise max_sessions")
-            log.info("KV cache full: evicting idle session %s", victim)
-            self.release(victim)
-            self.stats["evictions"] += 1
-        s = self.sessions[session_id] = _Session(self.cache.allocate())
+            if self.retained:
+                old, _ = self.retained.popitem(last=False)
+                self.cache.free(old)
+            else:
+                victim = next((sid for sid in self.sessions if sid not in keep), None)
+                if victim is None:
+                    raise CacheFullError(f"all {self.cache.num_slots} KV slots are used by sessions of this call; "
+                                         "send fewer sessions per call or raise max_sessions")
+                log.info("KV cache full: evicting idle session %s", victim)
+                self.cache.free(self.sessions.pop(victim).slot)
+                self.stats["evictions"] += 1
+        return self.cache.allocate()
+
+    def _new_session(self, session_id: str, keep: set[str], tokens: list[int], reuse: bool) -> _Session:
+        """A session for ``tokens``, starting from the longest prefix of them already cached."""
+        best, best_len, live = None, 0, False
+        if reuse and self.prefix_caching:
+            limit = len(tokens) - 1  # the last token is always fed (its logits answer)
+            for slot, held in self.retained.items():
+                m = common_prefix(held, tokens, limit)
+                if m > best_len:
+                    best, best_len, live = slot, m, False
+            for s in self.sessions.values():
+                m = common_prefix(s.committed, tokens, min(limit, s.cached))
+                if m > best_len and m >= MIN_PREFIX_COPY:
+                    best, best_len, live = s.slot, m, True
+        if best is not None and not live:  # take over the retained slot, K/V in place
+            del self.retained[best]
+            slot = best
+        else:
+            slot = self._slot(keep)
+            if best is not None:  # copy the shared positions from the live session's slot
+                self.cache.k[:, slot, :, :best_len] = self.cache.k[:, best, :, :best_len]
+                self.cache.v[:, slot, :, :best_len] = self.cache.v[:, best, :, :best_len]
+        if best is not None:
+            self.stats["prefix_hits"] += 1
+            self.stats["prefix_tokens"] += best_len
+        s = self.sessions[session_id] = _Session(slot, tokens[:best_len], best_len)
+        self.cache.lengths[slot] = best_len
         return s
 
     def _take(self, req: VerifyRequest, keep: set[str]) -> _Session | None:
@@ -121,7 +186,9 @@ class TorchTargetRunner(TargetBackend):
             if req.base > 0:
                 return None
             if s is None:
-                s = self._new_session(req.session_id, keep)
+                # an EAGLE-style head needs the hidden states of every position: it cannot reuse
+                reuse = not (req.want_features and self.feature_kind == "hidden")
+                s = self._new_session(req.session_id, keep, list(req.tokens), reuse)
         self.sessions.move_to_end(req.session_id)
         committed = s.committed[:req.base] + list(req.tokens)
         if not committed:
@@ -320,8 +387,10 @@ class TorchTargetRunner(TargetBackend):
         from_cache = self.feature_kind == "per_layer_kv"
         for w in work:
             start = w.start
-            if w.req.want_features and from_cache and w.req.features_from is not None:
-                start = max(0, min(start, w.req.features_from))  # catch up from the cache
+            # a new session (base 0) wants features from position 0, reused prefix included
+            want_from = w.req.features_from if w.req.features_from is not None else (0 if w.req.base == 0 else None)
+            if w.req.want_features and from_cache and want_from is not None:
+                start = max(0, min(start, want_from))  # catch up from the cache
             end = w.session.cached if w.req.want_features else start
             spans.append((start, end))
             rows.append(offset)
