@@ -15,6 +15,46 @@ SMOLLM = MODELS / "smollm2-135m-instruct"
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+# ---------------------------------------------------------------------- end of the test process
+# CI once saw the process die with SIGSEGV (exit 139) *after* every test had passed and pytest had
+# printed its summary: in interpreter finalization, where native state left by in-process engines
+# (vLLM's torch.distributed groups, Ray's core worker, OpenMP pools, daemon threads) is torn down
+# in no defined order. The process therefore releases that state itself at the end of the session
+# and then leaves with pytest's exit status without running finalization again. (.ci/run sets
+# PYTHONFAULTHANDLER, so a crash anywhere earlier still prints every thread's stack.)
+_EXIT: dict[str, int] = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT["status"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    import sys
+    import threading
+
+    if "status" not in _EXIT:
+        return
+    try:
+        if "ray" in sys.modules:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+        from moa_serve.verifier.vllm_engine import release_process_state
+
+        release_process_state()
+    except Exception as exc:  # noqa: BLE001 - the tests' outcome is already decided and reported
+        print(f"conftest: releasing process state failed: {exc!r}", file=sys.stderr)
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if left:
+        print(f"conftest: threads still running at exit: {left}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT["status"])
+
+
 def require_vllm() -> None:
     """At the top of a vLLM test module: skips it without vLLM, except in CI (``.ci/run``
     installs ``.[vllm]``), where a missing vLLM is an error, never a silent skip."""

@@ -31,13 +31,17 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def plain():
-    return VllmEngine(str(SMOLLM), None, dtype="float32", max_model_len=1024, max_num_seqs=8)
+    engine = VllmEngine(str(SMOLLM), None, dtype="float32", max_model_len=1024, max_num_seqs=8)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")
 def moa():
-    return VllmEngine(str(SMOLLM), MOA, num_speculative_tokens=K, dtype="float32", max_model_len=1024,
-                      max_num_seqs=8, retry_after_s=0.0)
+    engine = VllmEngine(str(SMOLLM), MOA, num_speculative_tokens=K, dtype="float32", max_model_len=1024,
+                        max_num_seqs=8, retry_after_s=0.0)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +175,7 @@ def _tiny_vllm_model(tmp_path_factory):
     return out
 
 
-def test_sampling_follows_the_targets_distribution(tmp_path_factory):
+def test_sampling_follows_the_targets_distribution(tmp_path_factory, request):
     from test_sampling import exact_two_token_distribution, tv, tv_bound
 
     from moa_serve.drafter.checkpoint import init_drafter
@@ -183,6 +187,7 @@ def test_sampling_follows_the_targets_distribution(tmp_path_factory):
     exact = exact_two_token_distribution(SpeculativeEngine.load(str(tiny), None, "float32"), [1, 5, 9], params)
     eng = VllmEngine(str(tiny), str(drafter), num_speculative_tokens=3, dtype="float32", max_model_len=64,
                      max_num_seqs=64, kv_cache_gib=0.25)
+    request.addfinalizer(eng.close)
     n = 1500
     counts = torch.zeros(16 * 16)
     ids = [eng.add([1, 5, 9], 3, params.model_copy(update={"seed": i}), ignore_eos=True) for i in range(n)]

@@ -183,3 +183,21 @@ class VllmEngine:
 
     def stats(self) -> dict:
         return self.drafting.stats.as_dict() if self.drafting else {}
+
+    def close(self) -> None:
+        """Stops vLLM's (in-process) engine core and its worker now rather than at interpreter exit.
+        The process-wide torch.distributed state vLLM set up stays for other engines of the process:
+        :func:`release_process_state` ends it."""
+        self.engine.engine_core.shutdown()
+
+
+def release_process_state() -> None:
+    """Ends what vLLM set up for the whole process (its torch.distributed groups), if it was used:
+    at the end of a process that ran engines in-process, so native teardown does not run during
+    interpreter finalization."""
+    import sys
+
+    if "vllm.distributed.parallel_state" in sys.modules:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
