@@ -95,9 +95,11 @@ def server_stack(path, tm, dtype, tokenizer, stops, drafter: str | None, max_mod
     from moa_serve.engine.engine import load_feature_head
     from moa_serve.verifier.torch_runner import TorchTargetRunner
 
+    # no prefix caching: methods sharing a stack run the same prompts one after the other, and a
+    # later one must not find the prompt already prefilled by an earlier one
     runner = TorchTargetRunner(str(path), dtype, "cpu", max_sessions=16, max_model_len=max_model_len,
                                feature_head=load_feature_head(drafter), model=tm,
-                               draft_vocab=load_draft_vocab(drafter) if drafter else None)
+                               draft_vocab=load_draft_vocab(drafter) if drafter else None, prefix_caching=False)
     return LocalStack(runner, tokenizer, stops, model_name=model_name, drafter=drafter)
 
 
