@@ -118,7 +118,7 @@ class FakeVerifier(_FakePool):
         new = acc + [next_token(seq)]
         end = len(copy) + len(acc)  # positions now cached (the new bonus token is not)
         # multi-step decoding, as the runner does it: more tokens, their features not attached
-        while not q.drafts and len(new) < q.decode_steps and new[-1] not in q.stop_token_ids:
+        while (not q.drafts or not q.want_features) and len(new) < q.decode_steps and new[-1] not in q.stop_token_ids:
             new.append(next_token(seq + new))
         self.cached[q.session_id] = end + len(new) - 1 - len(acc)
         self.copies[q.session_id] = copy + new
@@ -676,6 +676,27 @@ def test_prompt_lookup_drafts_in_the_service_without_a_drafter_pool():
     assert all(q.drafts == q.tokens[4:7] for q in first)  # the first round already drafts the repeat
     assert all(not q.want_features for _, reqs in verifier.calls for q in reqs)  # lookup needs none
     assert svc.lookup.sessions == {}  # finished sessions were dropped from the table
+
+
+def test_lookup_drafted_sessions_go_on_decoding_in_the_same_call():
+    """Multi-step with prompt lookup: a session whose lookup draft is verified keeps decoding in the
+    same call up to decode_steps tokens (no features to keep up), and the text is unchanged."""
+
+    async def main():
+        verifier = FakeVerifier()
+        # single-token matches: drafts in later rounds too (mostly wrong ones: corrections then go on)
+        svc, _ = make_service(verifier, None, lookup=SpyLookup([], min_n=1, max_n=3), decode_steps=4)
+        ss = [Session(f"s{i}", [(i * 11 + j) % VOCAB for j in range(4)] * 2, 40, num_speculative_tokens=3,
+                      max_model_len=256, drafter_needs_features=False) for i in range(2)]
+        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
+        await svc.stop()
+        return verifier, ss, outs
+
+    verifier, ss, outs = asyncio.run(main())
+    assert [o[0] for o in outs] == [reference(s.prompt, 40) for s in ss]
+    multi = [q for _, reqs in verifier.calls for q in reqs if q.drafts and q.decode_steps == 4]
+    assert multi and all(not q.want_features for q in multi)
+    assert not verifier.errors
 
 
 def test_hybrid_sends_the_drafter_only_the_sessions_lookup_did_not_draft():

@@ -238,3 +238,21 @@ def test_a_reused_prefix_still_sends_every_positions_features(target, stories_dr
         assert r.feature_start == 0 and len(r.features) == len(prompt)
         feats[caching] = r.features
     torch.testing.assert_close(feats[True], feats[False], rtol=1e-5, atol=1e-6)
+
+
+def test_a_drafted_session_goes_on_decoding_after_its_drafts(target, hf):
+    """decode_steps with drafts and no features (prompt lookup): the accepted drafts, the
+    correction, then the target's own tokens up to decode_steps in all; the same as plain greedy."""
+    prompt = prompt_of(20, 14)
+    want = hf_greedy(hf, prompt, 12)
+    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=128)
+    miss = lambda t: (t + 1) % 512  # noqa: E731 - any other token
+    # two accepted then a miss; a miss at once; a draft rejected here that the next step would match
+    # (the steps after the drafts must not compare against them again)
+    late = [want[1]] if want[1] != want[0] else [miss(want[0])]
+    for drafts, n_acc in (([want[0], want[1], miss(want[2])], 2), ([miss(want[0]), want[1]], 0), (late, 0)):
+        runner.release("s")
+        (r,) = runner.verify([VerifyRequest("s", prompt, drafts, want_features=False, decode_steps=6)])
+        assert r.num_accepted == n_acc and r.tokens == want[:6]
+        (nxt,) = runner.verify([VerifyRequest("s", [], base=len(prompt) + 6, want_features=False)])
+        assert nxt.tokens == [want[6]]  # the cache holds what the six tokens left behind

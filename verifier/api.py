@@ -32,8 +32,9 @@ class VerifyRequest:
     # features start here instead of at the first newly cached position, recomputed from the
     # K/V cache (MoA's per-layer K/V features; ignored for features the cache cannot give back)
     features_from: int | None = None
-    # multi-step decoding (a request without drafts): up to this many tokens of the target's own,
-    # one forward per step for every such session of the call, stopping after a stop token
+    # multi-step decoding: up to this many tokens in all (accepted drafts and correction included),
+    # the rest the target's own, one forward per step for every such session of the call, stopping
+    # after a stop token; with drafts only when no features are wanted
     decode_steps: int = 1
     stop_token_ids: tuple[int, ...] = ()
 

@@ -260,14 +260,17 @@ class TorchTargetRunner(TargetBackend):
         return [results[r.session_id] for r in requests]
 
     def _decode_more(self, work: list[_Work], results: dict[str, VerifyResult]) -> None:
-        """Multi-step decoding: sessions that asked for ``decode_steps`` > 1 (and sent no drafts)
-        get more tokens of the target's own, one packed forward per step for all of them (the
-        call's transport and scheduling are paid once for several tokens). Features of these
-        positions are not attached: the sender asks for them later (``features_from``), so a
-        feature head that cannot recompute them (hidden states) keeps single steps."""
+        """Multi-step decoding: sessions that asked for ``decode_steps`` > 1 get more tokens of the
+        target's own until they hold that many, one packed forward per step for all of them (the
+        call's transport and scheduling are paid once for several tokens). A session that sent
+        drafts goes on after its accepted drafts and correction, if it wants no features. Features
+        of these positions are not attached: the sender asks for them later (``features_from``), so
+        a feature head that cannot recompute them (hidden states) keeps single steps."""
         can_features = self.feature_kind != "hidden"
-        live = [w for w in work if w.done and not w.req.drafts and w.req.decode_steps > 1
-                and (can_features or not w.req.want_features)]
+        live = [w for w in work if w.done and w.req.decode_steps > 1
+                and (not w.req.want_features or (can_features and not w.req.drafts))]
+        # the steps after the verified drafts sample from the target alone
+        plain = {w.req.session_id: dataclasses.replace(w.req, drafts=[], draft_probs=None) for w in live}
         while True:
             live = [w for w in live
                     if len(results[w.req.session_id].tokens) < w.req.decode_steps
@@ -284,7 +287,7 @@ class TorchTargetRunner(TargetBackend):
             for i, w in enumerate(live):
                 s, r = w.session, results[w.req.session_id]
                 position = w.req.base + len(w.req.tokens) + len(r.tokens)  # this token's index
-                _, tok = self._accept(w.req, logits[i:i + 1], choice[i:i + 1], position)  # w.req has no drafts
+                _, tok = self._accept(plain[w.req.session_id], logits[i:i + 1], choice[i:i + 1], position)
                 s.cached += 1
                 s.committed.append(tok)
                 self.cache.lengths[s.slot] = s.cached

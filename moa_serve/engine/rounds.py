@@ -87,14 +87,15 @@ def verify_requests(sessions: list[Session], drafts: dict[str, DraftResult],
                     want_features: bool | set[str] = True, decode_steps: int = 1) -> list[VerifyRequest]:
     """``want_features``: for every session, or the ids of those that want them. Features are asked
     from the first position the session lacks (``features_from``), so positions skipped while not
-    speculating are caught up. ``decode_steps`` > 1: sessions without drafts may get that many
-    tokens (never more than their output and context can still take; stopping at a stop token)."""
+    speculating are caught up. ``decode_steps`` > 1: sessions without drafts, or with drafts but
+    no features to keep up, may get that many tokens (never more than their output and context can
+    still take; stopping at a stop token)."""
     out = []
     for s in sessions:
         d = drafts.get(s.id)
         want = want_features if isinstance(want_features, bool) else s.id in want_features
         steps = 1
-        if decode_steps > 1 and d is None:
+        if decode_steps > 1 and (d is None or not want):
             room = min(s.max_new_tokens - len(s.generated), s.max_model_len - len(s.tokens))
             steps = max(1, min(decode_steps, room))
         out.append(VerifyRequest(s.id, s.tokens[s.verifier_base:], list(d.drafts) if d else [],

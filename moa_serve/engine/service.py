@@ -443,7 +443,7 @@ class RoundService:
         drafts = await self._draft_round(g, by_id, [t.session for t in batch if not t.remote], cap, profile)
         drafts.update(remote)  # drafted on the clients' devices
         want = self._features_wanted(g, batch, cap)
-        steps = self._decode_steps(batch, drafts)
+        steps = self._decode_steps(batch, drafts, want)
         t1 = time.perf_counter()
         results = await self._verify_round(g, by_id, sessions, drafts, profile, want, steps)
         t2 = time.perf_counter()
@@ -460,8 +460,13 @@ class RoundService:
         self.observer.round_done(g, profile.sessions, profile.draft_s, profile.verify_s, profile.round_s)
         self.observer.round_profile(profile)
 
-    def _decode_steps(self, batch: list[_Tracked], drafts: dict[str, DraftResult]) -> int:
-        if (self.decode_steps == 1 or drafts or self._waiting or len(batch) > self.multi_step_max_sessions
+    def _decode_steps(self, batch: list[_Tracked], drafts: dict[str, DraftResult], want: bool | set[str]) -> int:
+        """Multi-step decoding for small batches with nobody waiting. Sessions with drafts that
+        need no features (prompt lookup) take part too: after their drafts are verified they go
+        on decoding in the same call (``rounds.verify_requests``); drafts that come with features
+        to keep up (a drafter pool) keep the whole round to single steps."""
+        feature_drafts = bool(drafts) and (want is True or (isinstance(want, set) and not want.isdisjoint(drafts)))
+        if (self.decode_steps == 1 or feature_drafts or self._waiting or len(batch) > self.multi_step_max_sessions
                 or any(t.remote or t.session.prefilling or t.session.verifier_base == 0 for t in batch)):
             return 1
         return self.decode_steps
