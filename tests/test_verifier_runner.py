@@ -8,7 +8,7 @@ import torch
 from moa_serve.models import load_state_dict, read_config
 from moa_serve.verifier.api import VerifyRequest
 from moa_serve.verifier.target_model import TargetModel
-from moa_serve.verifier.torch_runner import ContextTooLongError, TorchTargetRunner
+from moa_serve.verifier.torch_runner import ContextTooLongError, TorchTargetRunner, common_prefix
 
 
 @pytest.fixture(scope="module")
@@ -256,3 +256,17 @@ def test_a_drafted_session_goes_on_decoding_after_its_drafts(target, hf):
         assert r.num_accepted == n_acc and r.tokens == want[:6]
         (nxt,) = runner.verify([VerifyRequest("s", [], base=len(prompt) + 6, want_features=False)])
         assert nxt.tokens == [want[6]]  # the cache holds what the six tokens left behind
+
+
+def test_common_prefix_matches_a_plain_scan():
+    g = torch.Generator().manual_seed(15)
+    for _ in range(300):
+        n = int(torch.randint(0, 300, (1,), generator=g))
+        a = torch.randint(0, 3, (n,), generator=g).tolist()
+        cut = int(torch.randint(0, n + 1, (1,), generator=g))
+        b = a[:cut] + torch.randint(0, 3, (int(torch.randint(0, 50, (1,), generator=g)),), generator=g).tolist()
+        limit = int(torch.randint(0, 320, (1,), generator=g))
+        want = 0
+        while want < min(len(a), len(b), limit) and a[want] == b[want]:
+            want += 1
+        assert common_prefix(a, b, limit) == want

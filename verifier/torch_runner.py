@@ -47,16 +47,23 @@ MIN_PREFIX_COPY = 16  # positions worth copying from a live session's slot (a re
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the longest common prefix of a and b, at most ``limit`` (slice compares: C speed)."""
-    lo, hi = 0, min(len(a), len(b), limit)
-    if a[:hi] == b[:hi]:
-        return hi
-    while hi - lo > 1:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
+    """Length of the longest common prefix of a and b, at most ``limit``: windows compared as
+    slices (C speed) that double while they match, then halved inside the first that does not, so
+    the cost follows the length of the match, not of the lists."""
+    end = min(len(a), len(b), limit)
+    lo, step = 0, 16
+    while lo < end:  # a[:lo] == b[:lo]
+        hi = min(end, lo + step)
+        if a[lo:hi] == b[lo:hi]:
+            lo, step = hi, 2 * step
+            continue
+        while hi - lo > 1:  # the first difference is in [lo, hi)
+            mid = (lo + hi) // 2
+            if a[lo:mid] == b[lo:mid]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
     return lo
 
 
