@@ -182,8 +182,7 @@ class TorchTargetRunner(TargetBackend):
         if best is not None:
             self.stats["prefix_hits"] += 1
             self.stats["prefix_tokens"] += best_len
-        s = self.sessions[session_id] = _Session(slot, tokens[:best_len], best_len)
-        self.cache.lengths[slot] = best_len
+        s = self.sessions[session_id] = _Session(slot, tokens[:best_len], best_len)  # _take sets the length
         return s
 
     def _take(self, req: VerifyRequest, keep: set[str]) -> _Session | None:
@@ -206,10 +205,7 @@ class TorchTargetRunner(TargetBackend):
                 f"session {req.session_id}: {need} tokens exceed the context of {self.max_model_len}")
         # keep the cached K/V of the longest prefix still committed; the last committed token is
         # always fed again (its logits predict the first draft)
-        m, limit = 0, min(s.cached, len(committed) - 1)
-        old = s.committed
-        while m < limit and old[m] == committed[m]:
-            m += 1
+        m = common_prefix(s.committed, committed, min(s.cached, len(committed) - 1))
         s.committed, s.cached = committed, m
         self.cache.lengths[s.slot] = m
         return s

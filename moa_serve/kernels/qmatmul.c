@@ -215,6 +215,8 @@ static inline __attribute__((always_inline)) __m256 hsum8(const __m256 a[8]) {
 
 static inline __m256 exp8(__m256 x);
 
+#define TASK_HEADS 3 /* query heads of one KV group per attention task, at most */
+
 /* Softmax numerators of one (token, head): s[0..len) = exp(q.k_j * scale - max); returns their sum.
  * s has room for len rounded up to 8. */
 static inline __attribute__((always_inline)) float scores(int kv_bf16, const float *qv, int64_t hd, const void *k,
@@ -264,11 +266,11 @@ static inline __attribute__((always_inline)) void weigh_values(int HC, int DV, i
                                                                int64_t pstride, const void *v, int64_t base,
                                                                int64_t ps, int64_t len, int64_t d0,
                                                                const float *inv, float *out, int64_t ostride) {
-    __m256 o[3][4];
+    __m256 o[TASK_HEADS][4];
     for (int a = 0; a < HC; a++)
         for (int b = 0; b < DV; b++) o[a][b] = _mm256_setzero_ps();
     for (int64_t j = 0; j < len; j++) {
-        __m256 pb[3];
+        __m256 pb[TASK_HEADS];
         for (int a = 0; a < HC; a++) pb[a] = _mm256_set1_ps(p[a * pstride + j]);
         for (int b = 0; b < DV; b++) {
             const __m256 vv = load8(v, base + j * ps + d0 + 8 * b, kv_bf16);
@@ -289,17 +291,17 @@ static inline __attribute__((always_inline)) void attention(int kv_bf16, const f
                                                             int64_t max_len, int threads) {
     const int64_t groups = H / KVH, sstride = (max_len + 7) / 8 * 8;
     /* heads per task: up to 3 of one group; single heads when there are too few tasks to share */
-    const int64_t per = n * KVH < 4 * threads ? 1 : (groups < 3 ? groups : 3);
+    const int64_t per = n * KVH < 4 * threads ? 1 : (groups < TASK_HEADS ? groups : TASK_HEADS);
     const int64_t chunks = (groups + per - 1) / per, tasks = n * KVH * chunks;
 #pragma omp parallel num_threads(threads)
     {
-        float *s = aligned_alloc(32, sizeof(float) * sstride * 3);
+        float *s = aligned_alloc(32, sizeof(float) * sstride * TASK_HEADS);
 #pragma omp for schedule(dynamic, 2)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t t = task / (KVH * chunks), g = task / chunks % KVH, c = task % chunks;
             const int64_t h0 = g * groups + c * per, hc = groups - c * per < per ? groups - c * per : per;
             const int64_t len = pos[t] + 1, base = slots[t] * ss + g * hs; /* (slot, kv head, 0, 0) */
-            float inv[3];
+            float inv[TASK_HEADS];
             for (int64_t a = 0; a < hc; a++)
                 inv[a] = 1.0f / scores(kv_bf16, q + (t * H + h0 + a) * hd, hd, k, base, ps, len, scale, s + a * sstride);
             float *ov = out + (t * H + h0) * hd;
@@ -319,6 +321,7 @@ static inline __attribute__((always_inline)) void attention(int kv_bf16, const f
     }
 }
 #undef WEIGH
+#undef TASK_HEADS
 
 void moa_attention(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t hd, const float *k, const float *v,
                    int64_t ss, int64_t hs, int64_t ps, const int64_t *slots, const int64_t *pos, float scale,
