@@ -118,8 +118,11 @@ class FakeVerifier(_FakePool):
         new = acc + [next_token(seq)]
         end = len(copy) + len(acc)  # positions now cached (the new bonus token is not)
         # multi-step decoding, as the runner does it: more tokens, their features not attached
-        while (not q.drafts or not q.want_features) and len(new) < q.decode_steps and new[-1] not in q.stop_token_ids:
+        forwards = 1
+        while ((not q.drafts or not q.want_features) and forwards < q.decode_steps
+               and (q.max_tokens <= 0 or len(new) < q.max_tokens) and new[-1] not in q.stop_token_ids):
             new.append(next_token(seq + new))
+            forwards += 1
         self.cached[q.session_id] = end + len(new) - 1 - len(acc)
         self.copies[q.session_id] = copy + new
         self.token_rounds[q.session_id] = self.token_rounds.get(q.session_id, 0) + 1

@@ -242,7 +242,8 @@ def test_a_reused_prefix_still_sends_every_positions_features(target, stories_dr
 
 def test_a_drafted_session_goes_on_decoding_after_its_drafts(target, hf):
     """decode_steps with drafts and no features (prompt lookup): the accepted drafts, the
-    correction, then the target's own tokens up to decode_steps in all; the same as plain greedy."""
+    correction, then one token of the target's own per further forward (decode_steps forwards in
+    all), never past max_tokens; the same as plain greedy."""
     prompt = prompt_of(20, 14)
     want = hf_greedy(hf, prompt, 12)
     runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=128)
@@ -251,11 +252,14 @@ def test_a_drafted_session_goes_on_decoding_after_its_drafts(target, hf):
     # (the steps after the drafts must not compare against them again)
     late = [want[1]] if want[1] != want[0] else [miss(want[0])]
     for drafts, n_acc in (([want[0], want[1], miss(want[2])], 2), ([miss(want[0]), want[1]], 0), (late, 0)):
-        runner.release("s")
-        (r,) = runner.verify([VerifyRequest("s", prompt, drafts, want_features=False, decode_steps=6)])
-        assert r.num_accepted == n_acc and r.tokens == want[:6]
-        (nxt,) = runner.verify([VerifyRequest("s", [], base=len(prompt) + 6, want_features=False)])
-        assert nxt.tokens == [want[6]]  # the cache holds what the six tokens left behind
+        for steps, cap in ((6, 0), (6, 4), (3, 0)):
+            runner.release("s")
+            (r,) = runner.verify([VerifyRequest("s", prompt, drafts, want_features=False, decode_steps=steps,
+                                                max_tokens=cap)])
+            n = min(n_acc + steps, cap or 99)  # accepted drafts + correction + steps - 1 more
+            assert r.num_accepted == n_acc and r.tokens == want[:n]
+            (nxt,) = runner.verify([VerifyRequest("s", [], base=len(prompt) + n, want_features=False)])
+            assert nxt.tokens == [want[n]]  # the cache holds what the n tokens left behind
 
 
 def test_common_prefix_matches_a_plain_scan():

@@ -32,10 +32,12 @@ class VerifyRequest:
     # features start here instead of at the first newly cached position, recomputed from the
     # K/V cache (MoA's per-layer K/V features; ignored for features the cache cannot give back)
     features_from: int | None = None
-    # multi-step decoding: up to this many tokens in all (accepted drafts and correction included),
-    # the rest the target's own, one forward per step for every such session of the call, stopping
-    # after a stop token; with drafts only when no features are wanted
+    # multi-step decoding: the forwards this session takes part in (the first, which verifies its
+    # drafts, included): after its accepted drafts and correction, one token of the target's own
+    # per further forward, stopping after a stop token or at ``max_tokens``; with drafts only when
+    # no features are wanted. Accepted drafts thus add to the tokens of the call, not replace them.
     decode_steps: int = 1
+    max_tokens: int = 0  # most tokens this call may return (room left in output and context); 0: no limit
     stop_token_ids: tuple[int, ...] = ()
 
 

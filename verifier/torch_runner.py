@@ -263,20 +263,24 @@ class TorchTargetRunner(TargetBackend):
         return [results[r.session_id] for r in requests]
 
     def _decode_more(self, work: list[_Work], results: dict[str, VerifyResult]) -> None:
-        """Multi-step decoding: sessions that asked for ``decode_steps`` > 1 get more tokens of the
-        target's own until they hold that many, one packed forward per step for all of them (the
-        call's transport and scheduling are paid once for several tokens). A session that sent
-        drafts goes on after its accepted drafts and correction, if it wants no features. Features
-        of these positions are not attached: the sender asks for them later (``features_from``), so
-        a feature head that cannot recompute them (hidden states) keeps single steps."""
+        """Multi-step decoding: sessions that asked for ``decode_steps`` > 1 take part in that many
+        forwards in all, one token of the target's own per further forward, one packed forward
+        per step for all of them (the call's transport and scheduling are paid once for several
+        tokens), never past ``max_tokens``. A session that sent drafts goes on after its accepted
+        drafts and correction, if it wants no features: its accepted drafts are a gain, not a
+        substitute for later steps. Features of these positions are not attached: the sender asks
+        for them later (``features_from``), so a feature head that cannot recompute them (hidden
+        states) keeps single steps."""
         can_features = self.feature_kind != "hidden"
         live = [w for w in work if w.done and w.req.decode_steps > 1
                 and (not w.req.want_features or (can_features and not w.req.drafts))]
         # the steps after the verified drafts sample from the target alone
         plain = {w.req.session_id: dataclasses.replace(w.req, drafts=[], draft_probs=None) for w in live}
+        step = 1  # forwards so far
         while True:
             live = [w for w in live
-                    if len(results[w.req.session_id].tokens) < w.req.decode_steps
+                    if step < w.req.decode_steps
+                    and (w.req.max_tokens <= 0 or len(results[w.req.session_id].tokens) < w.req.max_tokens)
                     and results[w.req.session_id].tokens[-1] not in w.req.stop_token_ids
                     and len(w.session.committed) < self.max_model_len]
             if not live:
@@ -296,6 +300,7 @@ class TorchTargetRunner(TargetBackend):
                 self.cache.lengths[s.slot] = s.cached
                 r.tokens.append(tok)
                 r.num_computed += 1
+            step += 1
             self.stats["forwards"] += 1
             self.stats["tokens"] += len(live)
             self.stats["forward_s"] += time.perf_counter() - t0

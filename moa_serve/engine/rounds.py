@@ -88,20 +88,21 @@ def verify_requests(sessions: list[Session], drafts: dict[str, DraftResult],
     """``want_features``: for every session, or the ids of those that want them. Features are asked
     from the first position the session lacks (``features_from``), so positions skipped while not
     speculating are caught up. ``decode_steps`` > 1: sessions without drafts, or with drafts but
-    no features to keep up, may get that many tokens (never more than their output and context can
-    still take; stopping at a stop token)."""
+    no features to keep up, take part in that many forwards of the call, one token of the
+    target's own per forward after their accepted drafts (never more tokens than their output and
+    context can still take; stopping at a stop token)."""
     out = []
     for s in sessions:
         d = drafts.get(s.id)
         want = want_features if isinstance(want_features, bool) else s.id in want_features
-        steps = 1
+        steps, room = 1, 0
         if decode_steps > 1 and (d is None or not want):
             room = min(s.max_new_tokens - len(s.generated), s.max_model_len - len(s.tokens))
             steps = max(1, min(decode_steps, room))
         out.append(VerifyRequest(s.id, s.tokens[s.verifier_base:], list(d.drafts) if d else [],
                                  d.probs if d is not None else None, s.sampling, want,
                                  base=s.verifier_base, features_from=s.num_features if want else None,
-                                 decode_steps=steps, stop_token_ids=tuple(sorted(s.stop_token_ids))))
+                                 decode_steps=steps, max_tokens=room if steps > 1 else 0, stop_token_ids=tuple(sorted(s.stop_token_ids))))
     return out
 
 
