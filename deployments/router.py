@@ -182,6 +182,7 @@ class Router:
             return d
         d["groups"] = assignment.snapshot()
         d["speculation_governor"] = self.service.governor_snapshot()
+        d["draft_gate"] = self.service.draft_gate_snapshot()
         d["client_server"] = self.cs.snapshot()
         return d
 

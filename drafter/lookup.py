@@ -86,20 +86,29 @@ class LookupTable:
         idx = self.sessions[session_id] = NgramIndex(self.min_n, self.max_n)
         return idx
 
-    def propose(self, idx: NgramIndex, num_drafts: int) -> list[int]:
-        """Up to ``num_drafts`` lookup drafts for an up-to-date index (never past the context)."""
+    def propose_match(self, idx: NgramIndex, num_drafts: int) -> tuple[list[int], int]:
+        """Up to ``num_drafts`` lookup drafts for an up-to-date index (never past the context), and
+        the length of the n-gram they continue (0: none)."""
         k = min(num_drafts, self.max_model_len + 1 - len(idx.tokens))
         if k <= 0 or not idx.tokens:
-            return []
-        drafts, _ = idx.propose(k)
+            return [], 0
+        drafts, n = idx.propose(k)
         self.stats["matched" if drafts else "unmatched"] += 1
         self.stats["drafts"] += len(drafts)
-        return drafts
+        return drafts, n if drafts else 0
 
-    def draft(self, session_id: str, tokens: list[int], num_drafts: int, keep: set[str] = frozenset()) -> list[int]:
+    def propose(self, idx: NgramIndex, num_drafts: int) -> list[int]:
+        return self.propose_match(idx, num_drafts)[0]
+
+    def draft_match(self, session_id: str, tokens: list[int], num_drafts: int,
+                    keep: set[str] = frozenset()) -> tuple[list[int], int]:
+        """Drafts for a session holding ``tokens``, and the length of the n-gram they continue."""
         idx = self.get(session_id, create=True, keep=keep)
         idx.set_tokens(tokens)
-        return self.propose(idx, num_drafts)
+        return self.propose_match(idx, num_drafts)
+
+    def draft(self, session_id: str, tokens: list[int], num_drafts: int, keep: set[str] = frozenset()) -> list[int]:
+        return self.draft_match(session_id, tokens, num_drafts, keep)[0]
 
     def release(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)

@@ -629,11 +629,11 @@ class SpyLookup(LookupTable):
         super().__init__(**kw)
         self.log = log
 
-    def draft(self, session_id, tokens, num_drafts, keep=frozenset()):
-        drafts = super().draft(session_id, tokens, num_drafts, keep)
+    def draft_match(self, session_id, tokens, num_drafts, keep=frozenset()):
+        drafts, match = super().draft_match(session_id, tokens, num_drafts, keep)
         if drafts:
             self.log.append(("lookup", session_id))
-        return drafts
+        return drafts, match
 
 
 class LoggingDrafter(FakeDrafter):

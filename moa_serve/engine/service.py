@@ -18,7 +18,9 @@ kept and retried before the group's next round. Nothing committed is ever lost o
 Speculation never loses at scale: a round's verify width is bounded by
 ``speculation_token_budget`` (see ``rounds.speculation_cap``), so K shrinks as the batch grows
 and turns off when verification stops being nearly free; each session's adaptive K still applies
-below that cap.
+below that cap. Within it, a drafter pool's drafts are governed round by round (``governor``);
+prompt-lookup drafts session by session and token by token (``draft_gate``: a draft is verified
+when its measured chance of acceptance outweighs the measured price of one more verify row).
 
 Client-server mode: a *remote* session (``submit(..., remote=True)``) drafts on the user's
 device. It joins a round only when its client has proposed drafts (``verify_remote``): the
@@ -39,6 +41,7 @@ import torch
 from moa_serve.drafter.lookup import LookupTable
 from moa_serve.drafter.proposer import DraftRequest, DraftResult
 from moa_serve.engine import rounds
+from moa_serve.engine.draft_gate import DraftGate
 from moa_serve.engine.governor import SpeculationGovernor
 from moa_serve.engine.session import Session
 from moa_serve.verifier.api import VerifyRequest, VerifyResult
@@ -224,9 +227,11 @@ class RoundService:
         self.groups = list(groups) if groups is not None else list(range(num_groups))
         if not self.groups or len(set(self.groups)) != len(self.groups):
             raise ValueError(f"session groups must be a non-empty list of distinct keys: {self.groups!r}")
-        # per group: speculate only in the rounds where it measurably pays (see governor.py)
+        # per group: a drafter pool's drafts only in the rounds where they measurably pay
+        # (governor.py); prompt-lookup drafts only where each one measurably pays (draft_gate.py)
         self._governors = ({g: SpeculationGovernor() for g in self.groups}
-                           if speculation_governor and (draft is not None or lookup is not None) else {})
+                           if speculation_governor and draft is not None else {})
+        self._gates = {g: DraftGate() for g in self.groups} if speculation_governor and lookup is not None else {}
         self.max_sessions_per_round = max_sessions_per_round
         self.max_queued = max_queued
         self.verify_retries = verify_retries
@@ -250,6 +255,10 @@ class RoundService:
     def governor_snapshot(self) -> dict:
         """Measured ms per committed token with speculation on/off, per group and batch bucket."""
         return {str(g): gov.snapshot() for g, gov in self._governors.items()}
+
+    def draft_gate_snapshot(self) -> dict:
+        """Per group: lookup drafts offered / kept, the fitted verify cost, acceptance by match length."""
+        return {str(g): gate.snapshot() for g, gate in self._gates.items()}
 
     @property
     def num_groups(self) -> int:
@@ -397,6 +406,8 @@ class RoundService:
         for t in done:
             if self.lookup is not None:
                 self.lookup.release(t.session.id)
+            if g in self._gates:
+                self._gates[g].release(t.session.id)
             if t.session.finish_reason == "abort":
                 t.emit(TokenEvent([], "abort"))
             self._pending_release[g][t.session.id] = 0
@@ -440,13 +451,16 @@ class RoundService:
             cap = 0
         profile = RoundProfile(g, len(batch), speculation_cap=cap, release_s=release_s)
         remote = {t.session.id: t.pending.drafts for t in batch if t.remote and t.pending.drafts.drafts}
-        drafts = await self._draft_round(g, by_id, [t.session for t in batch if not t.remote], cap, profile)
+        matches: dict[str, int] = {}  # lookup-drafted sessions -> length of the n-gram they continue
+        local = [t.session for t in batch if not t.remote]
+        drafts = await self._draft_round(g, by_id, local, cap, profile, self._decode_steps(batch, {}, False), matches)
         drafts.update(remote)  # drafted on the clients' devices
         want = self._features_wanted(g, batch, cap)
         steps = self._decode_steps(batch, drafts, want)
         t1 = time.perf_counter()
         results = await self._verify_round(g, by_id, sessions, drafts, profile, want, steps)
         t2 = time.perf_counter()
+        self._observe_gate(g, results, drafts, matches, t2 - t1, profile)
         self._note_reprefills(by_id, results, drafts, profile)
         self._publish(batch, rounds.commit(by_id, results, drafts), profile)
         t3 = time.perf_counter()
@@ -459,6 +473,21 @@ class RoundService:
             governor.observe(profile.sessions, profile.drafted_sessions > 0, profile.round_s, profile.tokens)
         self.observer.round_done(g, profile.sessions, profile.draft_s, profile.verify_s, profile.round_s)
         self.observer.round_profile(profile)
+
+    def _observe_gate(self, g: Hashable, results: dict[str, VerifyResult], drafts: dict[str, DraftResult],
+                      matches: dict[str, int], verify_s: float, profile: RoundProfile) -> None:
+        """Teaches the group's draft gate what the verify call cost (forwards, rows) and how the
+        lookup drafts fared."""
+        gate = self._gates.get(g)
+        if gate is None or not results:
+            return
+        for sid, match in matches.items():
+            r = results.get(sid)
+            if r is not None and r.tokens:
+                gate.observe_drafts(sid, match, len(drafts[sid].drafts), r.num_accepted)
+        if profile.resyncs == 0:  # a follow-up call would blur the timing
+            forwards = max(max(1, len(r.tokens) - r.num_accepted) for r in results.values())
+            gate.observe_call(forwards, sum(r.num_computed for r in results.values()), verify_s)
 
     def _decode_steps(self, batch: list[_Tracked], drafts: dict[str, DraftResult], want: bool | set[str]) -> int:
         """Multi-step decoding for small batches with nobody waiting. Sessions with drafts that
@@ -485,10 +514,11 @@ class RoundService:
         return {t.session.id for t in batch if t.remote}
 
     async def _draft_round(self, g, by_id: dict[str, Session], sessions: list[Session], cap: int | None,
-                           profile: RoundProfile) -> dict[str, DraftResult]:
+                           profile: RoundProfile, steps: int = 1,
+                           matches: dict[str, int] | None = None) -> dict[str, DraftResult]:
         """Drafts for the sessions worth it; any failure or timeout degrades the round to plain
         target decoding (and the drafter gets everything again next time)."""
-        local = self._lookup_drafts(sessions, cap)
+        local = self._lookup_drafts(g, sessions, cap, steps, matches if matches is not None else {})
         if self._draft is None:
             return local
         reqs = rounds.draft_requests([s for s in sessions if s.id not in local], cap,
@@ -512,18 +542,25 @@ class RoundService:
         profile.resyncs += n_resync
         return {**rounds.drafts_delivered(by_id, reqs, res), **local}
 
-    def _lookup_drafts(self, sessions: list[Session], cap: int | None) -> dict[str, DraftResult]:
+    def _lookup_drafts(self, g: Hashable, sessions: list[Session], cap: int | None, steps: int,
+                       matches: dict[str, int]) -> dict[str, DraftResult]:
         """Prompt-lookup drafts (one-hot: no probabilities) for the sessions whose last tokens
-        occurred before."""
+        occurred before, as many of each as the group's draft gate finds worth verifying in a
+        round of this size (``matches`` gets the n-gram length each continues)."""
         if self.lookup is None or cap == 0:
             return {}
+        gate = self._gates.get(g)
+        bar = gate.bar(len(sessions), steps) if gate is not None else None
         out, keep = {}, {s.id for s in sessions}
         for s in sessions:
             k = s.speculation_length(cap)
             if k > 0:
-                drafts = self.lookup.draft(s.id, s.tokens, k, keep)
+                drafts, match = self.lookup.draft_match(s.id, s.tokens, k, keep)
+                if gate is not None:
+                    drafts = drafts[:gate.keep(s.id, match, len(drafts), bar)]
                 if drafts:
                     out[s.id] = DraftResult(s.id, drafts)
+                    matches[s.id] = match
         return out
 
     async def _verify_round(self, g, by_id: dict[str, Session], sessions: list[Session],
