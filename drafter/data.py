@@ -114,6 +114,13 @@ def top_vocab(examples: list[Example], size: int, always: list[int] = ()) -> tup
     return torch.tensor(sorted(keep), dtype=torch.long), covered
 
 
+def vocab_coverage(examples: list[Example], vocab: torch.Tensor) -> float:
+    """Share of the examples' response tokens that ``vocab`` holds."""
+    keep = set(vocab.tolist())
+    counts = Counter(t for e in examples for t, r in zip(e.ids, e.response) if r)
+    return sum(c for t, c in counts.items() if t in keep) / max(1, sum(counts.values()))
+
+
 def batches(examples: list[Example], batch_size: int, seed: int, pool: int = 16):
     """Endless stream of (tokens [B,S], response [B,S], valid [B,S]); sequences of similar length
     are batched together (padding is wasted compute on CPU)."""

@@ -6,46 +6,88 @@ learns the target's own distribution rather than the dataset authors'.
 writes two directories holding the *same* first-turn conversations, ready for ``data_dir`` of
 ``moa train``:
 
-- ``<out>/self/regenerated.jsonl``: the replies written by the target;
-- ``<out>/original/original.jsonl``: the dataset's own replies (the control arm of a
+- ``<out>/self/regenerated*.jsonl``: the replies written by the target;
+- ``<out>/original/original*.jsonl``: the dataset's own replies (the control arm of a
   self-distillation comparison at equal prompts and budget).
+
+It adds to what ``<out>`` already holds: prompts answered by an earlier run (of any session) are
+skipped and the new ones go to a new shard, written chunk by chunk, so an interrupted or
+time-boxed run (``--limit``) loses at most one chunk and the next one goes on from there. The
+sample is deterministic (``--per-file``, ``--seed``) and a larger ``--per-file`` holds the smaller
+one, so raising it only adds prompts.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 
+def _prompt_key(message: dict) -> str:
+    return f"{message.get('role')}\x00{message.get('content')}"
+
+
+def answered_prompts(self_dir: Path) -> set[str]:
+    """The first messages of the conversations already regenerated into ``self_dir``."""
+    done = set()
+    for p in sorted(self_dir.glob("*.jsonl")):
+        for line in p.read_text(encoding="utf-8").split("\n"):
+            if line.strip():
+                done.add(_prompt_key(json.loads(line)["messages"][0]))
+    return done
+
+
+def _next_shard(self_dir: Path) -> int:
+    return len(list(self_dir.glob("regenerated*.jsonl")))
+
+
 def regenerate(target: str, data_dir: str, out: str, per_file: int, max_new_tokens: int = 256,
-               batch: int = 16, dtype: str = "bfloat16", device: str = "cpu", seed: int = 0) -> Path:
+               batch: int = 16, dtype: str = "bfloat16", device: str = "cpu", seed: int = 0,
+               limit: int = 0) -> Path:
     from tqdm import tqdm
 
     from moa_serve.drafter.data import load_conversations, prompt_ids
     from moa_serve.engine.engine import SpeculativeEngine
 
-    if per_file < 1 or max_new_tokens < 1 or batch < 1:
-        raise ValueError("per_file, max_new_tokens and batch must be >= 1")
-    engine = SpeculativeEngine.load(target, None, dtype, device, max_sessions=batch, max_model_len=2048)
-    convs = [c[:2] for c in load_conversations(data_dir, per_file, seed)]
+    if per_file < 1 or max_new_tokens < 1 or batch < 1 or limit < 0:
+        raise ValueError("per_file, max_new_tokens and batch must be >= 1 and limit >= 0")
     root = Path(out)
     (root / "self").mkdir(parents=True, exist_ok=True)
     (root / "original").mkdir(parents=True, exist_ok=True)
+    done = answered_prompts(root / "self")
+    convs = [c[:2] for c in load_conversations(data_dir, per_file, seed)]
+    todo = [c for c in convs if _prompt_key(c[0]) not in done]
+    already = len(convs) - len(todo)
+    if limit:
+        todo = todo[:limit]
+    print(json.dumps({"event": "regenerate", "sampled": len(convs), "already_answered": already,
+                      "to_answer": len(todo)}), flush=True)
+    if not todo:
+        return root
+    engine = SpeculativeEngine.load(target, None, dtype, device, max_sessions=batch, max_model_len=2048)
+    shard = _next_shard(root / "self")
+    suffix = "" if shard == 0 else f"-{shard:03d}"
     chunk_size = batch * 4  # continuous batching inside a chunk; the chunk bounds lost work on interrupt
-    tokens = 0
-    with (root / "self" / "regenerated.jsonl").open("w") as f_self, \
-            (root / "original" / "original.jsonl").open("w") as f_orig, \
-            tqdm(total=len(convs), desc="regenerate", unit="conv") as bar:
-        for i in range(0, len(convs), chunk_size):
-            chunk = convs[i:i + chunk_size]
+    tokens, t0 = 0, time.perf_counter()
+    with (root / "self" / f"regenerated{suffix}.jsonl").open("w") as f_self, \
+            (root / "original" / f"original{suffix}.jsonl").open("w") as f_orig, \
+            tqdm(total=len(todo), desc="regenerate", unit="conv") as bar:
+        for i in range(0, len(todo), chunk_size):
+            chunk = todo[i:i + chunk_size]
             prompts = [prompt_ids(engine.tokenizer, c[:1])[-(engine.max_model_len - max_new_tokens - 1):]
                        for c in chunk]
             for c, res in zip(chunk, engine.generate(prompts, max_new_tokens)):
                 f_self.write(json.dumps({"messages": [c[0], {"role": "assistant", "content": res.text}]}) + "\n")
                 f_orig.write(json.dumps({"messages": c}) + "\n")
                 tokens += res.num_tokens
+            f_self.flush()
+            f_orig.flush()
             bar.update(len(chunk))
             bar.set_postfix(tokens=tokens, tok_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
+    wall = time.perf_counter() - t0
+    print(json.dumps({"event": "done", "answered": len(todo), "tokens": tokens, "wall_s": round(wall, 1),
+                      "tokens_per_s": round(tokens / wall, 1)}), flush=True)
     return root
 
 
@@ -59,6 +101,8 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=0,
+                   help="answer at most this many prompts not yet in --out (0: all); a later run goes on")
     p.add_argument("--out", required=True)
     p.set_defaults(func=lambda a: print(regenerate(a.target, a.data_dir, a.out, a.per_file, a.max_new_tokens,
-                                                   a.batch, a.dtype, a.device, a.seed)) or 0)
+                                                   a.batch, a.dtype, a.device, a.seed, a.limit)) or 0)

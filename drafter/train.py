@@ -32,9 +32,9 @@ import yaml
 
 from moa_serve.drafter import masks
 from moa_serve.drafter.baselines import build_baseline
-from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, save_drafter
+from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter, save_drafter
 from moa_serve.drafter.config import DrafterConfig
-from moa_serve.drafter.data import batches, build_examples, load_conversations, top_vocab
+from moa_serve.drafter.data import batches, build_examples, load_conversations, top_vocab, vocab_coverage
 from moa_serve.drafter.model import MoADrafter, TargetParts, init_weights
 from moa_serve.models import load_state_dict, load_tokenizer, read_config, resolve_model_path
 from moa_serve.verifier.target_model import TargetArch, TargetModel
@@ -46,7 +46,7 @@ DEFAULTS = dict(
     warmup_steps=20, weight_decay=0.0, betas=[0.9, 0.95], grad_clip=1.0, kl_weight=0.1, period_min=6,
     period_max=14, staircase=True, eagle_noise=0.1, amp="float32", target_dtype="bfloat16", max_prompt=0, device="cpu", threads=2, seed=0,
     out_dir="runs/drafters", export_dir="runs/drafters/export", export_prefix="drafter", save_every_min=5.0,
-    log_every=5, init_seed=0,
+    log_every=5, init_seed=0, init_from=None,
 )
 
 
@@ -107,7 +107,13 @@ class Trainer:
         vsize = int(cfg["draft_vocab_size"])
         stops = [t for t in {self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>")}
                  if isinstance(t, int) and 0 <= t < self.arch.vocab_size]
-        if vsize and vsize < self.arch.vocab_size:
+        # warm start: the drafters (and their draft vocabulary) of an earlier run's exported checkpoints
+        self.init = self._warm_start_states(cfg) if cfg.get("init_from") else {}
+        if self.init:
+            vocab = next(iter(self.init.values()))[1].get(DRAFT_VOCAB_KEY)
+            self.vocab = vocab.long() if vocab is not None else None
+            self.vocab_coverage = vocab_coverage(self.examples, self.vocab) if vocab is not None else 1.0
+        elif vsize and vsize < self.arch.vocab_size:
             self.vocab, self.vocab_coverage = top_vocab(self.examples, vsize, stops)
         else:
             self.vocab, self.vocab_coverage = None, 1.0
@@ -124,6 +130,9 @@ class Trainer:
                                  num_layers=int(cfg["independent_layers"]) if kind == "independent" else 0)
             m = MoADrafter(dcfg) if kind == "moa" else build_baseline(dcfg)
             init_weights(m, seed=cfg["init_seed"])
+            if kind in self.init:
+                state = {k: v for k, v in self.init[kind][1].items() if k != DRAFT_VOCAB_KEY}
+                m.load_flat_state_dict(state) if kind == "moa" else m.load_state_dict(state)
             self.models[kind] = m.to(self.device).train()
             self.cfgs[kind] = dcfg
         self.opts = {k: torch.optim.AdamW(m.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]),
@@ -134,6 +143,24 @@ class Trainer:
         self.history: list[dict] = []
         self.out = Path(cfg["out_dir"])
         self.rng = random.Random(cfg["seed"])
+
+    def _warm_start_states(self, cfg: dict) -> dict[str, tuple[DrafterConfig, dict]]:
+        """``init_from``: the folder of exported checkpoints (``<export_prefix>-<kind>``) to start
+        from, so that a later session continues the shipped drafters on more data instead of
+        starting over. Their draft vocabulary is kept (the LM head rows they learned)."""
+        out = {}
+        for kind in cfg["drafters"]:
+            path = Path(cfg["init_from"]) / f"{cfg['export_prefix']}-{kind}"
+            dcfg, state = load_drafter(str(path))
+            if dcfg.kind != kind or dcfg.target_layer_inference != (self.tli if kind == "moa" else 0):
+                raise ValueError(f"init_from {path}: a {dcfg.kind} drafter with TLI {dcfg.target_layer_inference}, "
+                                 f"not the {kind} drafter this config trains")
+            out[kind] = (dcfg, state)
+        vocabs = [st.get(DRAFT_VOCAB_KEY) for _, st in out.values()]
+        if any(v is None for v in vocabs) != all(v is None for v in vocabs) or \
+                any(v is not None and not torch.equal(v, vocabs[0]) for v in vocabs):
+            raise ValueError(f"init_from {cfg['init_from']}: the drafters' draft vocabularies differ")
+        return out
 
     # ------------------------------------------------------------------ state
     def state_path(self) -> Path:

@@ -198,6 +198,59 @@ def test_regenerate_writes_target_replies_and_matching_originals(tmp_path, stori
         assert r[1]["content"] == tok.decode(ref[0, len(ids):], skip_special_tokens=True)
 
 
+def test_regenerate_goes_on_where_an_earlier_run_stopped(tmp_path, stories_path):
+    """--limit answers part of the sample; the next run answers only the prompts not yet answered,
+    into a new shard; a third run has nothing left to do."""
+    from moa_serve.drafter.data import load_conversations
+    from moa_serve.drafter.regenerate import regenerate
+
+    data = tmp_path / "data"
+    data.mkdir()
+    convs = [[{"role": "user", "content": f"Tell me a story about a {w}."},
+              {"role": "assistant", "content": f"Once upon a time there was a {w}."}]
+             for w in ("cat", "dog", "bird", "frog", "tree", "fox", "owl")]
+    (data / "toy.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    out = tmp_path / "out"
+    kw = dict(per_file=7, max_new_tokens=4, batch=2, dtype="float32")
+    regenerate(str(stories_path), str(data), str(out), limit=3, **kw)
+    regenerate(str(stories_path), str(data), str(out), **kw)
+    regenerate(str(stories_path), str(data), str(out), **kw)  # nothing left: no new shard
+    shards = sorted(p.name for p in (out / "self").glob("*.jsonl"))
+    assert shards == ["regenerated-001.jsonl", "regenerated.jsonl"]
+    firsts = [len((out / "self" / n).read_text().splitlines()) for n in ("regenerated.jsonl", "regenerated-001.jsonl")]
+    assert firsts == [3, 4]
+    got = sorted(c[0]["content"] for c in load_conversations(out / "self"))
+    assert got == sorted(c[0]["content"] for c in convs)  # every prompt once
+    orig = sorted(json.dumps(c) for c in load_conversations(out / "original"))
+    assert orig == sorted(json.dumps(c) for c in convs)
+
+
+def test_training_warm_starts_from_exported_checkpoints(tmp_path, stories_path):
+    """init_from: a new run starts from an earlier run's exported drafters (weights and draft
+    vocabulary), not from scratch; a folder of the wrong kind is refused."""
+    from moa_serve.drafter.train import Trainer
+
+    first = Trainer(_tiny_cfg(tmp_path / "a", stories_path, max_steps=3))
+    first.train(progress_bar=False)
+    cfg = _tiny_cfg(tmp_path / "b", stories_path, max_steps=1, init_from=str(tmp_path / "a" / "export"),
+                    draft_vocab_size=64, seed=3)
+    warm = Trainer(cfg)
+    assert torch.equal(warm.vocab, first.vocab)  # kept, though this config asks for another size
+    for kind in ("moa", "eagle", "independent"):
+        for a, b in zip(first.models[kind].state_dict().values(), warm.models[kind].state_dict().values()):
+            assert torch.allclose(a.float(), b.float(), atol=1e-2)  # bf16 checkpoint
+    cold = Trainer({**cfg, "init_from": None})
+    assert not torch.equal(next(cold.models["moa"].parameters()), next(warm.models["moa"].parameters()))
+    warm.train(progress_bar=False)
+    assert warm.step == 1
+    with pytest.raises(ValueError, match="not the eagle drafter"):
+        (tmp_path / "mixed").mkdir()
+        import shutil
+        shutil.copytree(tmp_path / "a" / "export" / "tiny-moa", tmp_path / "mixed" / "tiny-moa")
+        shutil.copytree(tmp_path / "a" / "export" / "tiny-independent", tmp_path / "mixed" / "tiny-eagle")
+        Trainer({**cfg, "init_from": str(tmp_path / "mixed"), "drafters": ["moa", "eagle"]})
+
+
 def test_training_without_data_names_the_data_dir(tmp_path, stories_path):
     from moa_serve.drafter.train import Trainer
 
