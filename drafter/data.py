@@ -81,20 +81,27 @@ class Example:
     response: list[bool]
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The JSON rows of a ``.jsonl`` file (blank lines skipped: row i is the i-th non-blank line)."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+
+
 def load_conversations(data_dir: str | Path, per_file: int = 0, seed: int = 0,
-                       files: list[str] | None = None) -> list[list[dict]]:
-    """Conversations from every ``*.jsonl`` of ``data_dir`` (at most ``per_file`` each, sampled)."""
+                       files: list[str] | None = None, with_source: bool = False) -> list:
+    """Conversations from every ``*.jsonl`` of ``data_dir`` (at most ``per_file`` each, sampled;
+    a larger ``per_file`` keeps the smaller one's sample). ``with_source``: (messages,
+    ``{"file": name, "row": i}``) pairs instead."""
     rng = random.Random(seed)
     out = []
     paths = sorted(Path(data_dir).glob("*.jsonl"))
     if files:
         paths = [p for p in paths if p.stem in files or p.name in files]
     for p in paths:
-        rows = [json.loads(line)["messages"] for line in p.read_text(encoding="utf-8").split("\n") if line.strip()]
+        rows = [(r["messages"], {"file": p.name, "row": i}) for i, r in enumerate(read_rows(p))]
         rng.shuffle(rows)
         out += rows[:per_file] if per_file else rows
     rng.shuffle(out)
-    return out
+    return out if with_source else [m for m, _ in out]
 
 
 def build_examples(tok, conversations, max_len: int, min_response: int = 4, max_prompt: int = 0) -> list[Example]:

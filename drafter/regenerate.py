@@ -15,10 +15,18 @@ skipped and the new ones go to a new shard, written chunk by chunk, so an interr
 time-boxed run (``--limit``) loses at most one chunk and the next one goes on from there. The
 sample is deterministic (``--per-file``, ``--seed``) and a larger ``--per-file`` holds the smaller
 one, so raising it only adds prompts.
+
+``--pack FILE`` stores what ``<out>/self`` holds compactly (gzip): per conversation its source
+(file and row of the corpus) and the target's reply — no text of the corpus, which stays where it
+is. ``--unpack FILE`` rebuilds ``<out>`` from it and the corpus (``--data-dir``), checking that each
+referenced row still holds the prompt it held, so a later session trains on hours of regenerated
+replies without regenerating them, and goes on from there.
 """
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -42,6 +50,59 @@ def _next_shard(self_dir: Path) -> int:
     return len(list(self_dir.glob("regenerated*.jsonl")))
 
 
+def _digest(message: dict) -> str:
+    return hashlib.sha256(_prompt_key(message).encode()).hexdigest()[:16]
+
+
+def pack(out: str, path: str) -> int:
+    """Writes ``<out>/self``'s conversations as (source, prompt digest, reply) lines, gzipped;
+    returns how many (conversations without a recorded source are left out)."""
+    from moa_serve.drafter.data import read_rows
+
+    n = 0
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for shard in sorted(Path(out, "self").glob("*.jsonl")):
+            for row in read_rows(shard):
+                src, msgs = row.get("source"), row["messages"]
+                if src is None:
+                    continue
+                f.write(json.dumps({**src, "prompt_sha": _digest(msgs[0]), "reply": msgs[1]["content"]}) + "\n")
+                n += 1
+    return n
+
+
+def unpack(path: str, data_dir: str, out: str) -> Path:
+    """Rebuilds ``<out>/self`` and ``<out>/original`` from a pack and the corpus it refers to."""
+    from moa_serve.drafter.data import read_rows
+
+    root = Path(out)
+    (root / "self").mkdir(parents=True, exist_ok=True)
+    (root / "original").mkdir(parents=True, exist_ok=True)
+    shard = _next_shard(root / "self")
+    suffix = "" if shard == 0 else f"-{shard:03d}"
+    sources: dict[str, list[dict]] = {}
+    with gzip.open(path, "rt", encoding="utf-8") as f, \
+            (root / "self" / f"regenerated{suffix}.jsonl").open("w") as f_self, \
+            (root / "original" / f"original{suffix}.jsonl").open("w") as f_orig:
+        for line_no, line in enumerate(f, 1):
+            e = json.loads(line)
+            if e["file"] not in sources:
+                src = Path(data_dir) / e["file"]
+                if not src.is_file():
+                    raise FileNotFoundError(f"{path} line {line_no}: the corpus file {src} is missing")
+                sources[e["file"]] = read_rows(src)
+            rows = sources[e["file"]]
+            conv = rows[e["row"]]["messages"][:2] if e["row"] < len(rows) else None
+            if conv is None or _digest(conv[0]) != e["prompt_sha"]:
+                raise ValueError(f"{path} line {line_no}: row {e['row']} of {e['file']} no longer holds the "
+                                 "prompt that was answered (the corpus changed)")
+            source = {"file": e["file"], "row": e["row"]}
+            f_self.write(json.dumps({"messages": [conv[0], {"role": "assistant", "content": e["reply"]}],
+                                     "source": source}) + "\n")
+            f_orig.write(json.dumps({"messages": conv, "source": source}) + "\n")
+    return root
+
+
 def regenerate(target: str, data_dir: str, out: str, per_file: int, max_new_tokens: int = 256,
                batch: int = 16, dtype: str = "bfloat16", device: str = "cpu", seed: int = 0,
                limit: int = 0) -> Path:
@@ -56,8 +117,8 @@ def regenerate(target: str, data_dir: str, out: str, per_file: int, max_new_toke
     (root / "self").mkdir(parents=True, exist_ok=True)
     (root / "original").mkdir(parents=True, exist_ok=True)
     done = answered_prompts(root / "self")
-    convs = [c[:2] for c in load_conversations(data_dir, per_file, seed)]
-    todo = [c for c in convs if _prompt_key(c[0]) not in done]
+    convs = [(c[:2], src) for c, src in load_conversations(data_dir, per_file, seed, with_source=True)]
+    todo = [(c, src) for c, src in convs if _prompt_key(c[0]) not in done]
     already = len(convs) - len(todo)
     if limit:
         todo = todo[:limit]
@@ -76,10 +137,11 @@ def regenerate(target: str, data_dir: str, out: str, per_file: int, max_new_toke
         for i in range(0, len(todo), chunk_size):
             chunk = todo[i:i + chunk_size]
             prompts = [prompt_ids(engine.tokenizer, c[:1])[-(engine.max_model_len - max_new_tokens - 1):]
-                       for c in chunk]
-            for c, res in zip(chunk, engine.generate(prompts, max_new_tokens)):
-                f_self.write(json.dumps({"messages": [c[0], {"role": "assistant", "content": res.text}]}) + "\n")
-                f_orig.write(json.dumps({"messages": c}) + "\n")
+                       for c, _ in chunk]
+            for (c, src), res in zip(chunk, engine.generate(prompts, max_new_tokens)):
+                f_self.write(json.dumps({"messages": [c[0], {"role": "assistant", "content": res.text}],
+                                         "source": src}) + "\n")
+                f_orig.write(json.dumps({"messages": c, "source": src}) + "\n")
                 tokens += res.num_tokens
             f_self.flush()
             f_orig.flush()
@@ -104,5 +166,20 @@ def register(sub) -> None:
     p.add_argument("--limit", type=int, default=0,
                    help="answer at most this many prompts not yet in --out (0: all); a later run goes on")
     p.add_argument("--out", required=True)
-    p.set_defaults(func=lambda a: print(regenerate(a.target, a.data_dir, a.out, a.per_file, a.max_new_tokens,
-                                                   a.batch, a.dtype, a.device, a.seed, a.limit)) or 0)
+    p.add_argument("--pack", metavar="FILE", help="instead: store --out's regenerated replies compactly (gzip; "
+                   "sources + replies, no corpus text)")
+    p.add_argument("--unpack", metavar="FILE", help="instead: rebuild --out from a pack and --data-dir")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(a) -> int:
+    if a.pack and a.unpack:
+        raise SystemExit("moa regenerate: --pack and --unpack are exclusive")
+    if a.pack:
+        print(json.dumps({"event": "packed", "conversations": pack(a.out, a.pack), "file": a.pack}))
+    elif a.unpack:
+        print(unpack(a.unpack, a.data_dir, a.out))
+    else:
+        print(regenerate(a.target, a.data_dir, a.out, a.per_file, a.max_new_tokens, a.batch, a.dtype, a.device,
+                         a.seed, a.limit))
+    return 0

@@ -1,6 +1,7 @@
 """Drafter distillation: masks, a few training steps, checkpoint round trip + resume, and the
 baseline proposers' losslessness."""
 
+import gzip
 import json
 
 import pytest
@@ -206,9 +207,9 @@ def test_regenerate_goes_on_where_an_earlier_run_stopped(tmp_path, stories_path)
 
     data = tmp_path / "data"
     data.mkdir()
-    convs = [[{"role": "user", "content": f"Tell me a story about a {w}."},
-              {"role": "assistant", "content": f"Once upon a time there was a {w}."}]
-             for w in ("cat", "dog", "bird", "frog", "tree", "fox", "owl")]
+    convs = [[{"role": "user", "content": f"Tell me a story about a {w} (prompt {i})."},
+              {"role": "assistant", "content": f"Dataset reply {i} about a {w}."}]
+             for i, w in enumerate(("cat", "dog", "bird", "frog", "tree", "fox", "owl"))]
     (data / "toy.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
     out = tmp_path / "out"
     kw = dict(per_file=7, max_new_tokens=4, batch=2, dtype="float32")
@@ -223,6 +224,25 @@ def test_regenerate_goes_on_where_an_earlier_run_stopped(tmp_path, stories_path)
     assert got == sorted(c[0]["content"] for c in convs)  # every prompt once
     orig = sorted(json.dumps(c) for c in load_conversations(out / "original"))
     assert orig == sorted(json.dumps(c) for c in convs)
+
+    # pack: sources + replies only (no corpus text); unpack rebuilds the same data from the corpus
+    from moa_serve.drafter.regenerate import pack, unpack
+
+    packed = tmp_path / "pack.jsonl.gz"
+    assert pack(str(out), str(packed)) == 7
+    raw = gzip.decompress(packed.read_bytes()).decode()
+    assert not any(m["content"] in raw for c in convs for m in c)  # the corpus's text stays in the corpus
+    again = unpack(str(packed), str(data), str(tmp_path / "again"))
+    for part in ("self", "original"):
+        assert sorted(json.dumps(c) for c in load_conversations(again / part)) == \
+            sorted(json.dumps(c) for c in load_conversations(out / part))
+    # a later run goes on from unpacked data: nothing left to answer
+    regenerate(str(stories_path), str(data), str(again), **kw)
+    assert len(list((again / "self").glob("*.jsonl"))) == 1
+    # a corpus that changed under the pack is refused, naming the row
+    (data / "toy.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in reversed(convs)))
+    with pytest.raises(ValueError, match="row .* of toy.jsonl no longer holds"):
+        unpack(str(packed), str(data), str(tmp_path / "changed"))
 
 
 def test_training_warm_starts_from_exported_checkpoints(tmp_path, stories_path):
