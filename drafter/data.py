@@ -113,19 +113,24 @@ def build_examples(tok, conversations, max_len: int, min_response: int = 4, max_
     return out
 
 
+def _response_counts(examples: list[Example]) -> Counter:
+    return Counter(t for e in examples for t, r in zip(e.ids, e.response) if r)
+
+
+def _share(counts: Counter, keep) -> float:
+    return sum(counts[t] for t in set(keep)) / max(1, sum(counts.values()))
+
+
 def top_vocab(examples: list[Example], size: int, always: list[int] = ()) -> tuple[torch.Tensor, float]:
     """Most frequent response tokens (plus ``always``), sorted ids, and their share of response tokens."""
-    counts = Counter(t for e in examples for t, r in zip(e.ids, e.response) if r)
+    counts = _response_counts(examples)
     keep = list(dict.fromkeys(list(always) + [t for t, _ in counts.most_common(size)]))[:size]
-    covered = sum(counts[t] for t in keep) / max(1, sum(counts.values()))
-    return torch.tensor(sorted(keep), dtype=torch.long), covered
+    return torch.tensor(sorted(keep), dtype=torch.long), _share(counts, keep)
 
 
 def vocab_coverage(examples: list[Example], vocab: torch.Tensor) -> float:
     """Share of the examples' response tokens that ``vocab`` holds."""
-    keep = set(vocab.tolist())
-    counts = Counter(t for e in examples for t, r in zip(e.ids, e.response) if r)
-    return sum(c for t, c in counts.items() if t in keep) / max(1, sum(counts.values()))
+    return _share(_response_counts(examples), vocab.tolist())
 
 
 def batches(examples: list[Example], batch_size: int, seed: int, pool: int = 16):

@@ -38,16 +38,18 @@ def _prompt_key(message: dict) -> str:
 
 def answered_prompts(self_dir: Path) -> set[str]:
     """The first messages of the conversations already regenerated into ``self_dir``."""
-    done = set()
-    for p in sorted(self_dir.glob("*.jsonl")):
-        for line in p.read_text(encoding="utf-8").split("\n"):
-            if line.strip():
-                done.add(_prompt_key(json.loads(line)["messages"][0]))
-    return done
+    from moa_serve.drafter.data import read_rows
+
+    return {_prompt_key(row["messages"][0]) for p in sorted(self_dir.glob("*.jsonl")) for row in read_rows(p)}
 
 
-def _next_shard(self_dir: Path) -> int:
-    return len(list(self_dir.glob("regenerated*.jsonl")))
+def _new_shard(root: Path) -> tuple[Path, Path]:
+    """Paths of the next (self, original) shard pair under ``root`` (folders created)."""
+    (root / "self").mkdir(parents=True, exist_ok=True)
+    (root / "original").mkdir(parents=True, exist_ok=True)
+    shard = len(list((root / "self").glob("regenerated*.jsonl")))
+    suffix = "" if shard == 0 else f"-{shard:03d}"
+    return root / "self" / f"regenerated{suffix}.jsonl", root / "original" / f"original{suffix}.jsonl"
 
 
 def _digest(message: dict) -> str:
@@ -76,14 +78,9 @@ def unpack(path: str, data_dir: str, out: str) -> Path:
     from moa_serve.drafter.data import read_rows
 
     root = Path(out)
-    (root / "self").mkdir(parents=True, exist_ok=True)
-    (root / "original").mkdir(parents=True, exist_ok=True)
-    shard = _next_shard(root / "self")
-    suffix = "" if shard == 0 else f"-{shard:03d}"
+    self_path, orig_path = _new_shard(root)
     sources: dict[str, list[dict]] = {}
-    with gzip.open(path, "rt", encoding="utf-8") as f, \
-            (root / "self" / f"regenerated{suffix}.jsonl").open("w") as f_self, \
-            (root / "original" / f"original{suffix}.jsonl").open("w") as f_orig:
+    with gzip.open(path, "rt", encoding="utf-8") as f, self_path.open("w") as f_self, orig_path.open("w") as f_orig:
         for line_no, line in enumerate(f, 1):
             e = json.loads(line)
             if e["file"] not in sources:
@@ -114,8 +111,6 @@ def regenerate(target: str, data_dir: str, out: str, per_file: int, max_new_toke
     if per_file < 1 or max_new_tokens < 1 or batch < 1 or limit < 0:
         raise ValueError("per_file, max_new_tokens and batch must be >= 1 and limit >= 0")
     root = Path(out)
-    (root / "self").mkdir(parents=True, exist_ok=True)
-    (root / "original").mkdir(parents=True, exist_ok=True)
     done = answered_prompts(root / "self")
     convs = [(c[:2], src) for c, src in load_conversations(data_dir, per_file, seed, with_source=True)]
     todo = [(c, src) for c, src in convs if _prompt_key(c[0]) not in done]
@@ -127,12 +122,10 @@ def regenerate(target: str, data_dir: str, out: str, per_file: int, max_new_toke
     if not todo:
         return root
     engine = SpeculativeEngine.load(target, None, dtype, device, max_sessions=batch, max_model_len=2048)
-    shard = _next_shard(root / "self")
-    suffix = "" if shard == 0 else f"-{shard:03d}"
+    self_path, orig_path = _new_shard(root)
     chunk_size = batch * 4  # continuous batching inside a chunk; the chunk bounds lost work on interrupt
     tokens, t0 = 0, time.perf_counter()
-    with (root / "self" / f"regenerated{suffix}.jsonl").open("w") as f_self, \
-            (root / "original" / f"original{suffix}.jsonl").open("w") as f_orig, \
+    with self_path.open("w") as f_self, orig_path.open("w") as f_orig, \
             tqdm(total=len(todo), desc="regenerate", unit="conv") as bar:
         for i in range(0, len(todo), chunk_size):
             chunk = todo[i:i + chunk_size]

@@ -102,7 +102,8 @@ def verify_requests(sessions: list[Session], drafts: dict[str, DraftResult],
         out.append(VerifyRequest(s.id, s.tokens[s.verifier_base:], list(d.drafts) if d else [],
                                  d.probs if d is not None else None, s.sampling, want,
                                  base=s.verifier_base, features_from=s.num_features if want else None,
-                                 decode_steps=steps, max_tokens=room if steps > 1 else 0, stop_token_ids=tuple(sorted(s.stop_token_ids))))
+                                 decode_steps=steps, max_tokens=room if steps > 1 else 0,
+                                 stop_token_ids=tuple(sorted(s.stop_token_ids))))
     return out
 
 
