@@ -102,6 +102,7 @@ class _BaselineProposer(ProposerBase):
                                  self.dtype, self.device)
         self._init_lm_head(cfg, draft_vocab)
         self._init_sessions(max_sessions, max_model_len)
+        self.fused = self._pack_layers(self.model, list(self._layers()), sh)
 
     @classmethod
     def load(cls, drafter: str, target: str | None = None, dtype="float32", device="cpu", max_sessions=16,
@@ -141,7 +142,7 @@ class _BaselineProposer(ProposerBase):
         positions = self.cache.positions_for(slots, tokens.shape[1]).to(self.device)
         x = self._inputs(ctx, batch, tokens, step, feed)
         cos, sin = self.parts.rotary(positions, x.dtype)
-        x = self._final(self.cache.run_layers(self._layers(), x, cos, sin, slots, qlens))
+        x = self._final(self._run_layers(self.cache, self.fused, list(self._layers()), x, cos, sin, slots, qlens))
         self.cache.lengths[slots] += qlens
         ctx["prev"] = out = last_position(x, qlens)[:, 0]
         return out

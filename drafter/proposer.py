@@ -26,7 +26,7 @@ from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.model import DraftHead, MoADrafter, TargetParts
 from moa_serve.engine.sampling import GREEDY, SamplingParams
-from moa_serve.kernels.packed import packed_lm_head
+from moa_serve.kernels.packed import FusedStack, fuse_projections, pack_bf16_exact, packed_lm_head
 from moa_serve.kv_cache import SlotKVCache
 from moa_serve.models import load_selected_tensors, parse_dtype, read_config, resolve_model_path
 from moa_serve.verifier.acceptance import generator_for, sample, warp_probs
@@ -146,6 +146,38 @@ class ProposerBase:
             flat = hidden.reshape(-1, hidden.shape[-1]).float()
             return self.lm_head_packed.matmul_t(flat).reshape(*hidden.shape[:-1], -1)
         return (hidden @ self.lm_head_weight.T).float()
+
+    def _pack_layers(self, module: torch.nn.Module, layers: list, shape) -> FusedStack | None:
+        """A float32 CPU drafter whose weights are bf16 values (checkpoints are stored in bf16)
+        drafts through the packed kernels: every projection of ``module`` reads the same weights
+        as bf16 (half the bytes) and its decoder ``layers`` run as one fused kernel call per step
+        instead of ~40 small torch ops per layer (drafting one token at a time is bound by those,
+        not by arithmetic). Returns the fused layers, or None (the torch path)."""
+        if self.dtype != torch.float32 or self.device.type != "cpu" or not pack_bf16_exact(module)["packed"]:
+            return None
+        fuse_projections(layers)
+        return FusedStack.for_layers(shape, layers)
+
+    @staticmethod
+    def _run_layers(cache: SlotKVCache, fused: FusedStack | None, layers: list, x: torch.Tensor, cos, sin,
+                    slots: torch.Tensor, qlens: torch.Tensor) -> torch.Tensor:
+        """``cache.run_layers`` over the ragged batch x [B, T, H] (session b's first qlens[b] tokens
+        are real), through the fused kernel when there is one: only the real tokens go in, padded
+        rows come back as zeros (their outputs are never read)."""
+        if fused is None or not fused.usable(x, cache):
+            return cache.run_layers(layers, x, cos, sin, slots, qlens)
+        b, t, h = x.shape
+        positions = cache.positions_for(slots, t).clamp(max=cache.max_len)
+        if t == 1:
+            y = fused(x.reshape(b, h).contiguous(), cos[:, 0, 0].contiguous(), sin[:, 0, 0].contiguous(),
+                      cache, slots, positions[:, 0])
+            return y.reshape(b, 1, h)
+        real = torch.arange(t)[None, :] < qlens[:, None]
+        y = fused(x[real].contiguous(), cos[:, 0][real].contiguous(), sin[:, 0][real].contiguous(), cache,
+                  slots.repeat_interleave(qlens), positions[real])
+        out = x.new_zeros(b, t, h)
+        out[real] = y
+        return out
 
     def _init_sessions(self, max_sessions: int, max_model_len: int) -> None:
         self.max_sessions = max_sessions
@@ -305,6 +337,8 @@ class MoAProposer(ProposerBase):
                                     self.dtype, self.device)
         self._init_lm_head(cfg, draft_vocab)
         self._init_sessions(max_sessions, max_model_len)
+        self.sa_fused = self._pack_layers(self.head, [self.head.self_attention], cfg.sa_shape())
+        fuse_projections([self.head.cross_attention])  # its MLP's gate/up, when packed
 
     @classmethod
     def load(cls, drafter: str, target: str | None = None, dtype="float32", device="cpu", max_sessions=16,
@@ -368,7 +402,7 @@ class MoAProposer(ProposerBase):
         positions = self.sa_cache.positions_for(slots, tokens.shape[1]).to(self.device)
         x = self.parts.embed_tokens(tokens)
         cos, sin = self.parts.rotary(positions, x.dtype)
-        x = self.sa_cache.run_layers([self.head.self_attention], x, cos, sin, slots, qlens)
+        x = self._run_layers(self.sa_cache, self.sa_fused, [self.head.self_attention], x, cos, sin, slots, qlens)
         tli = len(self.parts.tli)
         if not tli and x.shape[1] > 1:  # only the last fed position drafts
             rows = torch.arange(len(batch), device=self.device)

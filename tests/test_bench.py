@@ -30,3 +30,16 @@ def test_bench_writes_results(tmp_path, stories_path, stories_drafter):
     assert spec["draft_ms_per_round"] > 0 and spec["verify_ms_per_round"] > 0
     assert out.with_suffix(".md").read_text().count("|") > 10
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_drafter_labels_tell_same_named_checkpoints_apart():
+    from moa_serve.bench import drafter_labels
+
+    labels = drafter_labels(["drafter/checkpoints/x-moa", "runs/A/export/x-moa", "runs/B/export/x-moa",
+                             "lookup", "hybrid:x-moa", "x-eagle"])
+    assert labels == {"drafter/checkpoints/x-moa": "checkpoints/x-moa", "runs/A/export/x-moa": "A/export/x-moa",
+                      "runs/B/export/x-moa": "B/export/x-moa", "lookup": "lookup",
+                      "hybrid:x-moa": "hybrid:x-moa", "x-eagle": "x-eagle"}
+    assert len(set(labels.values())) == len(labels)
+    with pytest.raises(ValueError, match="given twice"):
+        drafter_labels(["x-moa", "x-moa"])

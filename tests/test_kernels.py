@@ -169,14 +169,14 @@ def _pack_all_linears_q8_0(model) -> None:
 
 
 def _tiny_packed_model(tiny_model, fused: bool):
-    from moa_serve.kernels.packed import FusedStack, _fuse_projections
+    from moa_serve.kernels.packed import FusedStack, fuse_projections
     from moa_serve.models import load_state_dict, read_config
     from moa_serve.verifier.target_model import TargetModel
 
     model = TargetModel.from_state_dict(read_config(tiny_model), load_state_dict(tiny_model), torch.float32)
     _pack_all_linears_q8_0(model)  # a random Llama has no GGUF: quantize its matrices here
     if fused:
-        _fuse_projections(model)
+        fuse_projections(model.model.layers)
         model.fused_stack = FusedStack.build(model)
         assert model.fused_stack is not None
     return model

@@ -101,6 +101,45 @@ def test_deltas_draft_exactly_what_full_lists_draft(kind, smollm_target):
         assert a.sessions[sid].committed == ra.tokens[sid][:ra.base[sid]]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_fused_drafting_drafts_what_torch_layers_draft(kind, smollm_target, monkeypatch):
+    """The shipped checkpoints are bf16, so a float32 CPU proposer reads them through the packed
+    bf16 kernels with its decoder layers fused into one kernel call: over ragged rounds (sessions
+    feeding different numbers of tokens, rollbacks), greedy and sampled, it drafts what the same
+    weights draft through torch layers (packed linears, and plain float32 ``nn.Linear``), with
+    the same q up to float32 summation order."""
+    import moa_serve.drafter.proposer as proposer_module
+
+    fused = load_proposer(smollm_drafter(kind), target_model=smollm_target, max_sessions=3, max_model_len=128)
+    assert (fused.sa_fused if kind == "moa" else fused.fused) is not None
+    monkeypatch.setenv("MOA_FUSED_LAYERS", "off")
+    layers = load_proposer(smollm_drafter(kind), target_model=smollm_target, max_sessions=3, max_model_len=128)
+    monkeypatch.setattr(proposer_module, "pack_bf16_exact", lambda module: {"packed": 0})
+    plain = load_proposer(smollm_drafter(kind), target_model=smollm_target, max_sessions=3, max_model_len=128)
+    assert (layers.sa_fused if kind == "moa" else layers.fused) is None
+    assert not any(type(m).__name__ == "PackedLinear" for m in (plain.head if kind == "moa" else plain.model).modules())
+    props = (fused, layers, plain)
+    routers = [_Router(576) for _ in props]
+    prompts = {"x": [1, 504, 3300, 281, 1345, 30], "y": [1, 88, 2020, 1900, 17, 420, 4950, 11, 279]}
+    sampled = SamplingParams(temperature=0.8, seed=11)
+    for r in routers:
+        for i, (sid, prompt) in enumerate(prompts.items()):
+            r.add(sid, prompt, i)
+    for rnd in range(4):
+        out = []
+        for prop, r in zip(props, routers):
+            reqs = [r.request(sid, 4) for sid in prompts]
+            reqs[1].sampling = sampled
+            out.append(prop.propose(reqs))
+        for got in out[1:]:
+            assert [x.drafts for x in got] == [x.drafts for x in out[0]]
+            assert torch.allclose(got[1].probs, out[0][1].probs, atol=1e-5)
+        for r in routers:
+            for res in out[0]:
+                r.delivered(res)
+                r.commit(res.session_id, res.drafts[:rnd % 3] + [(res.drafts[0] + 7 + rnd) % 49152])
+
+
 def test_resync_when_the_replica_lacks_the_base(stories_drafter, stories_target):
     prop = MoAProposer.load(str(stories_drafter), target_model=stories_target, max_sessions=2, max_model_len=64)
     toks = list(range(40, 52))

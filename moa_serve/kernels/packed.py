@@ -213,7 +213,7 @@ def pack_target(model: nn.Module, path: Path) -> dict:
         packed += 1
         nbytes += matrix.nbytes
         dense_bytes += dense.numel() * 4
-    fused = _fuse_projections(model)
+    fused = fuse_projections(model.model.layers)
     model.fused_stack = FusedStack.build(model)
     if kept:
         log.warning("kept float32 for %d matrices: %s", len(kept), ", ".join(kept[:5]))
@@ -244,11 +244,38 @@ def pack_bf16(model: nn.Module) -> dict:
             setattr(parent, attr, PackedLinear(PackedMatrix.from_bf16(weight), bias, weight))
             packed += 1
             nbytes += weight.numel() * 2
-    fused = _fuse_projections(model)
+    fused = fuse_projections(model.model.layers)
     _share_fused_storage(model)
     if kept:
         log.warning("kept torch bf16 layers for %d matrices: %s", len(kept), ", ".join(kept[:5]))
     return {"packed": packed, "kept": kept, "bytes": nbytes, "dense_bytes": nbytes, "fused": fused}
+
+
+def pack_bf16_exact(module: nn.Module) -> dict:
+    """Swaps every float32 CPU linear layer of ``module`` (a drafter's halves) whose weights are
+    exactly bfloat16 values — drafter checkpoints are stored in bf16 — for a :class:`PackedLinear`
+    over those bf16 bits: the same weights, half the bytes read per call (drafting one token at a
+    time is bound by reading its weights), float32 sums in a fixed order. The float32 weight stays
+    the layer's readable ``weight``. A layer whose weights are not bf16 values, or whose input
+    size is not a multiple of 32, stays as it is. Returns {"packed": n, "bytes": bf16 bytes}."""
+    if kernels.library() is None:
+        return {"packed": 0, "bytes": 0, "reason": kernels.unavailable_reason()}
+    packed, nbytes = 0, 0
+    for parent_name, parent in list(module.named_modules()):
+        for attr, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            weight = child.weight.detach()
+            if weight.dtype != torch.float32 or weight.device.type != "cpu" or child.in_features % BLOCK:
+                continue
+            bits = weight.to(torch.bfloat16)
+            if not torch.equal(bits.float(), weight):
+                continue
+            bias = None if child.bias is None else child.bias.detach()
+            setattr(parent, attr, PackedLinear(PackedMatrix.from_bf16(bits), bias, weight))
+            packed += 1
+            nbytes += bits.numel() * 2
+    return {"packed": packed, "bytes": nbytes}
 
 
 def _share_fused_storage(model: nn.Module) -> None:
@@ -297,11 +324,11 @@ def packed_lm_head(lm_head: nn.Module, path: Path | None, rows: torch.Tensor | N
     return matrix.rows(rows.cpu()) if rows is not None else matrix
 
 
-def _fuse_projections(model: nn.Module) -> int:
-    """Per layer, [q; k; v] and [gate; up] as one packed matrix each (fewer, larger kernel calls;
-    every output row is still its own dot product, so the values are the same)."""
+def fuse_projections(layers) -> int:
+    """Per decoder layer, [q; k; v] and [gate; up] as one packed matrix each (fewer, larger kernel
+    calls; every output row is still its own dot product, so the values are the same)."""
     fused = 0
-    for layer in model.model.layers:
+    for layer in layers:
         a, mlp = layer.self_attn, layer.mlp
         qkv = [a.q_proj, a.k_proj, a.v_proj]
         if all(isinstance(m, PackedLinear) and m.bias is None for m in qkv) and len({m.packed.kind for m in qkv}) == 1:
@@ -315,36 +342,47 @@ def _fuse_projections(model: nn.Module) -> int:
 
 
 class FusedStack:
-    """All decoder layers of a float32 ``TargetModel`` whose projections are packed (fused q/k/v
-    and gate/up, no biases) as one kernel call per forward (``kernels.decoder_layers``): the
-    per-op cost of ~40 small torch ops per layer disappears from every decode step. Built by
-    :func:`pack_target`; ``MOA_FUSED_LAYERS=off`` keeps the per-layer torch path."""
+    """Llama decoder layers whose projections are packed (fused q/k/v and gate/up, no biases,
+    float32 norms) as one kernel call per forward (``kernels.decoder_layers``): the per-op cost of
+    ~40 small torch ops per layer disappears from every decode step. :func:`pack_target` builds
+    one for all layers of a float32 ``TargetModel``; :meth:`for_layers` for any such layers (a
+    drafter's self-attention layer over its own cache). ``MOA_FUSED_LAYERS=off`` keeps the
+    per-layer torch path."""
 
-    KINDS = {"q4_1": 0, "q8_0": 1}
+    KINDS = {"q4_1": 0, "q8_0": 1, "bf16": 2}
 
-    def __init__(self, model: nn.Module, layers: list[tuple]):
-        self.arch = model.arch
+    def __init__(self, shape, layers: list[tuple]):
+        self.shape = shape  # a LayerShape
         self._layers = layers  # (norm1, norm2, qkv, o, gate_up, down) per layer
         self._params: dict[int, torch.Tensor] = {}  # per cache (its K storage address)
 
     @classmethod
     def build(cls, model: nn.Module) -> "FusedStack | None":
+        """All decoder layers of a packed target (None if any of them cannot be fused)."""
         arch = getattr(model, "arch", None)
-        if arch is None or kernels.switched_off("MOA_FUSED_LAYERS"):
+        if arch is None:
             return None
-        if arch.hidden_size % 8 or arch.intermediate_size % 8 or arch.head_dim % 8 or arch.head_dim > 256:
+        return cls.for_layers(arch.layer_shape(), list(model.model.layers))
+
+    @classmethod
+    def for_layers(cls, shape, layers: list[nn.Module]) -> "FusedStack | None":
+        """``layers`` (``DecoderLayer``s of ``shape``, their projections packed and fused) as one
+        stack, or None when the kernels cannot run them."""
+        if kernels.switched_off("MOA_FUSED_LAYERS") or kernels.library() is None or shape.qkv_bias:
             return None
-        layers = []
-        for layer in model.model.layers:
+        if shape.hidden_size % 8 or shape.intermediate_size % 8 or shape.head_dim % 8 or shape.head_dim > 256:
+            return None
+        fused = []
+        for layer in layers:
             a, mlp = layer.self_attn, layer.mlp
             mats = (a.qkv, a.o_proj, mlp.gate_up, mlp.down_proj)
             if not all(isinstance(m, PackedLinear) and m.bias is None and m.packed.kind in cls.KINDS for m in mats):
                 return None
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(n.weight.dtype != torch.float32 or n.eps != arch.rms_norm_eps for n in norms):
+            if any(n.weight.dtype != torch.float32 or n.eps != shape.rms_norm_eps for n in norms):
                 return None
-            layers.append((norms[0].weight.detach().contiguous(), norms[1].weight.detach().contiguous(), *mats))
-        return cls(model, layers)
+            fused.append((norms[0].weight.detach().contiguous(), norms[1].weight.detach().contiguous(), *mats))
+        return cls(shape, fused) if fused else None
 
     def _params_for(self, cache) -> torch.Tensor:
         key = cache.k.data_ptr()
@@ -355,7 +393,7 @@ class FusedStack:
                 row = [n1.data_ptr(), n2.data_ptr()]
                 for m in mats:
                     pm = m.packed
-                    row += [self.KINDS[pm.kind], pm.qs.data_ptr(), pm.d.data_ptr(),
+                    row += [self.KINDS[pm.kind], pm.qs.data_ptr(), pm.d.data_ptr() if pm.d is not None else 0,
                             pm.m.data_ptr() if pm.m is not None else 0, pm.shape[0]]
                 row += [cache.k[i].data_ptr(), cache.v[i].data_ptr()]
                 rows.append(row)
@@ -371,7 +409,7 @@ class FusedStack:
                  positions: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] through every layer (K/V of the n tokens written to ``cache`` at
         ``slots``/``positions``); cos/sin [n, head_dim]."""
-        a = self.arch
+        a = self.shape
         _, ss, hs, ps, _ = cache.k.stride()
         return kernels.decoder_layers(x.contiguous(), self._params_for(cache), a.rms_norm_eps, a.num_heads,
                                       a.num_kv_heads, a.head_dim, a.intermediate_size, cos.contiguous(),
