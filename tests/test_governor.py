@@ -16,18 +16,60 @@ def drive(gov: SpeculationGovernor, sessions: int, on_ms: float, off_ms: float, 
 
 def test_prefers_speculation_where_it_pays_and_plain_decoding_where_it_does_not():
     gov = SpeculationGovernor(probe_every=10)
-    small = drive(gov, 1, on_ms=40, off_ms=60, rounds=100)
-    large = drive(gov, 16, on_ms=90, off_ms=60, rounds=100)
-    assert sum(small[2:]) >= 0.85 * 98  # mostly on, with a probe of the other mode now and then
-    assert sum(large[2:]) <= 0.15 * 98
-    assert 0 < sum(not m for m in small[2:]) and 0 < sum(large[2:])  # it keeps probing both ways
+    small = drive(gov, 1, on_ms=40, off_ms=60, rounds=300)
+    large = drive(gov, 16, on_ms=90, off_ms=60, rounds=300)
+    assert sum(small[100:]) >= 0.9 * 200  # mostly on, with a probe of the other mode now and then
+    assert sum(large[100:]) <= 0.1 * 200
+    assert 0 < sum(not m for m in small[100:]) and 0 < sum(large[100:])  # it keeps probing both ways
+
+
+def _drive_random(gov, rounds, on_s, on_tokens, off_s, seed=0):
+    """Rounds whose committed tokens vary: speculating, ``on_tokens`` is a list of (probability,
+    tokens); plain decoding commits one token."""
+    import random
+
+    rng = random.Random(seed)
+    modes = []
+    for _ in range(rounds):
+        on = gov.speculate(1)
+        modes.append(on)
+        if on:
+            x, tokens = rng.random(), on_tokens[-1][1]
+            for prob, n in on_tokens:
+                if x < prob:
+                    tokens = n
+                    break
+                x -= prob
+            gov.observe(1, True, on_s, tokens)
+        else:
+            gov.observe(1, False, off_s, 1)
+    return modes
+
+
+def test_a_weak_drafter_that_pays_on_average_is_kept_though_most_rounds_lose():
+    """τ ≈ 1.6 from rounds that mostly accept nothing: 80 % of speculative rounds are slower than a
+    plain one, yet speculation costs 6.25 ms per token against 8. Probes of one round lost four
+    times in five and backed off (the vLLM backend drafted in 19 of 403 steps where drafting every
+    step was 1.1x faster); probes of several rounds, and seconds / tokens as a ratio of averages,
+    see the mean."""
+    gov = SpeculationGovernor(probe_every=12)
+    modes = _drive_random(gov, 600, on_s=0.010, on_tokens=[(0.8, 1), (0.2, 4)], off_s=0.008)
+    assert sum(modes[100:]) >= 0.75 * 500
+    snap = gov.snapshot()["1"]
+    assert snap["on_ms_per_token"] < snap["off_ms_per_token"]
+
+
+def test_a_weak_drafter_that_does_not_pay_is_declined_though_some_rounds_win():
+    gov = SpeculationGovernor(probe_every=12)
+    modes = _drive_random(gov, 600, on_s=0.010, on_tokens=[(0.9, 1), (0.1, 2)], off_s=0.008)
+    assert sum(modes[100:]) <= 0.2 * 500  # 9.1 ms per token against 8: plain decoding
 
 
 def test_follows_a_change_in_which_mode_is_faster():
-    gov = SpeculationGovernor(probe_every=5)
+    gov = SpeculationGovernor(probe_every=5, probe_rounds=4)
     drive(gov, 4, on_ms=40, off_ms=60, rounds=50)
     later = drive(gov, 4, on_ms=80, off_ms=60, rounds=60)
-    assert sum(later[-20:]) <= 4
+    assert sum(later[-20:]) <= 4  # at most one probe of speculation
 
 
 def test_batch_sizes_share_power_of_two_buckets():
@@ -76,12 +118,16 @@ def test_rounds_that_prefill_a_prompt_do_not_count_against_plain_decoding():
 
 
 def test_a_mode_that_keeps_losing_is_probed_less_and_less_often():
-    gov = SpeculationGovernor(probe_every=10, max_probe_every=80)
-    modes = drive(gov, 1, on_ms=100, off_ms=60, rounds=400)
-    probes = [i for i, m in enumerate(modes) if m][1:]  # round 0 measures speculation first
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps == sorted(gaps) and gaps[0] <= 20 and gaps[-1] == 80  # 10, 20, 40, 80, 80, ...
-    assert len(probes) <= 10  # instead of ~40 at a fixed interval of 10
+    gov = SpeculationGovernor(probe_every=10, max_probe_every=80, probe_rounds=4)
+    modes = drive(gov, 1, on_ms=100, off_ms=60, rounds=600)
+    assert modes[:8] == [True] * 4 + [False] * 4  # each mode measured first, speculation first
+    starts = [i for i in range(8, len(modes)) if modes[i] and not modes[i - 1]]  # probes of speculation
+    assert all(modes[i:i + 4] == [True] * 4 and not modes[i + 4] for i in starts)  # 4 rounds each
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    # the interval between probe starts: 10, 20, 40, 80, 80 ... rounds, plus the 4 rounds of a probe, minus
+    # the one that starts it
+    assert gaps == sorted(gaps) and gaps[0] <= 20 + 3 and gaps[-1] == 80 + 3
+    assert len(starts) <= 12  # instead of ~45 at a fixed interval of 10
     # speculation becomes the faster mode: the next probe finds it and it takes over
     later = drive(gov, 1, on_ms=30, off_ms=60, rounds=200)
     assert sum(later[-50:]) >= 45

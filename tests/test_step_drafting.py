@@ -140,7 +140,7 @@ def test_governor_turns_drafting_off_when_drafting_steps_are_slower():
     """Steps that draft take 3 s for 2 tokens; steps that do not take 1 s for 1 token: the
     governor keeps the faster mode and only probes the other."""
     src, now = Source(), [0.0]
-    gov = SpeculationGovernor(probe_every=4, max_probe_every=8)
+    gov = SpeculationGovernor(probe_every=4, max_probe_every=8, probe_rounds=2)
     d = StepDrafting(src, num_drafts=1, clock=lambda: now[0], governor=gov)
     tokens, drafted = [1, 2], []
     for _ in range(40):

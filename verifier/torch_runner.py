@@ -33,7 +33,7 @@ import torch
 from moa_serve.drafter.model import FeatureHead
 from moa_serve.engine.sampling import SamplingParams
 from moa_serve import kernels
-from moa_serve.kernels.packed import pack_bf16_exact, pack_target
+from moa_serve.kernels.packed import for_inference, pack_target
 from moa_serve.kv_cache import PackedBatch
 from moa_serve.models import load_state_dict, parse_dtype, read_config, resolve_model_path
 from moa_serve.verifier.acceptance import accept_sampling, generator_for, warp_probs
@@ -118,9 +118,8 @@ class TorchTargetRunner(TargetBackend):
         self.attention_kernel = (self.cache.k.dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
                                  and self.arch.head_dim % 8 == 0 and self.arch.head_dim <= 256
                                  and kernels.library() is not None)
-        self.feature_head = feature_head.to(self.device, self.dtype).eval() if feature_head is not None else None
-        if self.feature_head is not None and self.dtype == torch.float32 and self.device.type == "cpu":
-            pack_bf16_exact(self.feature_head)  # a bf16 checkpoint's LSA/Ekv2E through the packed kernels
+        self.feature_head = (for_inference(feature_head, self.device, self.dtype) if feature_head is not None
+                             else None)
         self.draft_vocab = draft_vocab  # maps a drafter's [K, V'] probabilities back to the vocabulary
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
         self.prefix_caching = prefix_caching

@@ -34,6 +34,7 @@ import threading
 
 import torch
 
+from moa_serve.kernels.packed import for_inference
 from moa_serve.verifier.step_drafting import StepDrafting, StepRow
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class MoAStepProposer:
             if self.model is None:
                 raise RuntimeError("bind before load_model: the engine did not hand over its model")
             p = next(self.model.parameters())
-            self.feature_head = feature_head.to(p.device, p.dtype).eval()
+            self.feature_head = for_inference(feature_head, p.device, p.dtype)
             self.capture = FeatureCapture(self.model, kind, self.num_kv_heads, self.head_dim)
             drafting.feature_fn = self._features
 

@@ -278,6 +278,15 @@ def pack_bf16_exact(module: nn.Module) -> dict:
     return {"packed": packed, "bytes": nbytes}
 
 
+def for_inference(module: nn.Module, device, dtype: torch.dtype) -> nn.Module:
+    """A drafter half (e.g. the verifier-side LSA feature head) on ``device``/``dtype`` in eval mode,
+    its bf16-valued linear layers packed (:func:`pack_bf16_exact`) when it runs in float32 on a CPU."""
+    module = module.to(device, dtype).eval()
+    if dtype == torch.float32 and torch.device(device).type == "cpu":
+        pack_bf16_exact(module)
+    return module
+
+
 def _share_fused_storage(model: nn.Module) -> None:
     """Points the q/k/v and gate/up layers of a bf16 model at row slices of their fused matrix
     (same values), so the model holds those weights once, not twice."""
