@@ -8,9 +8,10 @@ speculation on and with it off (their ratio is the cost per token: an average of
 ratios would overstate a weak drafter's cost, whose rounds mostly commit one token and now and
 then several), keeps the mode in force until a probe finds the other faster or its own estimate
 falls behind the other's by more than ``margin``, and every ``probe_every`` rounds tries the other
-mode for ``probe_rounds`` rounds in a row, so that the estimate follows the load and the drafter. A probe spans several rounds because one round says little: with τ ≈ 1.3 most
-speculative rounds accept nothing and a few accept several, so single-round probes lost four
-times in five even where speculation paid 1.1x on average. A mode whose probes keep losing
+mode for ``probe_rounds`` rounds in a row, so that the estimate follows the load and the drafter.
+A probe spans several rounds because one round says little: with τ ≈ 1.3 most speculative rounds
+accept nothing and a few accept several, so single-round probes lost four times in five even
+where speculation paid 1.1x on average. A mode whose probes keep losing
 clearly is probed less and less often (the interval doubles, up to ``max_probe_every``), so a
 drafter that never pays costs almost nothing."""
 
@@ -84,11 +85,9 @@ class SpeculationGovernor:
             return b.probe_on
         if b.on is None or b.off is None:  # measure both modes first, speculation first
             return self._start_probe(b, on=b.on is None)
-        if b.current is None:
-            b.current = b.on <= b.off
-        mine, other = (b.on, b.off) if b.current else (b.off, b.on)
-        if mine > self.margin * other:  # fell behind: the other mode takes over, probed back soon
-            b.current, b.interval, b.since = not b.current, self.probe_every, 0
+        b.current, fell_behind = self._in_force(b)
+        if fell_behind:  # the other mode took over: probe this one back soon
+            b.interval, b.since = self.probe_every, 0
         b.since += 1
         if self._probe_due(b):
             b.since = 0
@@ -103,11 +102,15 @@ class SpeculationGovernor:
             return True
         if b.probing:
             return b.probe_on
+        current, fell_behind = self._in_force(b)
+        return (not current) if not fell_behind and self._probe_due(b, ahead=1) else current
+
+    def _in_force(self, b: _Bucket) -> tuple[bool, bool]:
+        """(the mode for the next round outside probes, whether that changed because the mode in
+        force fell behind the other's estimate by more than ``margin``)."""
         current = b.current if b.current is not None else b.on <= b.off
         mine, other = (b.on, b.off) if current else (b.off, b.on)
-        if mine > self.margin * other:
-            current = not current
-        return (not current) if self._probe_due(b, ahead=1) else current
+        return (not current, True) if mine > self.margin * other else (current, False)
 
     def observe(self, sessions: int, speculated: bool, seconds: float, tokens: int) -> None:
         """A finished round: its wall time and the tokens it committed. A probe's rounds are
