@@ -142,7 +142,8 @@ class _BaselineProposer(ProposerBase):
         positions = self.cache.positions_for(slots, tokens.shape[1]).to(self.device)
         x = self._inputs(ctx, batch, tokens, step, feed)
         cos, sin = self.parts.rotary(positions, x.dtype)
-        x = self._final(self._run_layers(self.cache, self.fused, list(self._layers()), x, cos, sin, slots, qlens))
+        x = self._final(self._run_layers(self.cache, self.fused, list(self._layers()), x, cos, sin, slots, qlens,
+                                         positions))
         self.cache.lengths[slots] += qlens
         ctx["prev"] = out = last_position(x, qlens)[:, 0]
         return out

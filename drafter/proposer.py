@@ -160,14 +160,14 @@ class ProposerBase:
 
     @staticmethod
     def _run_layers(cache: SlotKVCache, fused: FusedStack | None, layers: list, x: torch.Tensor, cos, sin,
-                    slots: torch.Tensor, qlens: torch.Tensor) -> torch.Tensor:
+                    slots: torch.Tensor, qlens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``cache.run_layers`` over the ragged batch x [B, T, H] (session b's first qlens[b] tokens
-        are real), through the fused kernel when there is one: only the real tokens go in, padded
-        rows come back as zeros (their outputs are never read)."""
+        are real, at ``positions`` [B, T]), through the fused kernel when there is one: only the
+        real tokens go in, padded rows come back as zeros (their outputs are never read)."""
         if fused is None or not fused.usable(x, cache):
             return cache.run_layers(layers, x, cos, sin, slots, qlens)
         b, t, h = x.shape
-        positions = cache.positions_for(slots, t).clamp(max=cache.max_len)
+        positions = positions.clamp(max=cache.max_len)
         if t == 1:
             y = fused(x.reshape(b, h).contiguous(), cos[:, 0, 0].contiguous(), sin[:, 0, 0].contiguous(),
                       cache, slots, positions[:, 0])
@@ -402,7 +402,8 @@ class MoAProposer(ProposerBase):
         positions = self.sa_cache.positions_for(slots, tokens.shape[1]).to(self.device)
         x = self.parts.embed_tokens(tokens)
         cos, sin = self.parts.rotary(positions, x.dtype)
-        x = self._run_layers(self.sa_cache, self.sa_fused, [self.head.self_attention], x, cos, sin, slots, qlens)
+        x = self._run_layers(self.sa_cache, self.sa_fused, [self.head.self_attention], x, cos, sin, slots, qlens,
+                             positions)
         tli = len(self.parts.tli)
         if not tli and x.shape[1] > 1:  # only the last fed position drafts
             rows = torch.arange(len(batch), device=self.device)

@@ -45,16 +45,16 @@ class _Method:
 def drafter_labels(drafters: list[str]) -> dict[str, str]:
     """A distinct short label per drafter argument: the folder name, or as many trailing path parts
     as it takes to tell apart checkpoints of the same name (``A/drafter-moa`` vs ``B/drafter-moa``)."""
+    parts = {d: Path(d).parts or (d,) for d in drafters}
+    if len(parts) < len(drafters):
+        raise ValueError(f"--drafter: a drafter is given twice ({','.join(drafters)})")
+    suffix = lambda d, n: "/".join(parts[d][-n:])  # noqa: E731
     labels = {}
     for d in drafters:
-        parts = Path(d).parts or (d,)
-        for n in range(1, len(parts) + 1):
-            label = "/".join(parts[-n:])
-            if sum(1 for o in drafters if o != d and "/".join((Path(o).parts or (o,))[-n:]) == label) == 0:
-                break
-        labels[d] = label
-    if len(labels) < len(drafters):
-        raise ValueError(f"--drafter: a drafter is given twice ({','.join(drafters)})")
+        n = 1
+        while n < len(parts[d]) and any(suffix(o, n) == suffix(d, n) for o in drafters if o != d):
+            n += 1
+        labels[d] = suffix(d, n)
     return labels
 
 

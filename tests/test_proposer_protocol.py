@@ -117,7 +117,9 @@ def test_packed_fused_drafting_drafts_what_torch_layers_draft(kind, smollm_targe
     monkeypatch.setattr(proposer_module, "pack_bf16_exact", lambda module: {"packed": 0})
     plain = load_proposer(smollm_drafter(kind), target_model=smollm_target, max_sessions=3, max_model_len=128)
     assert (layers.sa_fused if kind == "moa" else layers.fused) is None
-    assert not any(type(m).__name__ == "PackedLinear" for m in (plain.head if kind == "moa" else plain.model).modules())
+    from moa_serve.kernels.packed import PackedLinear
+
+    assert not any(isinstance(m, PackedLinear) for m in (plain.head if kind == "moa" else plain.model).modules())
     props = (fused, layers, plain)
     routers = [_Router(576) for _ in props]
     prompts = {"x": [1, 504, 3300, 281, 1345, 30], "y": [1, 88, 2020, 1900, 17, 420, 4950, 11, 279]}

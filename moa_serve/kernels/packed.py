@@ -221,6 +221,22 @@ def pack_target(model: nn.Module, path: Path) -> dict:
             "fused_layers": model.fused_stack is not None}
 
 
+def _linear_layers(module: nn.Module):
+    """(parent, attribute, dotted name, layer) of every ``nn.Linear`` in ``module``, listed before
+    any is swapped."""
+    return [(parent, attr, f"{parent_name}.{attr}" if parent_name else attr, child)
+            for parent_name, parent in list(module.named_modules())
+            for attr, child in list(parent.named_children()) if isinstance(child, nn.Linear)]
+
+
+def _swap_for_bf16(parent: nn.Module, attr: str, layer: nn.Linear, bits: torch.Tensor) -> int:
+    """Replaces ``parent.attr`` by a :class:`PackedLinear` over ``bits`` (the layer's weights as
+    bfloat16), the layer's own weight staying readable; returns the packed bytes."""
+    bias = None if layer.bias is None else layer.bias.detach()
+    setattr(parent, attr, PackedLinear(PackedMatrix.from_bf16(bits), bias, layer.weight.detach()))
+    return bits.numel() * 2
+
+
 def pack_bf16(model: nn.Module) -> dict:
     """Swaps every bfloat16 ``nn.Linear`` of ``model`` (a CPU ``TargetModel``: the projections and
     the LM head) for a :class:`PackedLinear` over its own weights (``bf16`` kind, sharing their
@@ -231,19 +247,14 @@ def pack_bf16(model: nn.Module) -> dict:
     if kernels.library() is None:
         return {"packed": 0, "reason": kernels.unavailable_reason()}
     packed, kept, nbytes = 0, [], 0
-    for parent_name, parent in list(model.named_modules()):
-        for attr, module in list(parent.named_children()):
-            if not isinstance(module, nn.Linear) or module.weight.dtype != torch.bfloat16:
-                continue
-            name = f"{parent_name}.{attr}" if parent_name else attr
-            if module.weight.device.type != "cpu" or module.in_features % BLOCK:
-                kept.append(f"{name} (in_features {module.in_features})")
-                continue
-            weight = module.weight.detach()
-            bias = None if module.bias is None else module.bias.detach()
-            setattr(parent, attr, PackedLinear(PackedMatrix.from_bf16(weight), bias, weight))
-            packed += 1
-            nbytes += weight.numel() * 2
+    for parent, attr, name, module in _linear_layers(model):
+        if module.weight.dtype != torch.bfloat16:
+            continue
+        if module.weight.device.type != "cpu" or module.in_features % BLOCK:
+            kept.append(f"{name} (in_features {module.in_features})")
+            continue
+        nbytes += _swap_for_bf16(parent, attr, module, module.weight.detach())
+        packed += 1
     fused = fuse_projections(model.model.layers)
     _share_fused_storage(model)
     if kept:
@@ -261,20 +272,14 @@ def pack_bf16_exact(module: nn.Module) -> dict:
     if kernels.library() is None:
         return {"packed": 0, "bytes": 0, "reason": kernels.unavailable_reason()}
     packed, nbytes = 0, 0
-    for parent_name, parent in list(module.named_modules()):
-        for attr, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            weight = child.weight.detach()
-            if weight.dtype != torch.float32 or weight.device.type != "cpu" or child.in_features % BLOCK:
-                continue
-            bits = weight.to(torch.bfloat16)
-            if not torch.equal(bits.float(), weight):
-                continue
-            bias = None if child.bias is None else child.bias.detach()
-            setattr(parent, attr, PackedLinear(PackedMatrix.from_bf16(bits), bias, weight))
+    for parent, attr, _, layer in _linear_layers(module):
+        weight = layer.weight.detach()
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or layer.in_features % BLOCK:
+            continue
+        bits = weight.to(torch.bfloat16)
+        if torch.equal(bits.float(), weight):
+            nbytes += _swap_for_bf16(parent, attr, layer, bits)
             packed += 1
-            nbytes += bits.numel() * 2
     return {"packed": packed, "bytes": nbytes}
 
 
