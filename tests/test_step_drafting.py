@@ -211,6 +211,9 @@ def test_lazy_features_are_dropped_past_the_cap():
         def speculate(self, n):
             return False
 
+        def next_speculates(self, n):
+            return False
+
         def observe(self, *a):
             pass
 
@@ -221,3 +224,23 @@ def test_lazy_features_are_dropped_past_the_cap():
         d.step([StepRow("a", list(toks), pos, feature_input=feats(pos, pos + 1))])
     assert d.stats.dropped_features == 1 and d.tracks["a"].features_broken
     assert d.tracks["a"].pending.length == 0
+
+
+def test_a_long_prefill_keeps_its_features_while_speculation_is_in_force():
+    """A prompt longer than the cap is not dropped when the step drafts: its features are
+    computed (one head call) and sent; without a governor (drafts every step) likewise for a
+    row still mid-prefill."""
+    src = Source()
+    heads = []
+    d = StepDrafting(src, num_drafts=2, feature_fn=lambda x: heads.append(x.shape[0]) or x * 10,
+                     max_pending_positions=4)
+    prompt = list(range(1, 11))  # 10 positions > cap 4
+    assert d.step([StepRow("a", prompt + [7], 0, feature_input=feats(0, 10))]) == [[111, 111]]
+    assert not d.tracks["a"].features_broken and d.stats.dropped_features == 0
+    (r,) = src.calls[-1]
+    assert r.feature_start == 0 and torch.equal(r.features, feats(0, 10) * 10)
+    # mid-prefill (nothing sampled, no drafts asked): computed anyway, in its own head call
+    d.step([StepRow("b", prompt[:8], 0, feature_input=feats(0, 8), sampled=False),
+            StepRow("a", prompt + [7, 8], 10, feature_input=feats(10, 11))])
+    assert not d.tracks["b"].features_broken and d.tracks["b"].features.length == 8
+    assert d.tracks["b"].pending.length == 0 and heads[-2:] == [8, 1]

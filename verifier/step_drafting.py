@@ -179,9 +179,9 @@ class StepDrafting:
         self.governor = governor
         # lazy features: rows carry the feature head's inputs; ``feature_fn`` (batched over the
         # sessions of a draft call; None: the inputs are the features) turns them into features
-        # only for sessions that draft. A session that has not drafted for
-        # ``max_pending_positions`` positions drops its inputs (bounded memory) and decodes
-        # without drafts to its end
+        # only for sessions that draft. A session holding more than ``max_pending_positions``
+        # inputs has them computed while speculation is in force, and otherwise drops them
+        # (bounded memory) and decodes without drafts to its end (``_bound_pending``)
         self.feature_fn = feature_fn
         self.max_pending_positions = max_pending_positions
         self._last: tuple[float, int, bool] | None = None  # (time, rows, drafted) of the previous step
@@ -204,11 +204,13 @@ class StepDrafting:
         self._observe(now, committed)
         drafts = {r.session_id: [] for r in rows}
         speculate = bool(wanting) and (self.governor is None or self.governor.speculate(len(wanting)))
+        drafting = speculate and now >= self._down_until
+        self._bound_pending(rows, wanting, drafting)
         if wanting:
             self.stats.steps += 1
             if not speculate:
                 self.stats.governed_steps += 1
-            elif now < self._down_until:
+            elif not drafting:
                 self.stats.skipped_steps += 1
             else:
                 t0 = time.perf_counter()
@@ -241,7 +243,27 @@ class StepDrafting:
             t.pending = PendingInputs()
             t.pending.start = start
         t.pending.put(start, r.feature_input)
-        if t.pending.length > self.max_pending_positions:
+
+    def _bound_pending(self, rows: list[StepRow], wanting: list[StepRow], drafting: bool) -> None:
+        """Sessions holding more than ``max_pending_positions`` feature inputs (a long prompt's
+        prefill, or many steps without drafts): while speculation is in force (this step drafts,
+        or the governor's next step will) their features are computed now, in the step's one
+        feature-head call (the drafting sessions' own happens in ``_draft``); otherwise their
+        inputs are dropped and they decode without drafts to their end (bounded memory, no
+        feature cost while speculation does not pay)."""
+        drafting_ids = {r.session_id for r in wanting} if drafting else set()
+        over = [r for r in rows if r.session_id not in drafting_ids
+                and self.tracks[r.session_id].pending.length > self.max_pending_positions]
+        if not over:
+            return
+        if drafting or self.governor is None or self.governor.next_speculates(max(1, len(wanting))):
+            t0 = time.perf_counter()
+            self._materialize(over)
+            self.stats.feature_s += time.perf_counter() - t0
+            self.stats.draft_s += time.perf_counter() - t0
+            return
+        for r in over:
+            t = self.tracks[r.session_id]
             t.features_broken, t.pending = True, PendingInputs()
             self.stats.dropped_features += 1
 
