@@ -83,9 +83,10 @@ class PoolConfig(_Strict):
 
 class VerifierPoolConfig(PoolConfig):
     max_num_batched_tokens: int = Field(512, ge=16, description="tokens per verify forward (chunked prefill budget)")
-    prefix_caching: bool = Field(True, description="backend torch: a new session starts from the longest prefix "
-                                 "of its tokens already in the replica's KV cache (finished sessions' slots are "
-                                 "kept until a slot is needed)")
+    prefix_caching: bool = Field(True, description="a new session starts from the longest prefix of its tokens "
+                                 "already in the replica's KV cache (backend torch: finished sessions' slots are "
+                                 "kept until a slot is needed; backend vllm: vLLM's automatic prefix caching, the "
+                                 "drafter features of cached blocks kept beside it)")
     kv_cache_gib: float | None = Field(
         None, gt=0, description="backend vllm: GiB of paged KV cache per replica (vLLM's kv_cache_memory_bytes); "
         "default: enough for max_sessions full contexts. Fewer blocks than that is allowed: vLLM preempts and "

@@ -77,7 +77,7 @@ class VllmVerifier:
             max_num_seqs=pool.max_sessions, kv_cache_gib=kv_gib, max_num_batched_tokens=pool.max_num_batched_tokens,
             draft_source=self.source,
             retry_after_s=self.cfg.router.retry_after_s, speculation_governor=self.cfg.router.speculation_governor,
-            device=self.cfg.device)
+            device=self.cfg.device, prefix_caching=pool.prefix_caching)
         self.loop = EngineLoop(self.engine, name="vllm-steps").start()
         log.info("VllmVerifier %s ready: %s (drafter %s)", self._replica, self.cfg.target, self.cfg.drafter)
 

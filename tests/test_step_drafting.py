@@ -5,6 +5,7 @@ import torch
 
 from moa_serve.drafter.proposer import DraftResult
 from moa_serve.engine.governor import SpeculationGovernor
+from moa_serve.verifier.prefix_features import PrefixFeatures
 from moa_serve.verifier.step_drafting import FeatureBuffer, StepDrafting, StepRow
 
 
@@ -118,14 +119,46 @@ def test_finished_requests_are_released():
     assert src.released == ["a"] and set(d.tracks) == {"b"}
 
 
-def test_a_gap_in_features_disables_drafting_for_that_request_only(caplog):
+def test_a_gap_in_features_disables_drafting_for_that_request_only():
     src = Source()
     d = StepDrafting(src, num_drafts=1)
     # request "a" starts at position 8: its prefix came from a cache, the drafter lacks features
     out = d.step([StepRow("a", list(range(12)), 8, feats(8, 11)), StepRow("b", [1, 2], 0, feats(0, 1))])
     assert out[0] == [] and out[1] != []
     assert [r.session_id for r in src.calls[-1]] == ["b"]
-    assert "features missing" in caplog.text
+    assert d.stats.features_missing == 1 and d.tracks["a"].features_broken
+
+
+def test_prefix_cached_positions_get_their_features_from_the_store():
+    """Request "b" shares the first 8 tokens (two blocks of 4) with "a": the verifier's prefix
+    cache skips them, and the features "a" computed for them are sent to the source for "b";
+    "c" shares only one block with what was stored and starts at 8: no drafts for it."""
+    src = Source()
+    store = PrefixFeatures(block_size=4)
+    d = StepDrafting(src, num_drafts=1, feature_fn=lambda x: x * 10, prefix_features=store)
+    a = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    d.step([StepRow("a", a + [1], 0, feature_input=feats(0, 10))])
+    assert len(store) == 2  # blocks [0, 4) and [4, 8); positions 8, 9 are not a full block
+    d.step([])  # "a" finishes
+    b = a[:8] + [20, 21, 22]
+    assert d.step([StepRow("b", b + [2], 8, feature_input=feats(8, 11) + 100)]) == [[100 + 12]]
+    (r,) = src.calls[-1]
+    assert r.feature_start == 0 and torch.equal(r.features[:8], feats(0, 8) * 10)
+    assert torch.equal(r.features[8:], (feats(8, 11) + 100) * 10)
+    assert d.stats.prefix_restored == 1 and len(store) == 2  # b's blocks are a's
+    c = a[:4] + [30, 31, 32, 33, 34]
+    assert d.step([StepRow("c", c + [3], 8, feature_input=feats(8, 9))]) == [[]]
+    assert d.stats.features_missing == 1 and store.misses == 1
+
+
+def test_prefix_store_is_lru_bounded_and_chained():
+    store = PrefixFeatures(block_size=2, max_positions=4)  # two blocks
+    x = feats(0, 6)
+    assert store.remember([1, 2, 3, 4, 5, 6], x, (0, None))[0] == 3
+    assert len(store) == 2 and store.lookup([1, 2, 3, 4], 4) is None  # block [1, 2] evicted
+    # the same block after a different prefix is a different entry
+    assert store.lookup([9, 9, 5, 6], 4) is None
+    assert store.lookup([1, 2], 1) is None  # not a whole number of blocks
 
 
 def test_sources_without_features_get_tokens_only():

@@ -8,7 +8,8 @@ with the features of the positions the target newly verified, exactly as the Rou
 with the torch backend (``DraftRequest``).
 
 Per request it keeps every verified position's features (the target's paged cache cannot give
-them back), so a drafter replica that lost a session (``resync``) or some features
+them back; ``PrefixFeatures`` keeps them by block for prefixes the verifier's prefix cache will
+skip), so a drafter replica that lost a session (``resync``) or some features
 (``needs_features_from``) gets them again in the same step. When the source fails (a drafter
 replica died, a timeout) the step goes on without drafts — target-only decoding — and drafting is
 retried after ``retry_after_s``; every session is then resent whole (the replica may be new).
@@ -25,6 +26,7 @@ import torch
 
 from moa_serve.drafter.proposer import DraftRequest, DraftResult
 from moa_serve.engine.sampling import GREEDY
+from moa_serve.verifier.prefix_features import PrefixFeatures
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +135,7 @@ class _Track:
     sent_tokens: int = 0  # committed tokens the source holds
     sent_features: int = 0  # features the source holds
     features_broken: bool = False  # a gap in the features: this request gets no drafts
+    stored: tuple[int, int | None] = (0, None)  # blocks of it in prefix_features, and their chain hash
     last_tokens: int = 0  # tokens at the previous step (acceptance statistics)
     last_drafts: int = 0  # drafts proposed at the previous step
     drafted: int = 0  # drafts this request verified so far
@@ -151,6 +154,8 @@ class StepStats:
     skipped_steps: int = 0  # steps without drafts because the source was down
     governed_steps: int = 0  # steps the governor ran without drafts (speculation did not pay)
     dropped_features: int = 0  # sessions that stopped drafting: too long without a draft
+    prefix_restored: int = 0  # requests whose prefix-cached positions got their features from the store
+    features_missing: int = 0  # requests that began past position 0 with no features for the gap: no drafts
     feature_s: float = 0.0  # computing lazy features (inside draft_s)
     draft_s: float = 0.0
 
@@ -165,7 +170,7 @@ class StepStats:
 class StepDrafting:
     def __init__(self, source: DraftSource, num_drafts: int, needs_features: bool = True,
                  retry_after_s: float = 5.0, clock=time.monotonic, governor=None, feature_fn=None,
-                 max_pending_positions: int = 64):
+                 max_pending_positions: int = 64, prefix_features: PrefixFeatures | None = None):
         if num_drafts < 1:
             raise ValueError("num_drafts must be >= 1")
         self.source = source
@@ -184,6 +189,8 @@ class StepDrafting:
         # (bounded memory) and decodes without drafts to its end (``_bound_pending``)
         self.feature_fn = feature_fn
         self.max_pending_positions = max_pending_positions
+        # the features of prefixes the verifier's prefix cache will skip (None: it has none)
+        self.prefix_features = prefix_features
         self._last: tuple[float, int, bool] | None = None  # (time, rows, drafted) of the previous step
 
     # ------------------------------------------------------------------ the step
@@ -233,16 +240,31 @@ class StepDrafting:
         if r.feature_input is None:
             return
         start = r.feature_start
-        if start > t.pending.end:
+        if start > t.pending.end and not self._restore_prefix(t, r):
             t.features_broken = True
-            log.warning("request %s: features missing before position %d (prefix cache?): "
-                        "it decodes without drafts", r.session_id, start)
+            self.stats.features_missing += 1
+            log.debug("request %s: features missing before position %d (a prefix-cache hit on "
+                      "positions never featured): it decodes without drafts", r.session_id, start)
             return
         if start < t.pending.start:  # recomputed positions: some were features already
             t.features.length = min(t.features.length, start)
             t.pending = PendingInputs()
             t.pending.start = start
         t.pending.put(start, r.feature_input)
+
+    def _restore_prefix(self, t: _Track, r: StepRow) -> bool:
+        """A new request whose forward began at ``feature_start`` > 0 (its first blocks came from
+        the verifier's prefix cache): their features from ``prefix_features``, if held."""
+        if self.prefix_features is None or t.features.length or t.pending.end:
+            return False
+        found = self.prefix_features.lookup(r.tokens, r.feature_start)
+        if found is None:
+            return False
+        feats, t.stored = found
+        self.stats.prefix_restored += 1
+        t.features.put(0, feats)
+        t.pending.start = r.feature_start
+        return True
 
     def _bound_pending(self, rows: list[StepRow], wanting: list[StepRow], drafting: bool) -> None:
         """Sessions holding more than ``max_pending_positions`` feature inputs (a long prompt's
@@ -269,14 +291,17 @@ class StepDrafting:
 
     def _materialize(self, rows: list[StepRow]) -> None:
         """Features of every pending position of these sessions, in one feature-head call."""
-        work = [(self.tracks[r.session_id], self.tracks[r.session_id].pending) for r in rows]
-        work = [(t, p.start, p.take()) for t, p in work if p.length]
+        work = [(r, self.tracks[r.session_id]) for r in rows]
+        work = [(r, t, t.pending.start, t.pending.take()) for r, t in work if t.pending.length]
         if not work:
             return
-        inputs = torch.cat([x for _, _, x in work])
+        inputs = torch.cat([x for *_, x in work])
         feats = self.feature_fn(inputs) if self.feature_fn is not None else inputs
-        for (t, start, _), chunk in zip(work, torch.split(feats, [x.shape[0] for _, _, x in work])):
+        for (r, t, start, _), chunk in zip(work, torch.split(feats, [x.shape[0] for *_, x in work])):
             t.features.put(start, chunk)
+            if self.prefix_features is not None:
+                t.stored = self.prefix_features.remember(
+                    r.tokens, t.features.data[:t.features.length], t.stored)
 
     def _observe(self, now: float, committed: int) -> None:
         """The previous step, now finished: its seconds and committed tokens go to the governor."""

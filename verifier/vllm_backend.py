@@ -22,8 +22,8 @@ through vLLM's ``custom_class`` speculative method (``speculative_config={"metho
 
 The proposer reaches its ``StepDrafting`` and the runner's request ids through ``bind``, run in
 the worker with ``LLM.collective_rpc`` (the engine runs in-process:
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Python hooks need ``enforce_eager=True``; the features of
-a request need every position's forward, so prefix caching is off when the drafter reads features.
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Python hooks need ``enforce_eager=True``. Prefix caching
+stays on: the positions a cache hit skips get their features from ``PrefixFeatures``.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ class VllmEngine:
                  ngram: bool = False, dtype: str = "auto", max_model_len: int = 2048, max_num_seqs: int = 16,
                  kv_cache_gib: float = 1.0, max_num_batched_tokens: int | None = None, seed: int = 0,
                  draft_source: DraftSource | None = None,
-                 retry_after_s: float = 5.0, speculation_governor: bool = False, device: str = "cpu"):
+                 retry_after_s: float = 5.0, speculation_governor: bool = False, device: str = "cpu",
+                 prefix_caching: bool = True, prefix_feature_positions: int = 32768):
         if not vllm_available():
             raise RuntimeError(INSTALL_HINT)
         if drafter is not None and ngram:
@@ -57,8 +58,9 @@ class VllmEngine:
                     "prompt_lookup_min": 2, "prompt_lookup_max": 4}
         self.llm = LLM(model=str(hf_folder(self.path)), dtype=str(self.dtype).removeprefix("torch."),
                        enforce_eager=True, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       # a drafter reading features needs every position's forward
-                       enable_prefix_caching=head is None, kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
+                       # positions the prefix cache skips get their drafter features from
+                       # PrefixFeatures (kept by block like vLLM's KV blocks)
+                       enable_prefix_caching=prefix_caching, kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
                        seed=seed, speculative_config=spec,
                        **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}))
         self.engine = self.llm.llm_engine
@@ -78,10 +80,16 @@ class VllmEngine:
                     drafter, target=str(self.path), dtype=self.dtype, device=device,
                     max_sessions=2 * max_num_seqs, max_model_len=max_model_len))
             from moa_serve.engine.governor import SpeculationGovernor
+            from moa_serve.verifier.prefix_features import PrefixFeatures
 
+            store = None
+            if head is not None and prefix_caching:
+                block = self.engine.vllm_config.cache_config.block_size
+                store = PrefixFeatures(block, max(block, prefix_feature_positions))
             self.drafting = StepDrafting(draft_source, num_speculative_tokens, needs_features=head is not None,
                                          retry_after_s=retry_after_s,
-                                         governor=SpeculationGovernor() if speculation_governor else None)
+                                         governor=SpeculationGovernor() if speculation_governor else None,
+                                         prefix_features=store)
             kind = getattr(head, "input_kind", "per_layer_kv")
             self.llm.collective_rpc(bind_worker, args=(register_binding(self.drafting, head, kind),))
         self._ids = itertools.count()
