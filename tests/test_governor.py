@@ -6,11 +6,12 @@ from moa_serve.engine.governor import SpeculationGovernor
 
 
 def drive(gov: SpeculationGovernor, sessions: int, on_ms: float, off_ms: float, rounds: int) -> list[bool]:
+    """Rounds committing one token per session in either mode, ``on_ms``/``off_ms`` per token."""
     modes = []
     for _ in range(rounds):
         on = gov.speculate(sessions)
         modes.append(on)
-        gov.observe(sessions, on, (on_ms if on else off_ms) / 1e3 * 10, 10)
+        gov.observe(sessions, on, (on_ms if on else off_ms) / 1e3 * sessions, sessions)
     return modes
 
 
@@ -118,7 +119,7 @@ def test_rounds_that_prefill_a_prompt_do_not_count_against_plain_decoding():
 
 
 def test_a_mode_that_keeps_losing_is_probed_less_and_less_often():
-    gov = SpeculationGovernor(probe_every=10, max_probe_every=80, probe_rounds=4)
+    gov = SpeculationGovernor(probe_every=10, max_probe_every=80, probe_rounds=4, short_probe_rounds=4)
     modes = drive(gov, 1, on_ms=100, off_ms=60, rounds=600)
     assert modes[:8] == [True] * 4 + [False] * 4  # each mode measured first, speculation first
     starts = [i for i in range(8, len(modes)) if modes[i] and not modes[i - 1]]  # probes of speculation
@@ -131,3 +132,24 @@ def test_a_mode_that_keeps_losing_is_probed_less_and_less_often():
     # speculation becomes the faster mode: the next probe finds it and it takes over
     later = drive(gov, 1, on_ms=30, off_ms=60, rounds=200)
     assert sum(later[-50:]) >= 45
+
+
+def test_once_tau_is_known_a_batch_size_where_drafting_does_not_pay_costs_short_rare_probes():
+    """τ is the drafter's (one estimate for every batch size); a bucket's round time varies
+    little. At 1 session speculation pays (τ 1.6 from rounds of 1 or 4 tokens); at 16 it costs 3x
+    a plain round per round, so it loses at any τ below 3. There, after the first probe, probes
+    last ``short_probe_rounds`` rounds and their interval grows to ``max_probe_every``: ~1 % of
+    the rounds speculate instead of the 8-round probes every <= 192 rounds (> 4 %) of before."""
+    gov = SpeculationGovernor(probe_every=12, probe_rounds=8, short_probe_rounds=2, max_probe_every=768)
+    small, drafted = [], 0
+    for _ in range(400):
+        on = gov.speculate(1)
+        small.append(on)
+        drafted += on
+        gov.observe(1, on, 0.010 if on else 0.008, (4 if drafted % 5 == 0 else 1) if on else 1)
+    assert sum(small[100:]) >= 0.75 * 300 and abs(gov.tau - 1.6) < 0.5
+    large = drive(gov, 16, on_ms=3 * 60 / 1.6, off_ms=60, rounds=3000)
+    starts = [i for i in range(1, len(large)) if large[i] and not large[i - 1]]
+    assert all(large[i:i + 3] == [True, True, False] for i in starts[1:])  # short probes
+    assert sum(large[500:]) <= 0.015 * 2500
+    assert sum(large[-1000:]) <= 6  # at most 3 probes of 2 rounds once the interval is 768

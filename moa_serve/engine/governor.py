@@ -2,18 +2,26 @@
 
 Whether drafting K tokens and verifying K+1 beats verifying one token depends on the drafter's
 acceptance, the batch size and the hardware (on a 2-core AVX2 CPU, verifying 5 tokens of one
-session costs 1.6x one token; of 16 sessions, 2.8x). Rather than guess, the governor measures:
-per batch-size bucket it keeps moving averages of round seconds and of committed tokens with
-speculation on and with it off (their ratio is the cost per token: an average of per-round
-ratios would overstate a weak drafter's cost, whose rounds mostly commit one token and now and
-then several), keeps the mode in force until a probe finds the other faster or its own estimate
-falls behind the other's by more than ``margin``, and every ``probe_every`` rounds tries the other
-mode for ``probe_rounds`` rounds in a row, so that the estimate follows the load and the drafter.
-A probe spans several rounds because one round says little: with τ ≈ 1.3 most speculative rounds
-accept nothing and a few accept several, so single-round probes lost four times in five even
-where speculation paid 1.1x on average. A mode whose probes keep losing
-clearly is probed less and less often (the interval doubles, up to ``max_probe_every``), so a
-drafter that never pays costs almost nothing."""
+session costs 1.6x one token; of 16 sessions, 2.8x). Rather than guess, the governor measures.
+The cost per token of a mode is the ratio of its averaged round seconds to its averaged committed
+tokens (an average of per-round ratios would overstate a weak drafter's cost, whose rounds mostly
+commit one token and now and then several). The two halves are measured where they are known
+best:
+
+* round seconds and sessions per round, per batch-size bucket and mode: they depend on the batch
+  and vary little from round to round;
+* tokens per session of a speculative round (τ), once for all buckets: it is the drafter's
+  acceptance on this traffic, whatever the batch, and it is noisy (with τ ≈ 1.3 most speculative
+  rounds accept nothing and a few accept several), so it is averaged over every speculative
+  round of every bucket. Plain rounds commit one token per session.
+
+The mode in force stays until a probe finds the other faster or its own estimate falls behind the
+other's by more than ``margin``; every ``probe_every`` rounds the other mode is tried for a few
+rounds in a row, so that the estimate follows the load and the drafter: ``probe_rounds`` while τ
+is not yet known, then ``short_probe_rounds`` (a probe then only refreshes the bucket's round
+time). A mode whose probes keep losing clearly is probed less and less often (the interval
+doubles, up to ``max_probe_every``), so a drafter that never pays at a batch size costs almost
+nothing there."""
 
 from __future__ import annotations
 
@@ -22,9 +30,9 @@ from dataclasses import dataclass
 
 @dataclass
 class _Bucket:
-    # moving averages per round of seconds and committed tokens, speculating (on) and not (off)
+    # moving averages per round of seconds and sessions (speculating: on) or committed tokens (not: off)
     on_s: float | None = None
-    on_tokens: float | None = None
+    on_sessions: float | None = None
     off_s: float | None = None
     off_tokens: float | None = None
     rounds: int = 0
@@ -35,13 +43,8 @@ class _Bucket:
     probe_on: bool = False
     probe_left: int = 0
     probe_s: float = 0.0
-    probe_tokens: int = 0
+    probe_tokens: int = 0  # sessions (speculating) or tokens (not) summed over the probe's rounds
     probe_n: int = 0
-
-    @property
-    def on(self) -> float | None:
-        """Seconds per committed token, speculating."""
-        return None if self.on_s is None else self.on_s / self.on_tokens
 
     @property
     def off(self) -> float | None:
@@ -49,12 +52,13 @@ class _Bucket:
 
 
 class SpeculationGovernor:
-    def __init__(self, probe_every: int = 12, alpha: float = 0.1, max_probe_every: int = 192,
-                 margin: float = 1.1, probe_rounds: int = 8):
+    def __init__(self, probe_every: int = 12, alpha: float = 0.1, max_probe_every: int = 768,
+                 margin: float = 1.1, probe_rounds: int = 8, short_probe_rounds: int = 2,
+                 tau_alpha: float = 0.05):
         if probe_every < 2:
             raise ValueError("probe_every must be >= 2")
-        if probe_rounds < 1:
-            raise ValueError("probe_rounds must be >= 1")
+        if not 1 <= short_probe_rounds <= probe_rounds:
+            raise ValueError("need 1 <= short_probe_rounds <= probe_rounds")
         self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every)
         self.alpha = alpha
@@ -62,7 +66,22 @@ class SpeculationGovernor:
         # between probes only when it is slower than the other by more than this
         self.margin = margin
         self.probe_rounds = probe_rounds
+        self.short_probe_rounds = short_probe_rounds
         self._buckets: dict[int, _Bucket] = {}
+        # τ: moving averages of committed tokens and sessions per speculative round, all buckets
+        self.tau_alpha = tau_alpha
+        self._tau_tokens = self._tau_sessions = None
+        self._tau_rounds = 0
+
+    @property
+    def tau(self) -> float | None:
+        """Committed tokens per session of a speculative round (all batch sizes)."""
+        return None if not self._tau_sessions else self._tau_tokens / self._tau_sessions
+
+    def _probe_length(self) -> int:
+        """``probe_rounds`` until τ rests on that many speculative rounds four times over (then a
+        probe only refreshes a bucket's round time, which varies little)."""
+        return self.short_probe_rounds if self._tau_rounds >= 4 * self.probe_rounds else self.probe_rounds
 
     @staticmethod
     def bucket(sessions: int) -> int:
@@ -73,18 +92,18 @@ class SpeculationGovernor:
         return b.since + ahead >= (b.interval or self.probe_every)
 
     def _start_probe(self, b: _Bucket, on: bool) -> bool:
-        b.probing, b.probe_on, b.probe_left = True, on, self.probe_rounds
+        b.probing, b.probe_on, b.probe_left = True, on, self._probe_length()
         b.probe_s, b.probe_tokens, b.probe_n = 0.0, 0, 0
         return on
 
     def speculate(self, sessions: int) -> bool:
         """Whether the next round of ``sessions`` sessions should draft."""
-        b = self._buckets.setdefault(self.bucket(sessions), _Bucket())
+        b = self._bucket(sessions)
         b.rounds += 1
         if b.probing:
             return b.probe_on
-        if b.on is None or b.off is None:  # measure both modes first, speculation first
-            return self._start_probe(b, on=b.on is None)
+        if self._on(b) is None or b.off is None:  # measure both modes first, speculation first
+            return self._start_probe(b, on=self._on(b) is None)
         b.current, fell_behind = self._in_force(b)
         if fell_behind:  # the other mode took over: probe this one back soon
             b.interval, b.since = self.probe_every, 0
@@ -98,7 +117,7 @@ class SpeculationGovernor:
         """What :meth:`speculate` will answer for the next round of this size (without counting a
         round): the caller fetches drafter features only when a round soon drafts."""
         b = self._buckets.get(self.bucket(sessions))
-        if b is None or b.on is None or b.off is None:
+        if b is None or b.on_s is None or b.off is None:
             return True
         if b.probing:
             return b.probe_on
@@ -108,8 +127,8 @@ class SpeculationGovernor:
     def _in_force(self, b: _Bucket) -> tuple[bool, bool]:
         """(the mode for the next round outside probes, whether that changed because the mode in
         force fell behind the other's estimate by more than ``margin``)."""
-        current = b.current if b.current is not None else b.on <= b.off
-        mine, other = (b.on, b.off) if current else (b.off, b.on)
+        current = b.current if b.current is not None else self._on(b) <= b.off
+        mine, other = (self._on(b), b.off) if current else (b.off, self._on(b))
         return (not current, True) if mine > self.margin * other else (current, False)
 
     def observe(self, sessions: int, speculated: bool, seconds: float, tokens: int) -> None:
@@ -118,39 +137,63 @@ class SpeculationGovernor:
         the other mode is clearly faster doubles the interval to the next probe (up to
         ``max_probe_every``): a mode that keeps losing is tried less and less often; one that
         comes close or wins brings the interval back to ``probe_every``."""
-        if tokens <= 0 or seconds <= 0:
+        if tokens <= 0 or seconds <= 0 or sessions <= 0:
             return
-        b = self._buckets.setdefault(self.bucket(sessions), _Bucket())
+        if speculated:
+            self._observe_tau(sessions, tokens)
+        b = self._bucket(sessions)
+        count = sessions if speculated else tokens  # what the bucket averages besides seconds
         if b.probing and speculated == b.probe_on:
-            b.probe_s, b.probe_tokens, b.probe_n = b.probe_s + seconds, b.probe_tokens + tokens, b.probe_n + 1
+            b.probe_s, b.probe_tokens, b.probe_n = b.probe_s + seconds, b.probe_tokens + count, b.probe_n + 1
             b.probe_left -= 1
             if b.probe_left > 0:
                 return
             b.probing = False
             self._set(b, speculated, b.probe_s / b.probe_n, b.probe_tokens / b.probe_n)
-            new, other = (b.on, b.off) if speculated else (b.off, b.on)
+            new, other = (self._on(b), b.off) if speculated else (b.off, self._on(b))
             if other is not None:
                 if b.current is not None and new < other:
                     b.current = speculated  # the probe found its mode faster: it takes over
                 interval = b.interval or self.probe_every
                 b.interval = min(2 * interval, self.max_probe_every) if new > self.margin * other else self.probe_every
             return
-        old_s, old_tokens = (b.on_s, b.on_tokens) if speculated else (b.off_s, b.off_tokens)
+        old_s, old_count = (b.on_s, b.on_sessions) if speculated else (b.off_s, b.off_tokens)
         if old_s is None:
-            self._set(b, speculated, seconds, tokens)
+            self._set(b, speculated, seconds, count)
         else:
             a = self.alpha
-            self._set(b, speculated, (1 - a) * old_s + a * seconds, (1 - a) * old_tokens + a * tokens)
+            self._set(b, speculated, (1 - a) * old_s + a * seconds, (1 - a) * old_count + a * count)
+
+    def _observe_tau(self, sessions: int, tokens: int) -> None:
+        self._tau_rounds += 1
+        if self._tau_sessions is None:
+            self._tau_tokens, self._tau_sessions = float(tokens), float(sessions)
+        else:  # the plain mean of the rounds so far until it holds 1 / tau_alpha of them
+            a = max(self.tau_alpha, 1 / self._tau_rounds)
+            self._tau_tokens = (1 - a) * self._tau_tokens + a * tokens
+            self._tau_sessions = (1 - a) * self._tau_sessions + a * sessions
+
+    def _on(self, b: _Bucket) -> float | None:
+        """Seconds per committed token in this bucket, speculating."""
+        tau = self.tau
+        return None if b.on_s is None or not tau else b.on_s / (b.on_sessions * tau)
+
+    def _bucket(self, sessions: int) -> _Bucket:
+        b = self._buckets.setdefault(self.bucket(sessions), _Bucket())
+        return b
 
     @staticmethod
-    def _set(b: _Bucket, speculated: bool, seconds: float, tokens: float) -> None:
+    def _set(b: _Bucket, speculated: bool, seconds: float, count: float) -> None:
         if speculated:
-            b.on_s, b.on_tokens = seconds, tokens
+            b.on_s, b.on_sessions = seconds, count
         else:
-            b.off_s, b.off_tokens = seconds, tokens
+            b.off_s, b.off_tokens = seconds, count
 
     def snapshot(self) -> dict:
-        """ms per token by batch bucket and mode (for /v1/stats)."""
+        """ms per token by batch bucket and mode (for /v1/stats), τ under "tau"."""
         ms = lambda v: None if v is None else round(v * 1e3, 2)  # noqa: E731
-        return {str(k): {"on_ms_per_token": ms(b.on), "off_ms_per_token": ms(b.off), "rounds": b.rounds}
-                for k, b in sorted(self._buckets.items())}
+        out = {}
+        for k, b in sorted(self._buckets.items()):
+            out[str(k)] = {"on_ms_per_token": ms(self._on(b)), "off_ms_per_token": ms(b.off), "rounds": b.rounds}
+        out["tau"] = None if self.tau is None else round(self.tau, 3)
+        return out
