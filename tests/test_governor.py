@@ -153,3 +153,22 @@ def test_once_tau_is_known_a_batch_size_where_drafting_does_not_pay_costs_short_
     assert all(large[i:i + 3] == [True, True, False] for i in starts[1:])  # short probes
     assert sum(large[500:]) <= 0.015 * 2500
     assert sum(large[-1000:]) <= 6  # at most 3 probes of 2 rounds once the interval is 768
+
+
+def test_a_larger_batch_inherits_plain_decoding_from_a_smaller_one_that_found_speculation_slower():
+    """At 4 sessions speculation lost clearly (plain decoding in force, probes backed off): the
+    first rounds at 16 sessions run plain, with that probe interval, instead of measuring
+    speculation first; a probe still comes, and a speculation that wins there takes over."""
+    gov = SpeculationGovernor(probe_every=12, max_probe_every=768)
+    drive(gov, 4, on_ms=100, off_ms=60, rounds=400)
+    interval = gov._buckets[4].interval
+    assert gov._buckets[4].current is False and interval > 12
+    assert not gov.next_speculates(16)
+    large = drive(gov, 16, on_ms=100, off_ms=60, rounds=interval - 2)
+    assert not any(large)
+    later = drive(gov, 16, on_ms=30, off_ms=60, rounds=interval + 200)  # speculation now wins at 16
+    assert sum(later[-50:]) >= 45
+    # a batch size above one where speculation pays still measures speculation first
+    gov2 = SpeculationGovernor(probe_every=12)
+    drive(gov2, 1, on_ms=40, off_ms=60, rounds=100)
+    assert drive(gov2, 2, on_ms=40, off_ms=60, rounds=1) == [True]

@@ -36,7 +36,7 @@ class _Bucket:
     off_s: float | None = None
     off_tokens: float | None = None
     rounds: int = 0
-    current: bool | None = None  # the mode in force, once both are measured
+    current: bool | None = None  # the mode in force, once both are measured (or inherited off)
     interval: int = 0  # rounds between probes of the other mode (0: not set yet)
     since: int = 0  # rounds since the last probe
     probing: bool = False  # rounds run ``probe_on``'s mode until ``probe_left`` more are observed
@@ -102,8 +102,15 @@ class SpeculationGovernor:
         b.rounds += 1
         if b.probing:
             return b.probe_on
-        if self._on(b) is None or b.off is None:  # measure both modes first, speculation first
-            return self._start_probe(b, on=self._on(b) is None)
+        if self._on(b) is None or b.off is None:
+            if b.current is False and b.off is not None:  # plain decoding inherited: speculation when due
+                b.since += 1
+                if self._probe_due(b):
+                    b.since = 0
+                    return self._start_probe(b, on=True)
+                return False
+            # measure both modes first, speculation first unless plain decoding was inherited
+            return self._start_probe(b, on=self._on(b) is None and b.current is None)
         b.current, fell_behind = self._in_force(b)
         if fell_behind:  # the other mode took over: probe this one back soon
             b.interval, b.since = self.probe_every, 0
@@ -116,11 +123,13 @@ class SpeculationGovernor:
     def next_speculates(self, sessions: int) -> bool:
         """What :meth:`speculate` will answer for the next round of this size (without counting a
         round): the caller fetches drafter features only when a round soon drafts."""
-        b = self._buckets.get(self.bucket(sessions))
-        if b is None or b.on_s is None or b.off is None:
-            return True
+        b = self._buckets.get(self.bucket(sessions)) or self._new_bucket(self.bucket(sessions))
         if b.probing:
             return b.probe_on
+        if self._on(b) is None or b.off is None:
+            if b.current is False and b.off is not None:
+                return self._probe_due(b, ahead=1)
+            return self._on(b) is None and b.current is None
         current, fell_behind = self._in_force(b)
         return (not current) if not fell_behind and self._probe_due(b, ahead=1) else current
 
@@ -179,8 +188,24 @@ class SpeculationGovernor:
         return None if b.on_s is None or not tau else b.on_s / (b.on_sessions * tau)
 
     def _bucket(self, sessions: int) -> _Bucket:
-        b = self._buckets.setdefault(self.bucket(sessions), _Bucket())
+        key = self.bucket(sessions)
+        b = self._buckets.get(key)
+        if b is None:
+            b = self._buckets[key] = self._new_bucket(key)
         return b
+
+    def _new_bucket(self, key: int) -> _Bucket:
+        """A batch size seen for the first time. Where a smaller batch size already found
+        speculation clearly slower (plain decoding in force, its probes backed off), this one
+        starts with plain decoding and that probe interval: verifying K extra tokens per session
+        costs relatively more as the batch grows (the step turns compute-bound) while τ does not
+        change, so speculation loses there too — a probe still checks, when due."""
+        smaller = [k for k in self._buckets if k < key]
+        if smaller:
+            prior = self._buckets[max(smaller)]
+            if prior.current is False and prior.interval > self.probe_every:
+                return _Bucket(current=False, interval=prior.interval)
+        return _Bucket()
 
     @staticmethod
     def _set(b: _Bucket, speculated: bool, seconds: float, count: float) -> None:
