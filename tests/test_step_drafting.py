@@ -277,3 +277,44 @@ def test_a_long_prefill_keeps_its_features_while_speculation_is_in_force():
             StepRow("a", prompt + [7, 8], 10, feature_input=feats(10, 11))])
     assert not d.tracks["b"].features_broken and d.tracks["b"].features.length == 8
     assert d.tracks["b"].pending.length == 0 and heads[-2:] == [8, 1]
+
+
+def test_the_governor_is_not_charged_for_catching_up_on_features():
+    """After steps without drafts, the first drafting step computes the features of every position
+    verified meanwhile; that catching-up is a cost of the pause, not of speculating, and is left
+    out of the seconds the governor gets for the step (here the head takes 1 s per position)."""
+    now = [0.0]
+
+    def head(x):
+        now[0] += x.shape[0]
+        return x
+
+    class Gov:
+        on = False
+        seen = []
+
+        def speculate(self, n):
+            return self.on
+
+        def next_speculates(self, n):
+            return self.on
+
+        def observe(self, n, drafted, seconds, tokens):
+            self.seen.append((drafted, seconds))
+
+    gov = Gov()
+    d = StepDrafting(Source(), num_drafts=1, feature_fn=head, governor=gov, clock=lambda: now[0])
+    toks = [1, 2, 3]
+    d.step([StepRow("a", list(toks), 0, feature_input=feats(0, 2))])  # prefill: 2 positions, no drafts
+    for pos in (2, 3, 4):
+        now[0] += 10.0  # a plain step
+        toks.append(9)
+        d.step([StepRow("a", list(toks), pos, feature_input=feats(pos, pos + 1))])
+    gov.on = True
+    now[0] += 10.0
+    toks.append(9)
+    d.step([StepRow("a", list(toks), 5, feature_input=feats(5, 6))])  # head: 6 positions, 1 of them fresh
+    now[0] += 10.0
+    toks.append(9)
+    d.step([StepRow("a", list(toks), 6, feature_input=feats(6, 7))])
+    assert gov.seen[-1] == (True, 10.0 + 1.0)  # the step's own position counted, the 5 of the pause not

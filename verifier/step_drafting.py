@@ -191,7 +191,9 @@ class StepDrafting:
         self.max_pending_positions = max_pending_positions
         # the features of prefixes the verifier's prefix cache will skip (None: it has none)
         self.prefix_features = prefix_features
-        self._last: tuple[float, int, bool] | None = None  # (time, rows, drafted) of the previous step
+        # (time, rows, drafted, backlog seconds) of the previous step
+        self._last: tuple[float, int, bool, float] | None = None
+        self._backlog_s = 0.0  # this step's seconds computing features of positions verified before it
 
     # ------------------------------------------------------------------ the step
     def step(self, rows: list[StepRow]) -> list[list[int]]:
@@ -228,7 +230,8 @@ class StepDrafting:
             t.last_tokens, t.last_drafts = len(r.tokens), len(drafts[r.session_id])
             self.stats.drafted += t.last_drafts
         # the governor times steps that drafted against steps that did not (whatever the reason)
-        self._last = (now, len(wanting), any(drafts.values())) if wanting else None
+        self._last = (now, len(wanting), any(drafts.values()), self._backlog_s) if wanting else None
+        self._backlog_s = 0.0
         return [drafts[r.session_id] for r in rows]
 
     def keeps_features(self, session_id: str) -> bool:
@@ -290,13 +293,19 @@ class StepDrafting:
             self.stats.dropped_features += 1
 
     def _materialize(self, rows: list[StepRow]) -> None:
-        """Features of every pending position of these sessions, in one feature-head call."""
+        """Features of every pending position of these sessions, in one feature-head call. The
+        share of its time spent on positions verified before this step (a backlog from steps
+        without drafts) is kept apart in ``_backlog_s``: the governor times what a mode costs
+        while it lasts, not the catching up when speculation resumes."""
         work = [(r, self.tracks[r.session_id]) for r in rows]
         work = [(r, t, t.pending.start, t.pending.take()) for r, t in work if t.pending.length]
         if not work:
             return
+        t0 = self.clock()
         inputs = torch.cat([x for *_, x in work])
         feats = self.feature_fn(inputs) if self.feature_fn is not None else inputs
+        fresh = sum(min(r.feature_input.shape[0], x.shape[0]) for r, *_, x in work if r.feature_input is not None)
+        self._backlog_s += (self.clock() - t0) * (1 - fresh / inputs.shape[0])
         for (r, t, start, _), chunk in zip(work, torch.split(feats, [x.shape[0] for *_, x in work])):
             t.features.put(start, chunk)
             if self.prefix_features is not None:
@@ -306,8 +315,8 @@ class StepDrafting:
     def _observe(self, now: float, committed: int) -> None:
         """The previous step, now finished: its seconds and committed tokens go to the governor."""
         if self.governor is not None and self._last is not None:
-            t, n, drafted = self._last
-            self.governor.observe(n, drafted, now - t, committed)
+            t, n, drafted, backlog_s = self._last
+            self.governor.observe(n, drafted, max(now - t - backlog_s, 1e-6), committed)
 
     def _account(self, t: _Track, r: StepRow) -> None:
         if t.last_drafts and r.sampled and len(r.tokens) > t.last_tokens:
