@@ -318,3 +318,29 @@ def test_the_governor_is_not_charged_for_catching_up_on_features():
     toks.append(9)
     d.step([StepRow("a", list(toks), 6, feature_input=feats(6, 7))])
     assert gov.seen[-1] == (True, 10.0 + 1.0)  # the step's own position counted, the 5 of the pause not
+
+
+def test_the_governor_sees_the_steps_batch_not_only_the_requests_that_can_draft():
+    """Three of four requests lost their features (a prefix-cache miss): the step still verifies
+    four, and costs what a step of four costs; a request mid-prefill does not count."""
+    class Gov:
+        asked = []
+
+        def speculate(self, n):
+            self.asked.append(n)
+            return True
+
+        def next_speculates(self, n):
+            return True
+
+        def observe(self, n, drafted, seconds, tokens):
+            self.asked.append(("observe", n))
+
+    gov = Gov()
+    d = StepDrafting(Source(), num_drafts=1, governor=gov)
+    rows = [StepRow(s, list(range(12)), 8, feats(8, 11)) for s in "abc"]  # features missing: no drafts
+    rows += [StepRow("d", [1, 2], 0, feats(0, 1)), StepRow("e", [1, 2, 3], 0, feats(0, 3), sampled=False)]
+    out = d.step(rows)
+    assert [bool(x) for x in out] == [False, False, False, True, False]
+    d.step(rows)
+    assert gov.asked == [4, ("observe", 4), 4]

@@ -212,9 +212,12 @@ class StepDrafting:
                 wanting.append(r)
         self._observe(now, committed)
         drafts = {r.session_id: [] for r in rows}
-        speculate = bool(wanting) and (self.governor is None or self.governor.speculate(len(wanting)))
+        # the governor's batch size is the step's (requests that sampled), not the number that can
+        # draft: a step of 16 requests of which one drafts costs what a step of 16 costs
+        batch = sum(r.sampled for r in rows)
+        speculate = bool(wanting) and (self.governor is None or self.governor.speculate(batch))
         drafting = speculate and now >= self._down_until
-        self._bound_pending(rows, wanting, drafting)
+        self._bound_pending(rows, wanting, drafting, batch)
         if wanting:
             self.stats.steps += 1
             if not speculate:
@@ -230,7 +233,7 @@ class StepDrafting:
             t.last_tokens, t.last_drafts = len(r.tokens), len(drafts[r.session_id])
             self.stats.drafted += t.last_drafts
         # the governor times steps that drafted against steps that did not (whatever the reason)
-        self._last = (now, len(wanting), any(drafts.values()), self._backlog_s) if wanting else None
+        self._last = (now, batch, any(drafts.values()), self._backlog_s) if wanting else None
         self._backlog_s = 0.0
         return [drafts[r.session_id] for r in rows]
 
@@ -269,7 +272,7 @@ class StepDrafting:
         t.pending.start = r.feature_start
         return True
 
-    def _bound_pending(self, rows: list[StepRow], wanting: list[StepRow], drafting: bool) -> None:
+    def _bound_pending(self, rows: list[StepRow], wanting: list[StepRow], drafting: bool, batch: int) -> None:
         """Sessions holding more than ``max_pending_positions`` feature inputs (a long prompt's
         prefill, or many steps without drafts): while speculation is in force (this step drafts,
         or the governor's next step will) their features are computed now, in the step's one
@@ -281,7 +284,7 @@ class StepDrafting:
                 and self.tracks[r.session_id].pending.length > self.max_pending_positions]
         if not over:
             return
-        if drafting or self.governor is None or self.governor.next_speculates(max(1, len(wanting))):
+        if drafting or self.governor is None or self.governor.next_speculates(max(1, batch)):
             t0 = time.perf_counter()
             self._materialize(over)
             self.stats.feature_s += time.perf_counter() - t0
