@@ -247,3 +247,23 @@ def test_prefix_cache_hits_get_the_features_of_the_cached_positions(moa, plain):
     assert second.accepted_tokens == first.accepted_tokens
     assert len(f2) == len(f1) >= len(prompt)
     torch.testing.assert_close(f2, f1, atol=2e-4, rtol=1e-3)
+
+
+def test_regenerate_with_the_vllm_backend_writes_the_torch_backends_replies(tmp_path):
+    """``moa regenerate --backend vllm``: the same greedy float32 replies as the project's engine."""
+    import json
+
+    from moa_serve.drafter.regenerate import regenerate
+
+    data = tmp_path / "data"
+    data.mkdir()
+    convs = [[{"role": "user", "content": q}, {"role": "assistant", "content": "dataset reply"}] for q in QUESTIONS[:4]]
+    (data / "toy.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    replies = {}
+    for backend in ("torch", "vllm"):
+        out = regenerate(str(SMOLLM), str(data), str(tmp_path / backend), per_file=4, max_new_tokens=24, batch=2,
+                         dtype="float32", backend=backend)
+        rows = [json.loads(line)["messages"] for line in (out / "self" / "regenerated.jsonl").read_text().splitlines()]
+        replies[backend] = {m[0]["content"]: m[1]["content"] for m in rows}
+    assert len(replies["vllm"]) == 4 and replies["vllm"] == replies["torch"]
+    assert all(r and r != "dataset reply" for r in replies["vllm"].values())
