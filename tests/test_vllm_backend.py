@@ -108,6 +108,32 @@ def test_lsa_features_equal_the_torch_backends(moa, torch_engine, prompts):
     torch.testing.assert_close(fv[:n], ft[:n], atol=2e-4, rtol=1e-3)
 
 
+def test_prefix_cache_hits_get_the_features_of_the_cached_positions(moa, plain):
+    """vLLM's prefix caching skips the forward of the full blocks (128 tokens on CPU) a prompt
+    shares with an earlier one; their drafter features come from PrefixFeatures instead: the
+    second run of a long prompt sends the drafter the same features as the first, and decodes the
+    same tokens with the same acceptance."""
+    text = " ".join(f"Item {i}: the {i}th entry of a long list of facts about the sea." for i in range(30))
+    prompt = prompt_ids(plain.tokenizer, [{"role": "user", "content": text + " Summarise the list."}])
+    assert len(prompt) > 2 * moa.engine.vllm_config.cache_config.block_size
+    rec = Recorder(moa.drafting.source)
+    moa.drafting.source = rec
+    try:
+        restored = moa.stats()["prefix_restored"]
+        first = moa.generate([prompt], 24)[0]
+        (f1,) = rec.features.values()
+        rec.features.clear()
+        second = moa.generate([prompt], 24)[0]
+        (f2,) = rec.features.values()
+    finally:
+        moa.drafting.source = rec.inner
+    assert moa.stats()["prefix_restored"] == restored + 1
+    assert second.token_ids == first.token_ids == plain.generate([prompt], 24)[0].token_ids
+    assert second.accepted_tokens == first.accepted_tokens
+    assert len(f2) == len(f1) >= len(prompt)
+    torch.testing.assert_close(f2, f1, atol=2e-4, rtol=1e-3)
+
+
 def test_drafter_failure_falls_back_to_target_only_decoding(moa, plain, prompts, caplog):
     class Flaky:
         def __init__(self, inner, good_calls):
@@ -221,32 +247,6 @@ def test_moa_bench_on_the_vllm_backend(tmp_path):
     assert van["method"] == "vanilla" and spec["method"] == "smollm2-135m-instruct-moa@k3"
     assert spec["rounds"] <= van["rounds"] and spec["draft_ms_per_round"] > 0
     assert "backend vllm" in out.with_suffix(".md").read_text()
-
-
-def test_prefix_cache_hits_get_the_features_of_the_cached_positions(moa, plain):
-    """vLLM's prefix caching skips the forward of the full blocks (128 tokens on CPU) a prompt
-    shares with an earlier one; their drafter features come from PrefixFeatures instead: the
-    second run of a long prompt sends the drafter the same features as the first, and decodes the
-    same tokens with the same acceptance."""
-    text = " ".join(f"Item {i}: the {i}th entry of a long list of facts about the sea." for i in range(30))
-    prompt = prompt_ids(plain.tokenizer, [{"role": "user", "content": text + " Summarise the list."}])
-    assert len(prompt) > 2 * moa.engine.vllm_config.cache_config.block_size
-    rec = Recorder(moa.drafting.source)
-    moa.drafting.source = rec
-    try:
-        restored = moa.stats()["prefix_restored"]
-        first = moa.generate([prompt], 24)[0]
-        (f1,) = rec.features.values()
-        rec.features.clear()
-        second = moa.generate([prompt], 24)[0]
-        (f2,) = rec.features.values()
-    finally:
-        moa.drafting.source = rec.inner
-    assert moa.stats()["prefix_restored"] == restored + 1
-    assert second.token_ids == first.token_ids == plain.generate([prompt], 24)[0].token_ids
-    assert second.accepted_tokens == first.accepted_tokens
-    assert len(f2) == len(f1) >= len(prompt)
-    torch.testing.assert_close(f2, f1, atol=2e-4, rtol=1e-3)
 
 
 def test_regenerate_with_the_vllm_backend_writes_the_torch_backends_replies(tmp_path):
