@@ -191,7 +191,7 @@ class StepDrafting:
         self.max_pending_positions = max_pending_positions
         # the features of prefixes the verifier's prefix cache will skip (None: it has none)
         self.prefix_features = prefix_features
-        # (time, rows, drafted, backlog seconds) of the previous step
+        # (time, batch, drafted, backlog seconds) of the previous step
         self._last: tuple[float, int, bool, float] | None = None
         self._backlog_s = 0.0  # this step's seconds computing features of positions verified before it
 
@@ -275,8 +275,8 @@ class StepDrafting:
     def _bound_pending(self, rows: list[StepRow], wanting: list[StepRow], drafting: bool, batch: int) -> None:
         """Sessions holding more than ``max_pending_positions`` feature inputs (a long prompt's
         prefill, or many steps without drafts): while speculation is in force (this step drafts,
-        or the governor's next step will) their features are computed now, in the step's one
-        feature-head call (the drafting sessions' own happens in ``_draft``); otherwise their
+        or the governor's next step will) their features are computed now, in one feature-head
+        call for all of them (the drafting sessions' own happen in ``_draft``); otherwise their
         inputs are dropped and they decode without drafts to their end (bounded memory, no
         feature cost while speculation does not pay)."""
         drafting_ids = {r.session_id for r in wanting} if drafting else set()

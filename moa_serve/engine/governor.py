@@ -21,7 +21,8 @@ rounds in a row, so that the estimate follows the load and the drafter: ``probe_
 is not yet known, then ``short_probe_rounds`` (a probe then only refreshes the bucket's round
 time). A mode whose probes keep losing clearly is probed less and less often (the interval
 doubles, up to ``max_probe_every``), so a drafter that never pays at a batch size costs almost
-nothing there."""
+nothing there; a larger batch size seen for the first time starts from that verdict
+(``_new_bucket``)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class _Bucket:
     probe_on: bool = False
     probe_left: int = 0
     probe_s: float = 0.0
-    probe_tokens: int = 0  # sessions (speculating) or tokens (not) summed over the probe's rounds
+    probe_count: int = 0  # sessions (speculating) or tokens (not) summed over the probe's rounds
     probe_n: int = 0
 
     @property
@@ -93,7 +94,7 @@ class SpeculationGovernor:
 
     def _start_probe(self, b: _Bucket, on: bool) -> bool:
         b.probing, b.probe_on, b.probe_left = True, on, self._probe_length()
-        b.probe_s, b.probe_tokens, b.probe_n = 0.0, 0, 0
+        b.probe_s, b.probe_count, b.probe_n = 0.0, 0, 0
         return on
 
     def speculate(self, sessions: int) -> bool:
@@ -153,12 +154,12 @@ class SpeculationGovernor:
         b = self._bucket(sessions)
         count = sessions if speculated else tokens  # what the bucket averages besides seconds
         if b.probing and speculated == b.probe_on:
-            b.probe_s, b.probe_tokens, b.probe_n = b.probe_s + seconds, b.probe_tokens + count, b.probe_n + 1
+            b.probe_s, b.probe_count, b.probe_n = b.probe_s + seconds, b.probe_count + count, b.probe_n + 1
             b.probe_left -= 1
             if b.probe_left > 0:
                 return
             b.probing = False
-            self._set(b, speculated, b.probe_s / b.probe_n, b.probe_tokens / b.probe_n)
+            self._set(b, speculated, b.probe_s / b.probe_n, b.probe_count / b.probe_n)
             new, other = (self._on(b), b.off) if speculated else (b.off, self._on(b))
             if other is not None:
                 if b.current is not None and new < other:
