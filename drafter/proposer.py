@@ -73,7 +73,12 @@ def load_for_drafting(drafter: str, target: str | None, dtype, device, target_mo
     norm, the last N layers for TLI). Returns (config, state without the draft vocabulary, draft
     vocabulary or None, target parts, dtype)."""
     cfg, state = load_drafter(drafter)
-    dt = parse_dtype(dtype, device)
+    if dtype != "auto":
+        dt = parse_dtype(dtype, device)
+    elif target_model is not None:  # the in-process engine's target decides
+        dt = next(target_model.parameters()).dtype
+    else:
+        dt = parse_dtype(dtype, device, resolve_model_path(target or cfg.target_name_or_path))
     tli = cfg.target_layer_inference if cfg.kind == "moa" else 0
     if target_model is not None:
         _check_target(cfg, target_model.arch)

@@ -92,7 +92,7 @@ def _build_engines(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.target)
-    dt = parse_dtype(args.dtype, args.device)
+    dt = parse_dtype(args.dtype, args.device, path)
     tm = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, args.device)
     if getattr(args, "packed_weights", "auto") == "auto":
         from moa_serve.kernels.packed import pack_target

@@ -206,7 +206,7 @@ def run_cs_bench(args) -> dict:
 
     # the server: the target once, a stack per feature head
     path = resolve_model_path(args.target)
-    dt = parse_dtype(args.dtype, "cpu")
+    dt = parse_dtype(args.dtype, "cpu", path)
     tm = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, "cpu")
     tok = load_tokenizer(path)
     stops = stop_token_ids(path, tok)

@@ -175,6 +175,14 @@ def load_selected_tensors(path: Path, keep: Callable[[str], bool]) -> dict[str, 
     return out
 
 
+def _runs_packed(path: Path) -> bool:
+    """Whether a float32 target in ``path`` would run through the packed GGUF kernels."""
+    from moa_serve import kernels
+    from moa_serve.kernels.packed import gguf_file
+
+    return path.is_dir() and gguf_file(path) is not None and kernels.library() is not None
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX). Without it (e.g. AVX2-only
     CPUs) PyTorch emulates bf16 matmuls: measured on a 2-core AVX2 EPYC, a [16, 576] x [576, 1536]
@@ -190,15 +198,21 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
-def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
-    """A dtype by name; ``auto`` is bfloat16 on GPUs and on CPUs with native bf16, float32 on
-    other CPUs (where bf16 is emulated and slower than float32)."""
+def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu",
+                target: str | Path | None = None) -> torch.dtype:
+    """A dtype by name. ``auto`` is bfloat16 on GPUs; on a CPU it is float32 when the ``target``
+    folder holds a GGUF (in float32 the target runs through the packed kernels over the file's
+    quantized blocks: 47 vs 27 tok/s single-stream for SmolLM2-135M against bf16 on an AVX-512
+    BF16 EPYC), else bfloat16 on CPUs with native bf16 and float32 on the others (where bf16 is
+    emulated and slower than float32)."""
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
-        if torch.device(device).type != "cpu" or cpu_has_native_bf16():
+        if torch.device(device).type != "cpu":
             return torch.bfloat16
-        return torch.float32
+        if target is not None and _runs_packed(Path(target)):
+            return torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
     if name not in table:

@@ -98,7 +98,10 @@ class TorchTargetRunner(TargetBackend):
                  model: TargetModel | None = None, max_num_batched_tokens: int = 512,
                  draft_vocab: torch.Tensor | None = None, packed_weights: str = "auto",
                  prefix_caching: bool = True):
-        self.dtype = parse_dtype(dtype, device)
+        if model is not None and dtype == "auto":  # a model already built: its dtype
+            self.dtype = next(model.parameters()).dtype
+        else:
+            self.dtype = parse_dtype(dtype, device, resolve_model_path(target) if dtype == "auto" else None)
         self.device = torch.device(device)
         self.packing: dict = {"packed": 0, "reason": "packed_weights is off"}
         if model is None:
