@@ -28,7 +28,7 @@ from moa_serve.drafter.model import DraftHead, MoADrafter, TargetParts
 from moa_serve.engine.sampling import GREEDY, SamplingParams
 from moa_serve.kernels.packed import FusedStack, fuse_projections, pack_bf16_exact, packed_lm_head
 from moa_serve.kv_cache import SlotKVCache
-from moa_serve.models import load_selected_tensors, parse_dtype, read_config, resolve_model_path
+from moa_serve.models import load_selected_tensors, read_config, resolve_model_path, target_dtype
 from moa_serve.verifier.acceptance import generator_for, sample, warp_probs
 from moa_serve.verifier.target_model import TargetArch, TargetModel
 
@@ -73,18 +73,13 @@ def load_for_drafting(drafter: str, target: str | None, dtype, device, target_mo
     norm, the last N layers for TLI). Returns (config, state without the draft vocabulary, draft
     vocabulary or None, target parts, dtype)."""
     cfg, state = load_drafter(drafter)
-    if dtype != "auto":
-        dt = parse_dtype(dtype, device)
-    elif target_model is not None:  # the in-process engine's target decides
-        dt = next(target_model.parameters()).dtype
-    else:
-        dt = parse_dtype(dtype, device, resolve_model_path(target or cfg.target_name_or_path))
+    path = None if target_model is not None else resolve_model_path(target or cfg.target_name_or_path)
+    dt = target_dtype(dtype, device, path, target_model)
     tli = cfg.target_layer_inference if cfg.kind == "moa" else 0
     if target_model is not None:
         _check_target(cfg, target_model.arch)
         parts = TargetParts(target_model, tli)
     else:
-        path = resolve_model_path(target or cfg.target_name_or_path)
         hf_config = read_config(path)
         arch = TargetArch.from_hf_config(hf_config)
         _check_target(cfg, arch)  # before reading any weights

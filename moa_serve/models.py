@@ -219,3 +219,11 @@ def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu",
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {name!r}")
     return table[name]
 
+
+def target_dtype(name: str | torch.dtype, device: str | torch.device = "cpu", path: Path | None = None,
+                 model: torch.nn.Module | None = None) -> torch.dtype:
+    """:func:`parse_dtype` for a target: ``auto`` takes the dtype of an already built ``model``
+    (an in-process engine's), else decides from the target folder ``path``."""
+    if name == "auto" and model is not None:
+        return next(model.parameters()).dtype
+    return parse_dtype(name, device, path)

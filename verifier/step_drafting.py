@@ -287,8 +287,9 @@ class StepDrafting:
         if drafting or self.governor is None or self.governor.next_speculates(max(1, batch)):
             t0 = time.perf_counter()
             self._materialize(over)
-            self.stats.feature_s += time.perf_counter() - t0
-            self.stats.draft_s += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            self.stats.feature_s += spent
+            self.stats.draft_s += spent
             return
         for r in over:
             t = self.tracks[r.session_id]

@@ -35,7 +35,7 @@ from moa_serve.engine.sampling import SamplingParams
 from moa_serve import kernels
 from moa_serve.kernels.packed import for_inference, pack_target
 from moa_serve.kv_cache import PackedBatch
-from moa_serve.models import load_state_dict, parse_dtype, read_config, resolve_model_path
+from moa_serve.models import load_state_dict, read_config, resolve_model_path, target_dtype
 from moa_serve.verifier.acceptance import accept_sampling, generator_for, warp_probs
 from moa_serve.verifier.api import TargetBackend, VerifyRequest, VerifyResult
 from moa_serve.verifier.target_model import TargetModel
@@ -98,14 +98,11 @@ class TorchTargetRunner(TargetBackend):
                  model: TargetModel | None = None, max_num_batched_tokens: int = 512,
                  draft_vocab: torch.Tensor | None = None, packed_weights: str = "auto",
                  prefix_caching: bool = True):
-        if model is not None and dtype == "auto":  # a model already built: its dtype
-            self.dtype = next(model.parameters()).dtype
-        else:
-            self.dtype = parse_dtype(dtype, device, resolve_model_path(target) if dtype == "auto" else None)
+        path = resolve_model_path(target) if model is None else None
+        self.dtype = target_dtype(dtype, device, path, model)
         self.device = torch.device(device)
         self.packing: dict = {"packed": 0, "reason": "packed_weights is off"}
         if model is None:
-            path = resolve_model_path(target)
             model = TargetModel.from_state_dict(read_config(path), load_state_dict(path), self.dtype, self.device)
             if packed_weights == "auto":
                 self.packing = pack_target(model, path)
