@@ -128,6 +128,11 @@ class AppConfig(_Strict):
         "auto", description="auto: a float32 CPU verifier whose target is a GGUF keeps its Q4_1/Q8_0 blocks and "
         "de-quantizes them in registers (same float32 values, 5x fewer bytes read per forward, batch-invariant "
         "logits); off: plain float32 weights")
+    matmul_precision: Literal["highest", "medium"] = Field(
+        "highest", description="torch backend, packed CPU target (as torch.set_float32_matmul_precision): highest "
+        "multiplies in float32; medium multiplies bfloat16-rounded activations and weights with float32 sums on CPUs "
+        "with AVX512-BF16 (about 1.5x the matmul speed; the output is then that of the bf16-rounded target, still "
+        "batch-invariant, so speculation stays lossless against it), highest elsewhere")
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     adaptive_speculation: bool = Field(True, description="per session, draft about as many tokens as recently accepted (at most num_speculative_tokens)")
     max_model_len: int = Field(2048, ge=16)
@@ -190,6 +195,9 @@ def backend_problems(cfg: AppConfig) -> list[str]:
     if cfg.backend != "vllm":
         return []
     out = []
+    if cfg.matmul_precision != "highest":
+        out.append(f"matmul_precision {cfg.matmul_precision!r} is a torch-backend setting; with backend vllm set "
+                   "dtype (bfloat16 multiplies in bf16)")
     if cfg.drafter is not None and cfg.prompt_lookup and cfg.drafter_checkpoint is not None:
         out.append(f"drafter {cfg.drafter!r}: the hybrid drafter needs backend torch (its lookup runs in the Router's "
                    "rounds); with backend vllm use 'lookup' (vLLM's n-gram proposer) or the checkpoint alone")

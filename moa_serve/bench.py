@@ -97,7 +97,7 @@ def _build_engines(args):
     if getattr(args, "packed_weights", "auto") == "auto":
         from moa_serve.kernels.packed import pack_target
 
-        pack_target(tm, path)
+        pack_target(tm, path, getattr(args, "matmul_precision", "highest"))
     tok = load_tokenizer(path)
     stops = stop_token_ids(path, tok)
     mk = lambda fh: TorchTargetRunner(str(path), dt, args.device, 1, args.max_model_len, fh, model=tm)  # noqa: E731
@@ -200,7 +200,8 @@ def _write(args, methods, questions, partial: bool) -> dict:
                    "max_new_tokens": args.max_new_tokens, "num_speculative_tokens": str(args.num_speculative_tokens),
                    "temperature": args.temperature, "dtype": args.dtype, "device": args.device,
                    "backend": getattr(args, "backend", "torch"),
-                   "threads": args.threads, "packed_weights": getattr(args, "packed_weights", "auto"), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "threads": args.threads, "packed_weights": getattr(args, "packed_weights", "auto"),
+                   "matmul_precision": getattr(args, "matmul_precision", "highest"), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                    "questions_done": len({t["question_id"] for t in van.per_turn}), "partial": partial},
         "per_turn": {m.name: m.per_turn for m in methods},
     }
@@ -291,6 +292,9 @@ def register(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--packed-weights", choices=["auto", "off"], default="auto",
                    help="auto: a float32 CPU target from a GGUF keeps its 4/8-bit blocks, de-quantized in registers")
+    p.add_argument("--matmul-precision", choices=["highest", "medium"], default="highest",
+                   help="packed CPU target: medium multiplies bfloat16-rounded activations and weights on "
+                        "AVX512-BF16 CPUs (every method alike)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--out", default="results.json")
     p.set_defaults(func=cmd_bench)

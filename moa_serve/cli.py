@@ -26,6 +26,9 @@ def _model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--packed-weights", choices=["auto", "off"], default="auto",
                    help="auto: a float32 CPU target from a GGUF keeps its 4/8-bit blocks, de-quantized in registers")
+    p.add_argument("--matmul-precision", choices=["highest", "medium"], default="highest",
+                   help="packed CPU target (torch backend): medium multiplies bfloat16-rounded activations and "
+                        "weights (float32 sums) on CPUs with AVX512-BF16; highest multiplies in float32")
 
 
 def _sampling(args):
@@ -76,7 +79,7 @@ def _load_engine(args):
 
     return SpeculativeEngine.load(args.target, _drafter_arg(args.drafter), args.dtype, args.device,
                                   max_sessions=1, max_model_len=args.max_model_len,
-                                  packed_weights=args.packed_weights)
+                                  packed_weights=args.packed_weights, matmul_precision=args.matmul_precision)
 
 
 def cmd_generate(args) -> int:
@@ -98,6 +101,8 @@ def cmd_generate(args) -> int:
             "target": args.target, "drafter": _drafter_arg(args.drafter),
             "dtype": str(engine.dtype if args.backend == "vllm" else engine.verifier.dtype).removeprefix("torch."),
             "backend": args.backend,
+            **({} if args.backend == "vllm" else
+               {"matmul_precision": engine.verifier.packing.get("matmul_precision", "highest")}),
         }))
     else:
         print(res.text)

@@ -138,6 +138,10 @@ def test_vllm_backend_rules(llama3_dir):
     a["verifier_pool"]["kv_cache_gib"] = 0.5  # less than one 8,192-token request (1 GiB)
     with pytest.raises(ValueError, match="holds less than one request"):
         validate(AppConfig.model_validate(a))
+    with pytest.raises(ValueError, match="matmul_precision 'medium' is a torch-backend setting"):
+        AppConfig.model_validate({**args_of("gpu.yaml"), "matmul_precision": "medium"})
+    with pytest.raises(ValueError, match="matmul_precision"):
+        AppConfig.model_validate({**args_of("gpu.yaml"), "matmul_precision": "low"})
     lookup = AppConfig.model_validate({**args_of("gpu.yaml"), "drafter": "lookup"})  # vLLM's n-gram: no pool
     assert set(lookup.pools()) == {"verifier_pool"}
 

@@ -75,6 +75,59 @@ def test_a_rows_output_does_not_depend_on_the_batch(kind):
     assert_rows_batch_invariant(lin, torch.randn(130, 256, generator=torch.Generator().manual_seed(2)))
 
 
+needs_bf16_products = pytest.mark.skipif(
+    not kernels.bf16_dot_available(),
+    reason="matmul precision medium needs AVX512-BF16 (avx512f/bw/vl + avx512_bf16); this CPU multiplies in float32")
+
+
+def _with_bf16_products(p: PackedMatrix) -> PackedMatrix:
+    return PackedMatrix(p.kind, p.qs, p.d, p.m, bf16_products=True)
+
+
+def _random_any(kind: str, n: int, k: int, seed: int = 0) -> PackedMatrix:
+    if kind == "bf16":
+        return PackedMatrix.from_bf16(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).bfloat16())
+    return _random_packed(kind, n, k, seed)
+
+
+@needs_bf16_products
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 65])
+def test_bf16_products_are_the_matmul_of_the_bf16_rounded_operands(kind, rows):
+    """Matmul precision medium: x and W rounded to bfloat16 (nearest even, as torch rounds), their
+    products summed in float32 — against float64 over the same rounded operands."""
+    p = _random_any(kind, 75, 160, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(1))
+    y = PackedLinear(_with_bf16_products(p))(x)
+    ref = x.bfloat16().double() @ p.dequantize().bfloat16().double().T
+    assert y.shape == (rows, 75) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    if kind != "bf16":  # (bf16 weights need no rounding, but x still does)
+        assert not torch.equal(y, PackedLinear(p)(x))  # not the float32 products
+    assert not torch.equal(y.double(), x.double() @ p.dequantize().double().T)
+
+
+@needs_bf16_products
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16"])
+def test_bf16_products_are_batch_invariant(kind):
+    """Each row bitwise the same alone (the path straight from the blocks), in 5 or 16 rows (the
+    de-quantized buffer), at any position, with 1 or 2 threads."""
+    lin = PackedLinear(_with_bf16_products(_random_any(kind, 64, 256)))
+    assert_rows_batch_invariant(lin, torch.randn(130, 256, generator=torch.Generator().manual_seed(2)))
+
+
+def test_bf16_products_without_the_instruction_are_refused(monkeypatch):
+    """Where the CPU lacks AVX512-BF16 (here: switched off) a bf16-product matmul raises instead of
+    computing something else; an unknown precision is refused by name."""
+    monkeypatch.setenv("MOA_BF16_DOT", "off")
+    assert not kernels.bf16_dot_available()
+    p = _random_packed("q4_1", 8, 64)
+    with pytest.raises(RuntimeError, match="AVX512-BF16"):
+        PackedLinear(_with_bf16_products(p))(torch.randn(2, 64))
+    with pytest.raises(ValueError, match="matmul_precision"):
+        pack_target(torch.nn.Linear(2, 2), None, matmul_precision="low")
+
+
 def test_packed_linear_bias_shapes_and_dtype():
     p = _random_packed("q4_1", 8, 64)
     bias = torch.randn(8)
@@ -112,6 +165,32 @@ def test_smollm2_gguf_target_is_packed_and_decodes_like_float32():
     h = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
     layer_p, layer_f = packed.verifier.model.model.layers[3].mlp, plain.verifier.model.model.layers[3].mlp
     torch.testing.assert_close(layer_p(h), layer_f(h), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@needs_bf16_products
+def test_smollm2_with_bf16_products_speculates_losslessly():
+    """Matmul precision medium changes the target (bf16-rounded operands), not the guarantee:
+    greedy speculative decoding (prompt lookup, drafts accepted) gives the same tokens as that
+    target decoding alone, several sessions sharing each forward."""
+    from moa_serve.cli import prompt_tokens
+    from moa_serve.engine.engine import SpeculativeEngine
+    from moa_serve.engine.sampling import SamplingParams
+    from moa_serve.models import resolve_model_path
+
+    path = str(resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct"))
+    plain = SpeculativeEngine.load(path, None, "float32", matmul_precision="medium")
+    spec = SpeculativeEngine.load(path, "lookup", "float32", matmul_precision="medium")
+    assert plain.verifier.packing["matmul_precision"] == spec.verifier.packing["matmul_precision"] == "medium"
+    down = spec.verifier.model.model.layers[0].mlp.down_proj
+    assert isinstance(down, PackedLinear) and down.packed.bf16_products
+    prompts = [prompt_tokens(plain.tokenizer, q, chat=True) for q in (
+        "Copy this list twice, exactly: red apple, green pear, blue plum, yellow lemon.",
+        "What is the capital of France?", "Write a haiku about the sea.")]
+    a = plain.generate(prompts, 48, SamplingParams())
+    b = spec.generate(prompts, 48, SamplingParams())
+    assert [r.token_ids for r in b] == [r.token_ids for r in a]
+    assert sum(r.accepted_tokens for r in b) > 0  # drafts were verified and kept
 
 
 @pytest.mark.slow
@@ -168,13 +247,16 @@ def _pack_all_linears_q8_0(model) -> None:
                 setattr(module, attr, PackedLinear(_quantize_q8_0(child.weight.detach()), child.bias))
 
 
-def _tiny_packed_model(tiny_model, fused: bool):
+def _tiny_packed_model(tiny_model, fused: bool, bf16_products: bool = False):
     from moa_serve.kernels.packed import FusedStack, fuse_projections
     from moa_serve.models import load_state_dict, read_config
     from moa_serve.verifier.target_model import TargetModel
 
     model = TargetModel.from_state_dict(read_config(tiny_model), load_state_dict(tiny_model), torch.float32)
     _pack_all_linears_q8_0(model)  # a random Llama has no GGUF: quantize its matrices here
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.packed.bf16_products = bf16_products
     if fused:
         fuse_projections(model.model.layers)
         model.fused_stack = FusedStack.build(model)
@@ -182,16 +264,18 @@ def _tiny_packed_model(tiny_model, fused: bool):
     return model
 
 
+@pytest.mark.parametrize("products", ["float32", pytest.param("bf16", marks=needs_bf16_products)])
 @pytest.mark.parametrize("fused", [False, True], ids=["per-layer", "fused-stack"])
-def test_verify_logits_do_not_depend_on_drafts_or_neighbours(tiny_model, fused, monkeypatch):
+def test_verify_logits_do_not_depend_on_drafts_or_neighbours(tiny_model, fused, products, monkeypatch):
     """With the kernels, a token's logits are bitwise the same verified alone, with drafts after
     it, or beside other sessions (what makes greedy speculative output the target's own, bit for
-    bit, whatever shares the round) — through torch layer by layer or the fused layer stack."""
+    bit, whatever shares the round) — through torch layer by layer or the fused layer stack, with
+    float32 or bfloat16 products (matmul precision medium)."""
     from moa_serve.kv_cache import PackedBatch
 
     monkeypatch.delenv("MOA_FUSED_LAYERS", raising=False)  # the path under test, whatever the shell says
 
-    model = _tiny_packed_model(tiny_model, fused)
+    model = _tiny_packed_model(tiny_model, fused, bf16_products=products == "bf16")
     cache = model.new_cache(3, 128)
     prompts = [torch.randint(0, 16, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (20, 45, 9)]
     for slot, p in enumerate(prompts):

@@ -97,7 +97,7 @@ class TorchTargetRunner(TargetBackend):
                  max_sessions: int = 16, max_model_len: int = 2048, feature_head: FeatureHead | None = None,
                  model: TargetModel | None = None, max_num_batched_tokens: int = 512,
                  draft_vocab: torch.Tensor | None = None, packed_weights: str = "auto",
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, matmul_precision: str = "highest"):
         path = resolve_model_path(target) if model is None else None
         self.dtype = target_dtype(dtype, device, path, model)
         self.device = torch.device(device)
@@ -105,7 +105,7 @@ class TorchTargetRunner(TargetBackend):
         if model is None:
             model = TargetModel.from_state_dict(read_config(path), load_state_dict(path), self.dtype, self.device)
             if packed_weights == "auto":
-                self.packing = pack_target(model, path)
+                self.packing = pack_target(model, path, matmul_precision)
         elif packed_weights == "auto":
             self.packing = {"packed": 0, "reason": "the runner was given an already built model"}
         self.model = model

@@ -12,6 +12,11 @@ de-quantized in registers to exactly the float32 values a float32 de-quantizatio
 exact in float32), so the model computed is the same one, and every output is one dot product
 accumulated in a fixed order: a token's logits do not depend on how many tokens share the call.
 
+Matmul precision ``medium`` (as torch's ``set_float32_matmul_precision``): on CPUs with AVX512-BF16
+the same matrices multiply bfloat16-rounded activations and weights (VDPBF16PS, float32 sums in a
+fixed order, so still batch-invariant), twice the multiply rate of float32 FMAs; everything between
+the matmuls stays float32.
+
 A bfloat16 model gets the same guarantee from bf16 weights (widened to float32 in registers, exact)
 and a bf16 variant of the attention kernel: torch's bf16 attention rounds differently for a
 different number of queries, and its bf16 GEMM may pick kernels by the number of rows.
@@ -35,6 +40,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("qmatmul.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 REQUIRED_CPU_FLAGS = {"avx2", "fma", "f16c"}
+BF16_DOT_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}  # bfloat16 products (VDPBF16PS)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -101,6 +107,9 @@ def library() -> ctypes.CDLL | None:
                 lib.moa_q4_1_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32]
                 lib.moa_q8_0_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]
                 lib.moa_bf16_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
+                lib.moa_packed_matmul.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32]
+                lib.moa_bf16dot_compiled.argtypes = []
+                lib.moa_bf16dot_compiled.restype = i32
                 lib.moa_q4_1_rows.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr]
                 lib.moa_q8_0_rows.argtypes = [ptr, ptr, i64, ptr, i64, ptr]
                 lib.moa_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr,
@@ -108,7 +117,8 @@ def library() -> ctypes.CDLL | None:
                 lib.moa_attention_bf16.argtypes = lib.moa_attention.argtypes
                 lib.moa_decoder_layers.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, i64, i64, i64, i64,
                                                    ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
-                for f in (lib.moa_q4_1_matmul, lib.moa_q8_0_matmul, lib.moa_bf16_matmul, lib.moa_q4_1_rows,
+                for f in (lib.moa_q4_1_matmul, lib.moa_q8_0_matmul, lib.moa_bf16_matmul, lib.moa_packed_matmul,
+                          lib.moa_q4_1_rows,
                           lib.moa_q8_0_rows, lib.moa_attention, lib.moa_attention_bf16, lib.moa_decoder_layers):
                     f.restype = None
                 _lib = lib
@@ -120,6 +130,14 @@ def library() -> ctypes.CDLL | None:
 def unavailable_reason() -> str:
     library()
     return _why_not
+
+
+def bf16_dot_available() -> bool:
+    """True when the kernels run here and the CPU multiplies bfloat16 pairs natively (AVX512-BF16):
+    what matmul precision ``medium`` needs (``MOA_BF16_DOT=off`` says no on purpose)."""
+    lib = library()
+    return (lib is not None and bool(lib.moa_bf16dot_compiled()) and BF16_DOT_CPU_FLAGS <= _cpu_flags()
+            and not switched_off("MOA_BF16_DOT"))
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -158,6 +176,27 @@ def bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     lib.moa_bf16_matmul(_ptr(x), rows, k, _ptr(w), n, _ptr(y), torch.get_num_threads())
+    return y
+
+
+KIND_IDS = {"q4_1": 0, "q8_0": 1, "bf16": 2}  # moa_packed_matmul's kinds; +3: bfloat16 products
+
+
+def packed_matmul(kind: str, bf16_products: bool, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor | None,
+                  m: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 @ W.T for a packed W of ``kind`` (layouts as in the functions above). With
+    ``bf16_products`` x and W are rounded to bfloat16 and multiplied as such, summed in float32 (needs
+    :func:`bf16_dot_available`); the order of every sum is fixed either way."""
+    lib = library()
+    if bf16_products and not bf16_dot_available():
+        raise RuntimeError("bfloat16 products need a CPU with AVX512-BF16 (avx512_bf16)")
+    rows, k = x.shape
+    n = qs.shape[0]
+    x = x.contiguous()
+    y = torch.empty(rows, n, dtype=torch.float32)
+    lib.moa_packed_matmul(KIND_IDS[kind] + (3 if bf16_products else 0), _ptr(x), rows, k, _ptr(qs),
+                          0 if d is None else _ptr(d), 0 if m is None else _ptr(m), n, _ptr(y),
+                          torch.get_num_threads())
     return y
 
 

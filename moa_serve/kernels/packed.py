@@ -46,11 +46,13 @@ def hf_module_name(gguf_name: str) -> str | None:
 class PackedMatrix:
     """W [N, K] in blocks of 32 along K: ``q4_1`` (qs uint8 [N, K/2], d, m float32 [N, K/32]),
     ``q8_0`` (qs int8 [N, K], d float32 [N, K/32]) or ``bf16`` (qs: the bfloat16 weights' bits as
-    int16 [N, K], no scales)."""
+    int16 [N, K], no scales). With ``bf16_products`` the matmul rounds x and W to bfloat16 and sums
+    their products in float32 (matmul precision ``medium``; AVX512-BF16 CPUs)."""
     kind: str
     qs: torch.Tensor
     d: torch.Tensor | None
     m: torch.Tensor | None
+    bf16_products: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -84,16 +86,16 @@ class PackedMatrix:
 
     def rows(self, ids: torch.Tensor) -> "PackedMatrix":
         pick = lambda t: None if t is None else t[ids].contiguous()  # noqa: E731
-        return PackedMatrix(self.kind, pick(self.qs), pick(self.d), pick(self.m))
+        return PackedMatrix(self.kind, pick(self.qs), pick(self.d), pick(self.m), self.bf16_products)
 
     @staticmethod
     def cat(parts: list["PackedMatrix"]) -> "PackedMatrix":
-        kinds = {p.kind for p in parts}
+        kinds = {(p.kind, p.bf16_products) for p in parts}
         if len(kinds) != 1:
             raise ValueError(f"cannot stack packed matrices of kinds {sorted(kinds)}")
         join = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
         return PackedMatrix(parts[0].kind, torch.cat([p.qs for p in parts]), join([p.d for p in parts]),
-                            join([p.m for p in parts]))
+                            join([p.m for p in parts]), parts[0].bf16_products)
 
     def dequantize(self) -> torch.Tensor:
         """W as float32 [N, K]."""
@@ -103,6 +105,8 @@ class PackedMatrix:
 
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> x @ W.T [M, N] float32."""
+        if self.bf16_products:
+            return kernels.packed_matmul(self.kind, True, x, self.qs, self.d, self.m)
         if self.kind == "q4_1":
             return kernels.q4_1_matmul(x, self.qs, self.d, self.m)
         if self.kind == "bf16":
@@ -145,7 +149,8 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         n, k = self.packed.shape
-        return f"{k} -> {n}, {self.packed.kind}, {self.packed.nbytes / 2**20:.1f} MiB"
+        products = ", bf16 products" if self.packed.bf16_products else ""
+        return f"{k} -> {n}, {self.packed.kind}{products}, {self.packed.nbytes / 2**20:.1f} MiB"
 
 
 def _match_rows(packed: PackedMatrix, dense: torch.Tensor) -> torch.Tensor | None:
@@ -167,12 +172,21 @@ def gguf_file(path: Path) -> str | None:
     return files[0] if files else None
 
 
-def pack_target(model: nn.Module, path: Path) -> dict:
+MATMUL_PRECISIONS = ("highest", "medium")
+
+
+def pack_target(model: nn.Module, path: Path, matmul_precision: str = "highest") -> dict:
     """Swaps the float32 linear layers of ``model`` (a ``TargetModel`` loaded from the GGUF in
     ``path``) for :class:`PackedLinear` over the file's blocks; a bfloat16 CPU model (GGUF or
-    not) gets :func:`pack_bf16` instead. Returns what was done:
-    ``{"packed": n, "kept": [names...], "bytes": packed bytes, "dense_bytes": float32 bytes}``;
-    ``{"packed": 0, "reason": ...}`` when nothing could be packed."""
+    not) gets :func:`pack_bf16` instead. ``matmul_precision`` as torch's
+    ``set_float32_matmul_precision``: ``highest`` multiplies in float32; ``medium`` multiplies
+    bfloat16-rounded activations and weights (float32 sums, everything else float32) where the CPU
+    has AVX512-BF16, and is ``highest`` elsewhere. Returns what was done:
+    ``{"packed": n, "kept": [names...], "bytes": packed bytes, "dense_bytes": float32 bytes,
+    "matmul_precision": the one in force}``; ``{"packed": 0, "reason": ...}`` when nothing could be
+    packed."""
+    if matmul_precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}; got {matmul_precision!r}")
     on_cpu = next(model.parameters()).device.type == "cpu"
     dtype = model.model.embed_tokens.weight.dtype
     if on_cpu and dtype == torch.bfloat16:
@@ -214,11 +228,20 @@ def pack_target(model: nn.Module, path: Path) -> dict:
         nbytes += matrix.nbytes
         dense_bytes += dense.numel() * 4
     fused = fuse_projections(model.model.layers)
+    precision = "highest"
+    if matmul_precision == "medium":
+        if kernels.bf16_dot_available():
+            precision = "medium"
+            for module in model.modules():
+                if isinstance(module, PackedLinear):
+                    module.packed.bf16_products = True
+        else:
+            log.warning("matmul precision medium needs AVX512-BF16; this CPU multiplies in float32 (highest)")
     model.fused_stack = FusedStack.build(model)
     if kept:
         log.warning("kept float32 for %d matrices: %s", len(kept), ", ".join(kept[:5]))
     return {"packed": packed, "kept": kept, "bytes": nbytes, "dense_bytes": dense_bytes, "fused": fused,
-            "fused_layers": model.fused_stack is not None}
+            "fused_layers": model.fused_stack is not None, "matmul_precision": precision}
 
 
 def _linear_layers(module: nn.Module):
@@ -363,7 +386,7 @@ class FusedStack:
     drafter's self-attention layer over its own cache). ``MOA_FUSED_LAYERS=off`` keeps the
     per-layer torch path."""
 
-    KINDS = {"q4_1": 0, "q8_0": 1, "bf16": 2}
+    KINDS = kernels.KIND_IDS
 
     def __init__(self, shape, layers: list[tuple]):
         self.shape = shape  # a LayerShape
@@ -407,7 +430,7 @@ class FusedStack:
                 row = [n1.data_ptr(), n2.data_ptr()]
                 for m in mats:
                     pm = m.packed
-                    row += [self.KINDS[pm.kind], pm.qs.data_ptr(), pm.d.data_ptr() if pm.d is not None else 0,
+                    row += [self.KINDS[pm.kind] + (3 if pm.bf16_products else 0), pm.qs.data_ptr(), pm.d.data_ptr() if pm.d is not None else 0,
                             pm.m.data_ptr() if pm.m is not None else 0, pm.shape[0]]
                 row += [cache.k[i].data_ptr(), cache.v[i].data_ptr()]
                 rows.append(row)

@@ -180,6 +180,165 @@ void moa_bf16_matmul(const float *x, int64_t M, int64_t K, const uint16_t *w, in
     matmul(2, x, M, K, w, NULL, NULL, N, y, threads);
 }
 
+/* ------------------------------------------------------------------ bfloat16 dot products
+ * The same matmul with bfloat16 products (AVX512-BF16 VDPBF16PS, float32 sums): x rounded to
+ * bfloat16 (nearest even) once per call, each weight de-quantized exactly as above and rounded to
+ * bfloat16 the same way (the weights a bf16 copy of the float32 model holds). Twice the multiply
+ * rate of float32 FMAs on CPUs that have the instruction. Batch invariance as above: every output
+ * is one chain of VDPBF16PS over 16 lanes (pair p of 32-block b in lane p, b ascending) and the
+ * same horizontal sum, whichever path (straight from the blocks for 1-2 rows of x, through a
+ * de-quantized buffer otherwise) and however many rows or threads.
+ * These functions are compiled for AVX-512 BF16 only (target attribute) and called only when
+ * kernels/__init__.py found avx512_bf16 in the CPU flags. */
+#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
+#define MOA_BF16DOT 1 /* the compiler knows AVX512-BF16 */
+#define BF16DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define BNB 4 /* weight rows per register tile */
+#define BMT 4 /* rows of x per register tile */
+
+BF16DOT static inline __attribute__((always_inline)) __m512bh bf16dot_q4_1(const uint8_t *qs, float d, float m) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+    const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+    const __m512 a = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), mv); /* elements 0-15 */
+    const __m512 b = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), mv); /* 16-31 */
+    return _mm512_cvtne2ps_pbh(b, a);
+}
+
+BF16DOT static inline __attribute__((always_inline)) __m512bh bf16dot_q8_0(const int8_t *qs, float d) {
+    const __m512 dv = _mm512_set1_ps(d);
+    const __m512 a = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs))));
+    const __m512 b = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)))));
+    return _mm512_cvtne2ps_pbh(b, a);
+}
+
+/* Block b (32 weights) of row n as bfloat16, for kind 0 (Q4_1), 1 (Q8_0) or 2 (bf16). */
+BF16DOT static inline __attribute__((always_inline)) __m512bh bf16dot_block(int kind, const void *qs, const float *d,
+                                                                          const float *m, int64_t K, int64_t n,
+                                                                          int64_t b) {
+    if (kind == 0)
+        return bf16dot_q4_1((const uint8_t *)qs + n * (K / 2) + 16 * b, d[n * (K / 32) + b], m[n * (K / 32) + b]);
+    if (kind == 1) return bf16dot_q8_0((const int8_t *)qs + n * K + 32 * b, d[n * (K / 32) + b]);
+    return (__m512bh)_mm512_loadu_si512((const uint16_t *)qs + n * K + 32 * b);
+}
+
+BF16DOT static inline float hsum16(__m512 v) {
+    return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+
+/* y[i, j] for i < mt, j < BNB over bf16 weight rows w [BNB, K] and bf16 rows of x. */
+BF16DOT static inline __attribute__((always_inline)) void bf16dot_tile(int mt, const uint16_t *x, int64_t K,
+                                                                     const uint16_t *w, float *y, int64_t ldy,
+                                                                     int nn) {
+    __m512 acc[BMT][BNB];
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < BNB; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512bh wv[BNB];
+        for (int j = 0; j < BNB; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
+        for (int i = 0; i < mt; i++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + k);
+            for (int j = 0; j < BNB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < nn; j++) y[i * ldy + j] = hsum16(acc[i][j]);
+}
+
+/* The same sums for mt <= 2 rows of x and nn <= 2 weight rows taken straight from the blocks. */
+BF16DOT static inline __attribute__((always_inline)) void bf16dot_direct(int kind, int mt, const uint16_t *x, int64_t K,
+                                                                       const void *qs, const float *d, const float *m,
+                                                                       int64_t n0, int nn, float *y, int64_t ldy) {
+    __m512 acc[2][2];
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < 2; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / 32; b++) {
+        const __m512bh w0 = bf16dot_block(kind, qs, d, m, K, n0, b);
+        const __m512bh w1 = bf16dot_block(kind, qs, d, m, K, n0 + (nn > 1 ? 1 : 0), b);
+        for (int i = 0; i < mt; i++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + 32 * b);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, w1);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < nn; j++) y[i * ldy + j] = hsum16(acc[i][j]);
+}
+
+BF16DOT static void bf16dot_rows(const uint16_t *x, int64_t mc, int64_t K, const uint16_t *w, float *y, int64_t ldy,
+                                 int nn) {
+    int64_t i = 0;
+    for (; i + BMT <= mc; i += BMT) bf16dot_tile(BMT, x + i * K, K, w, y + i * ldy, ldy, nn);
+    switch (mc - i) {
+        case 3: bf16dot_tile(3, x + i * K, K, w, y + i * ldy, ldy, nn); break;
+        case 2: bf16dot_tile(2, x + i * K, K, w, y + i * ldy, ldy, nn); break;
+        case 1: bf16dot_tile(1, x + i * K, K, w, y + i * ldy, ldy, nn); break;
+        default: break;
+    }
+}
+
+BF16DOT static void bf16dot_matmul(int kind, const float *xf, int64_t M, int64_t K, const void *qs, const float *d,
+                                   const float *m, int64_t N, float *y, int threads) {
+    uint16_t *x = aligned_alloc(64, sizeof(uint16_t) * M * K); /* K is a multiple of 32: 64-byte rows */
+    for (int64_t i = 0; i < M * K; i += 32)
+        _mm512_storeu_si512(x + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xf + i + 16), _mm512_loadu_ps(xf + i)));
+    const int64_t nblocks = (N + BNB - 1) / BNB;
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t *w = aligned_alloc(64, sizeof(uint16_t) * BNB * K);
+        for (int64_t m0 = 0; m0 < M; m0 += MCHUNK) {
+            const int64_t mc = M - m0 < MCHUNK ? M - m0 : MCHUNK;
+#pragma omp for schedule(guided)
+            for (int64_t nb = 0; nb < nblocks; nb++) {
+                const int64_t n0 = nb * BNB;
+                const int nn = N - n0 < BNB ? (int)(N - n0) : BNB;
+                if (mc <= 2) {
+                    for (int r = 0; r < nn; r += 2) {
+                        const int nd = nn - r < 2 ? nn - r : 2;
+                        if (mc == 1)
+                            bf16dot_direct(kind, 1, x + m0 * K, K, qs, d, m, n0 + r, nd, y + m0 * N + n0 + r, N);
+                        else
+                            bf16dot_direct(kind, 2, x + m0 * K, K, qs, d, m, n0 + r, nd, y + m0 * N + n0 + r, N);
+                    }
+                    continue;
+                }
+                for (int r = 0; r < BNB; r++) { /* a short last block repeats a row */
+                    const int64_t n = n0 + (r < nn ? r : 0);
+                    for (int64_t b = 0; b < K / 32; b++)
+                        _mm512_storeu_si512(w + r * K + 32 * b, (__m512i)bf16dot_block(kind, qs, d, m, K, n, b));
+                }
+                bf16dot_rows(x + m0 * K, mc, K, w, y + m0 * N + n0, N, nn);
+            }
+        }
+        free(w);
+    }
+    free(x);
+}
+#undef BNB
+#undef BMT
+#else
+#define MOA_BF16DOT 0
+#endif
+
+/* 1 when this build has the bfloat16-product kernels (Python checks the CPU flags too). */
+int moa_bf16dot_compiled(void) { return MOA_BF16DOT; }
+
+/* Any packed matmul by kind: 0 Q4_1, 1 Q8_0, 2 bf16 with float32 products; 3, 4, 5 the same
+ * weights with bfloat16 products (only where the CPU has AVX512-BF16). */
+void moa_packed_matmul(int kind, const float *x, int64_t M, int64_t K, const void *qs, const float *d, const float *m,
+                       int64_t N, float *y, int threads) {
+    if (kind < 3) {
+        matmul(kind, x, M, K, qs, d, m, N, y, threads);
+        return;
+    }
+#if MOA_BF16DOT
+    bf16dot_matmul(kind - 3, x, M, K, qs, d, m, N, y, threads);
+#else
+    abort(); /* unreachable: Python asks moa_bf16dot_compiled() first */
+#endif
+}
+
 /* Rows `ids` of a Q8_0 / Q4_1 matrix, de-quantized (embedding lookups, checks). */
 void moa_q8_0_rows(const int8_t *qs, const float *d, int64_t K, const int64_t *ids, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i++) dequant_row(1, qs, d, NULL, K, ids[i], out + i * K);
@@ -397,9 +556,9 @@ static inline void add_rows(float *x, const float *y, int64_t count) {
         _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 }
 
-/* One matrix of a layer as the int64 parameter block describes it: kind, qs, d, m, N. */
+/* One matrix of a layer as the int64 parameter block describes it: kind (as moa_packed_matmul), qs, d, m, N. */
 static inline void layer_matmul(const int64_t *p, const float *x, int64_t M, int64_t K, float *y, int threads) {
-    matmul((int)p[0], x, M, K, (const void *)p[1], (const float *)p[2], (const float *)p[3], p[4], y, threads);
+    moa_packed_matmul((int)p[0], x, M, K, (const void *)p[1], (const float *)p[2], (const float *)p[3], p[4], y, threads);
 }
 
 #define LP_NORM1 0
