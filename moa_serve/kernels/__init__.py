@@ -25,6 +25,7 @@ different number of queries, and its bf16 GEMM may pick kernels by the number of
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -104,9 +105,6 @@ def library() -> ctypes.CDLL | None:
                 _why_not = str(e)
             else:
                 i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-                lib.moa_q4_1_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32]
-                lib.moa_q8_0_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]
-                lib.moa_bf16_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
                 lib.moa_packed_matmul.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32]
                 lib.moa_bf16dot_compiled.argtypes = []
                 lib.moa_bf16dot_compiled.restype = i32
@@ -117,9 +115,7 @@ def library() -> ctypes.CDLL | None:
                 lib.moa_attention_bf16.argtypes = lib.moa_attention.argtypes
                 lib.moa_decoder_layers.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, i64, i64, i64, i64,
                                                    ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
-                for f in (lib.moa_q4_1_matmul, lib.moa_q8_0_matmul, lib.moa_bf16_matmul, lib.moa_packed_matmul,
-                          lib.moa_q4_1_rows,
-                          lib.moa_q8_0_rows, lib.moa_attention, lib.moa_attention_bf16, lib.moa_decoder_layers):
+                for f in (lib.moa_packed_matmul, lib.moa_q4_1_rows, lib.moa_q8_0_rows, lib.moa_attention, lib.moa_attention_bf16, lib.moa_decoder_layers):
                     f.restype = None
                 _lib = lib
         if _lib is None:
@@ -132,69 +128,49 @@ def unavailable_reason() -> str:
     return _why_not
 
 
+@functools.cache
+def _bf16_dot_here() -> bool:
+    """The build has the bfloat16-product kernels and the CPU the instructions (asked once: this is
+    on every matmul's path, and /proc/cpuinfo does not change)."""
+    lib = library()
+    return lib is not None and bool(lib.moa_bf16dot_compiled()) and BF16_DOT_CPU_FLAGS <= _cpu_flags()
+
+
 def bf16_dot_available() -> bool:
     """True when the kernels run here and the CPU multiplies bfloat16 pairs natively (AVX512-BF16):
     what matmul precision ``medium`` needs (``MOA_BF16_DOT=off`` says no on purpose)."""
-    lib = library()
-    return (lib is not None and bool(lib.moa_bf16dot_compiled()) and BF16_DOT_CPU_FLAGS <= _cpu_flags()
-            and not switched_off("MOA_BF16_DOT"))
+    return _bf16_dot_here() and not switched_off("MOA_BF16_DOT")
 
 
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-def q4_1_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 @ W.T for W [N, K] in Q4_1 blocks (qs uint8 [N, K/2], d/m float32 [N, K/32])."""
-    lib = library()
-    rows, k = x.shape
-    n = qs.shape[0]
-    x = x.contiguous()
-    y = torch.empty(rows, n, dtype=torch.float32)
-    lib.moa_q4_1_matmul(_ptr(x), rows, k, _ptr(qs), _ptr(d), _ptr(m), n, _ptr(y), torch.get_num_threads())
-    return y
+KIND_IDS = {"q4_1": 0, "q8_0": 1, "bf16": 2}  # moa_packed_matmul's kinds (qmatmul.c)
 
 
-def q8_0_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 @ W.T for W [N, K] in Q8_0 blocks (qs int8 [N, K], d float32 [N, K/32])."""
-    lib = library()
-    rows, k = x.shape
-    n = qs.shape[0]
-    x = x.contiguous()
-    y = torch.empty(rows, n, dtype=torch.float32)
-    lib.moa_q8_0_matmul(_ptr(x), rows, k, _ptr(qs), _ptr(d), n, _ptr(y), torch.get_num_threads())
-    return y
-
-
-def bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 @ W.T for W [N, K] bfloat16 (or its bits as int16/uint16), K a multiple of 32."""
-    lib = library()
-    rows, k = x.shape
-    n = w.shape[0]
-    if w.shape[1] != k or k % 32 or w.element_size() != 2 or not w.is_contiguous():
-        raise ValueError(f"bf16 matmul: W must be contiguous 16-bit [N, {k}] with K a multiple of 32")
-    x = x.contiguous()
-    y = torch.empty(rows, n, dtype=torch.float32)
-    lib.moa_bf16_matmul(_ptr(x), rows, k, _ptr(w), n, _ptr(y), torch.get_num_threads())
-    return y
-
-
-KIND_IDS = {"q4_1": 0, "q8_0": 1, "bf16": 2}  # moa_packed_matmul's kinds; +3: bfloat16 products
+def kind_id(kind: str, bf16_products: bool = False) -> int:
+    """The kernel's number for a packed matrix kind, with float32 (0-2) or bfloat16 products (3-5)."""
+    return KIND_IDS[kind] + (3 if bf16_products else 0)
 
 
 def packed_matmul(kind: str, bf16_products: bool, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor | None,
                   m: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] float32 @ W.T for a packed W of ``kind`` (layouts as in the functions above). With
-    ``bf16_products`` x and W are rounded to bfloat16 and multiplied as such, summed in float32 (needs
-    :func:`bf16_dot_available`); the order of every sum is fixed either way."""
+    """x [M, K] float32 @ W.T for W [N, K] packed as ``kind``: ``q4_1`` (qs uint8 [N, K/2], d/m float32
+    [N, K/32]), ``q8_0`` (qs int8 [N, K], d float32 [N, K/32]) or ``bf16`` (qs: the bfloat16 bits,
+    contiguous 16-bit [N, K]); K a multiple of 32. With ``bf16_products`` x and W are rounded to
+    bfloat16 and multiplied as such, summed in float32 (needs :func:`bf16_dot_available`); the order
+    of every sum is fixed either way."""
     lib = library()
     if bf16_products and not bf16_dot_available():
         raise RuntimeError("bfloat16 products need a CPU with AVX512-BF16 (avx512_bf16)")
     rows, k = x.shape
     n = qs.shape[0]
+    if kind == "bf16" and (qs.shape[1] != k or k % 32 or qs.element_size() != 2 or not qs.is_contiguous()):
+        raise ValueError(f"bf16 matmul: W must be contiguous 16-bit [N, {k}] with K a multiple of 32")
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
-    lib.moa_packed_matmul(KIND_IDS[kind] + (3 if bf16_products else 0), _ptr(x), rows, k, _ptr(qs),
+    lib.moa_packed_matmul(kind_id(kind, bf16_products), _ptr(x), rows, k, _ptr(qs),
                           0 if d is None else _ptr(d), 0 if m is None else _ptr(m), n, _ptr(y),
                           torch.get_num_threads())
     return y

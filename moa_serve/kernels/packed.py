@@ -105,13 +105,7 @@ class PackedMatrix:
 
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> x @ W.T [M, N] float32."""
-        if self.bf16_products:
-            return kernels.packed_matmul(self.kind, True, x, self.qs, self.d, self.m)
-        if self.kind == "q4_1":
-            return kernels.q4_1_matmul(x, self.qs, self.d, self.m)
-        if self.kind == "bf16":
-            return kernels.bf16_matmul(x, self.qs)
-        return kernels.q8_0_matmul(x, self.qs, self.d)
+        return kernels.packed_matmul(self.kind, self.bf16_products, x, self.qs, self.d, self.m)
 
 
 class PackedLinear(nn.Module):
@@ -430,7 +424,8 @@ class FusedStack:
                 row = [n1.data_ptr(), n2.data_ptr()]
                 for m in mats:
                     pm = m.packed
-                    row += [self.KINDS[pm.kind] + (3 if pm.bf16_products else 0), pm.qs.data_ptr(), pm.d.data_ptr() if pm.d is not None else 0,
+                    row += [kernels.kind_id(pm.kind, pm.bf16_products), pm.qs.data_ptr(),
+                            pm.d.data_ptr() if pm.d is not None else 0,
                             pm.m.data_ptr() if pm.m is not None else 0, pm.shape[0]]
                 row += [cache.k[i].data_ptr(), cache.v[i].data_ptr()]
                 rows.append(row)

@@ -166,20 +166,6 @@ static void matmul(int kind, const float *x, int64_t M, int64_t K, const void *q
     }
 }
 
-void moa_q4_1_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d, const float *m,
-                     int64_t N, float *y, int threads) {
-    matmul(0, x, M, K, qs, d, m, N, y, threads);
-}
-
-void moa_q8_0_matmul(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d, int64_t N, float *y,
-                     int threads) {
-    matmul(1, x, M, K, qs, d, NULL, N, y, threads);
-}
-
-void moa_bf16_matmul(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y, int threads) {
-    matmul(2, x, M, K, w, NULL, NULL, N, y, threads);
-}
-
 /* ------------------------------------------------------------------ bfloat16 dot products
  * The same matmul with bfloat16 products (AVX512-BF16 VDPBF16PS, float32 sums): x rounded to
  * bfloat16 (nearest even) once per call, each weight de-quantized exactly as above and rounded to
