@@ -133,6 +133,10 @@ class AppConfig(_Strict):
         "multiplies in float32; medium multiplies bfloat16-rounded activations and weights with float32 sums on CPUs "
         "with AVX512-BF16 (about 1.5x the matmul speed; the output is then that of the bf16-rounded target, still "
         "batch-invariant, so speculation stays lossless against it), highest elsewhere")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="torch backend: the verifier's KV cache dtype (as vLLM's --kv-cache-dtype; auto = the "
+        "target's dtype). bfloat16 under a float32 CPU target halves the cache and the bytes attention reads; K/V are "
+        "rounded once when written, still batch-invariant (lossless against that target)")
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     adaptive_speculation: bool = Field(True, description="per session, draft about as many tokens as recently accepted (at most num_speculative_tokens)")
     max_model_len: int = Field(2048, ge=16)
@@ -198,6 +202,9 @@ def backend_problems(cfg: AppConfig) -> list[str]:
     if cfg.matmul_precision != "highest":
         out.append(f"matmul_precision {cfg.matmul_precision!r} is a torch-backend setting; with backend vllm set "
                    "dtype (bfloat16 multiplies in bf16)")
+    if cfg.kv_cache_dtype != "auto":
+        out.append(f"kv_cache_dtype {cfg.kv_cache_dtype!r} is a torch-backend setting; with backend vllm the KV cache "
+                   "follows dtype")
     if cfg.drafter is not None and cfg.prompt_lookup and cfg.drafter_checkpoint is not None:
         out.append(f"drafter {cfg.drafter!r}: the hybrid drafter needs backend torch (its lookup runs in the Router's "
                    "rounds); with backend vllm use 'lookup' (vLLM's n-gram proposer) or the checkpoint alone")

@@ -192,7 +192,7 @@ def context_len(cfg: AppConfig, target: ModelShape) -> int:
 
 def full_kv_bytes(cfg: AppConfig, target: ModelShape) -> int:
     """KV cache for max_sessions sessions at full context."""
-    b = dtype_bytes(cfg.dtype, cfg.device)
+    b = dtype_bytes(cfg.dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype, cfg.device)
     return target.kv_bytes_per_token(b) * (context_len(cfg, target) + 1) * cfg.verifier_pool.max_sessions
 
 

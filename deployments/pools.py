@@ -138,6 +138,7 @@ class VerifierPool(_Pool):
                                         max_num_batched_tokens=pool.max_num_batched_tokens,
                                         packed_weights=self.cfg.packed_weights, prefix_caching=pool.prefix_caching,
                                         matmul_precision=self.cfg.matmul_precision,
+                                        kv_cache_dtype=self.cfg.kv_cache_dtype,
                                         draft_vocab=load_draft_vocab(self.cfg.drafter_checkpoint)
                                         if self.cfg.drafter_checkpoint else None)
         self.target_fingerprint = model_fingerprint(self.runner.model)  # client-server handshake

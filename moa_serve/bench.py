@@ -100,7 +100,8 @@ def _build_engines(args):
         pack_target(tm, path, getattr(args, "matmul_precision", "highest"))
     tok = load_tokenizer(path)
     stops = stop_token_ids(path, tok)
-    mk = lambda fh: TorchTargetRunner(str(path), dt, args.device, 1, args.max_model_len, fh, model=tm)  # noqa: E731
+    mk = lambda fh: TorchTargetRunner(str(path), dt, args.device, 1, args.max_model_len, fh, model=tm,  # noqa: E731
+                                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     methods = [_Method("vanilla", SpeculativeEngine(mk(None), None, tok, stops, 1), 0)]
     drafters = [d for d in (args.drafter or "none").split(",") if d and d.lower() != "none"]
     ks = [int(k) for k in str(args.num_speculative_tokens).split(",")]
@@ -201,7 +202,8 @@ def _write(args, methods, questions, partial: bool) -> dict:
                    "temperature": args.temperature, "dtype": args.dtype, "device": args.device,
                    "backend": getattr(args, "backend", "torch"),
                    "threads": args.threads, "packed_weights": getattr(args, "packed_weights", "auto"),
-                   "matmul_precision": getattr(args, "matmul_precision", "highest"), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "matmul_precision": getattr(args, "matmul_precision", "highest"),
+                   "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                    "questions_done": len({t["question_id"] for t in van.per_turn}), "partial": partial},
         "per_turn": {m.name: m.per_turn for m in methods},
     }
@@ -295,6 +297,8 @@ def register(sub) -> None:
     p.add_argument("--matmul-precision", choices=["highest", "medium"], default="highest",
                    help="packed CPU target: medium multiplies bfloat16-rounded activations and weights on "
                         "AVX512-BF16 CPUs (every method alike)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="torch backend: the target's KV cache dtype (auto = the target's dtype)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--out", default="results.json")
     p.set_defaults(func=cmd_bench)

@@ -29,6 +29,8 @@ def _model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     p.add_argument("--matmul-precision", choices=["highest", "medium"], default="highest",
                    help="packed CPU target (torch backend): medium multiplies bfloat16-rounded activations and "
                         "weights (float32 sums) on CPUs with AVX512-BF16; highest multiplies in float32")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="torch backend: the target's KV cache dtype (auto = the target's dtype; bfloat16 halves it)")
 
 
 def _sampling(args):
@@ -69,9 +71,10 @@ def _load_engine(args):
 
         if not vllm_available():
             raise CLIError(f"--backend vllm: {INSTALL_HINT}")
-        if args.device != "cpu" or args.adaptive_k:
-            raise CLIError("--backend vllm: --device and --adaptive-k are torch-backend options "
-                           "(vLLM picks its platform itself)")
+        if (args.device != "cpu" or args.adaptive_k or args.matmul_precision != "highest"
+                or args.kv_cache_dtype != "auto"):
+            raise CLIError("--backend vllm: --device, --adaptive-k, --matmul-precision and --kv-cache-dtype are "
+                           "torch-backend options (vLLM picks its platform itself; its KV cache follows --dtype)")
         return VllmEngine(args.target, _drafter_arg(args.drafter), num_speculative_tokens=args.num_speculative_tokens,
                           dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
                           seed=args.seed or 0)
@@ -79,7 +82,8 @@ def _load_engine(args):
 
     return SpeculativeEngine.load(args.target, _drafter_arg(args.drafter), args.dtype, args.device,
                                   max_sessions=1, max_model_len=args.max_model_len,
-                                  packed_weights=args.packed_weights, matmul_precision=args.matmul_precision)
+                                  packed_weights=args.packed_weights, matmul_precision=args.matmul_precision,
+                                  kv_cache_dtype=args.kv_cache_dtype)
 
 
 def cmd_generate(args) -> int:
@@ -102,7 +106,8 @@ def cmd_generate(args) -> int:
             "dtype": str(engine.dtype if args.backend == "vllm" else engine.verifier.dtype).removeprefix("torch."),
             "backend": args.backend,
             **({} if args.backend == "vllm" else
-               {"matmul_precision": engine.verifier.packing.get("matmul_precision", "highest")}),
+               {"matmul_precision": engine.verifier.packing.get("matmul_precision", "highest"),
+                "kv_cache_dtype": str(engine.verifier.cache.k.dtype).removeprefix("torch.")}),
         }))
     else:
         print(res.text)

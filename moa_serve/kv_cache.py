@@ -163,8 +163,8 @@ class PackedBatch:
         """The ``attention`` callable of ``DecoderLayer.forward_packed`` for cache layer ``layer``."""
         def attend_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             c = self.cache
-            c.k[layer, self.token_slots, :, self.positions] = k
-            c.v[layer, self.token_slots, :, self.positions] = v
+            c.k[layer, self.token_slots, :, self.positions] = k.to(c.k.dtype)  # a bf16 cache under a float32 model
+            c.v[layer, self.token_slots, :, self.positions] = v.to(c.v.dtype)
             if self.kernel:
                 return kernels.attention(q, c.k[layer], c.v[layer], self.token_slots, self.positions)
             n, heads, hd = q.shape

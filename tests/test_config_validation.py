@@ -142,6 +142,8 @@ def test_vllm_backend_rules(llama3_dir):
         AppConfig.model_validate({**args_of("gpu.yaml"), "matmul_precision": "medium"})
     with pytest.raises(ValueError, match="matmul_precision"):
         AppConfig.model_validate({**args_of("gpu.yaml"), "matmul_precision": "low"})
+    with pytest.raises(ValueError, match="kv_cache_dtype 'bfloat16' is a torch-backend setting"):
+        AppConfig.model_validate({**args_of("gpu.yaml"), "kv_cache_dtype": "bfloat16"})
     lookup = AppConfig.model_validate({**args_of("gpu.yaml"), "drafter": "lookup"})  # vLLM's n-gram: no pool
     assert set(lookup.pools()) == {"verifier_pool"}
 
@@ -210,3 +212,14 @@ def test_prompt_lookup_specs_size_the_drafter_pool():
     hybrid = AppConfig.model_validate({**args_of("local-cpu-2x.yaml"), "drafter": "hybrid:smollm2-135m-instruct-moa"})
     assert hybrid.drafter_checkpoint == "smollm2-135m-instruct-moa" and hybrid.prompt_lookup
     assert {f.pool for f in validate(hybrid)} == {"verifier_pool", "drafter_pool"}
+
+
+def test_a_bf16_kv_cache_halves_the_verifiers_kv_in_the_memory_fit():
+    """kv_cache_dtype bfloat16 under a float32 (dtype auto on a CPU) target: the fit counts 2 bytes
+    per KV element instead of 4; an unknown dtype is refused by name."""
+    a = args_of("local-cpu.yaml")
+    f32, bf16 = (AppConfig.model_validate({**a, "kv_cache_dtype": d}) for d in ("auto", "bfloat16"))
+    shape = fit.target_shape(f32)
+    assert fit.full_kv_bytes(bf16, shape) * 2 == fit.full_kv_bytes(f32, shape)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        AppConfig.model_validate({**a, "kv_cache_dtype": "fp8"})

@@ -169,19 +169,21 @@ def test_smollm2_gguf_target_is_packed_and_decodes_like_float32():
 
 @pytest.mark.slow
 @needs_bf16_products
-def test_smollm2_with_bf16_products_speculates_losslessly():
-    """Matmul precision medium changes the target (bf16-rounded operands), not the guarantee:
-    greedy speculative decoding (prompt lookup, drafts accepted) gives the same tokens as that
-    target decoding alone, several sessions sharing each forward."""
+@pytest.mark.parametrize("kv", ["auto", "bfloat16"], ids=["kv-float32", "kv-bf16"])
+def test_smollm2_with_bf16_products_speculates_losslessly(kv):
+    """Matmul precision medium (and a bfloat16 KV cache) changes the target (bf16-rounded
+    operands, K/V), not the guarantee: greedy speculative decoding (prompt lookup, drafts accepted)
+    gives the same tokens as that target decoding alone, several sessions sharing each forward."""
     from moa_serve.cli import prompt_tokens
     from moa_serve.engine.engine import SpeculativeEngine
     from moa_serve.engine.sampling import SamplingParams
     from moa_serve.models import resolve_model_path
 
     path = str(resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct"))
-    plain = SpeculativeEngine.load(path, None, "float32", matmul_precision="medium")
-    spec = SpeculativeEngine.load(path, "lookup", "float32", matmul_precision="medium")
+    plain = SpeculativeEngine.load(path, None, "float32", matmul_precision="medium", kv_cache_dtype=kv)
+    spec = SpeculativeEngine.load(path, "lookup", "float32", matmul_precision="medium", kv_cache_dtype=kv)
     assert plain.verifier.packing["matmul_precision"] == spec.verifier.packing["matmul_precision"] == "medium"
+    assert spec.verifier.cache.k.dtype == (torch.bfloat16 if kv == "bfloat16" else torch.float32)
     down = spec.verifier.model.model.layers[0].mlp.down_proj
     assert isinstance(down, PackedLinear) and down.packed.bf16_products
     prompts = [prompt_tokens(plain.tokenizer, q, chat=True) for q in (
@@ -264,19 +266,21 @@ def _tiny_packed_model(tiny_model, fused: bool, bf16_products: bool = False):
     return model
 
 
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16], ids=["kv-float32", "kv-bf16"])
 @pytest.mark.parametrize("products", ["float32", pytest.param("bf16", marks=needs_bf16_products)])
 @pytest.mark.parametrize("fused", [False, True], ids=["per-layer", "fused-stack"])
-def test_verify_logits_do_not_depend_on_drafts_or_neighbours(tiny_model, fused, products, monkeypatch):
+def test_verify_logits_do_not_depend_on_drafts_or_neighbours(tiny_model, fused, products, kv, monkeypatch):
     """With the kernels, a token's logits are bitwise the same verified alone, with drafts after
     it, or beside other sessions (what makes greedy speculative output the target's own, bit for
     bit, whatever shares the round) — through torch layer by layer or the fused layer stack, with
-    float32 or bfloat16 products (matmul precision medium)."""
+    float32 or bfloat16 products (matmul precision medium), over a float32 or bfloat16 KV cache."""
     from moa_serve.kv_cache import PackedBatch
 
     monkeypatch.delenv("MOA_FUSED_LAYERS", raising=False)  # the path under test, whatever the shell says
 
     model = _tiny_packed_model(tiny_model, fused, bf16_products=products == "bf16")
-    cache = model.new_cache(3, 128)
+    cache = model.new_cache(3, 128, kv)
+    assert cache.k.dtype == kv
     prompts = [torch.randint(0, 16, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (20, 45, 9)]
     for slot, p in enumerate(prompts):
         model.forward_packed(torch.tensor(p), PackedBatch(cache, [slot], [0], [len(p)], kernel=True))
@@ -295,14 +299,17 @@ def test_verify_logits_do_not_depend_on_drafts_or_neighbours(tiny_model, fused, 
     assert torch.equal(with_drafts, beside[3:8])
 
 
-def test_fused_stack_computes_the_per_layer_forward(tiny_model, monkeypatch):
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16], ids=["kv-float32", "kv-bf16"])
+def test_fused_stack_computes_the_per_layer_forward(tiny_model, kv, monkeypatch):
     """The fused layer stack (one kernel call for all layers) gives the per-layer torch forward's
-    hidden states and K/V cache to float32 rounding, prefill chunks and decode steps mixed."""
+    hidden states and K/V cache to float32 rounding (over a bfloat16 cache: K/V to one bf16 rounding,
+    written from values that differ in the last float32 bits), prefill chunks and decode steps mixed."""
     from moa_serve.kv_cache import PackedBatch
 
     monkeypatch.delenv("MOA_FUSED_LAYERS", raising=False)
     fused, plain = _tiny_packed_model(tiny_model, True), _tiny_packed_model(tiny_model, False)
-    caches = {id(m): m.new_cache(3, 64) for m in (fused, plain)}
+    caches = {id(m): m.new_cache(3, 64, kv) for m in (fused, plain)}
+    tol = dict(rtol=1e-4, atol=1e-5) if kv == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     g = torch.Generator().manual_seed(5)
     steps = [([0, 1], [0, 0], [12, 30]), ([0, 1, 2], [12, 30, 0], [1, 4, 7]), ([2, 0], [7, 13], [1, 1])]
     for slots, starts, lens in steps:
@@ -311,10 +318,11 @@ def test_fused_stack_computes_the_per_layer_forward(tiny_model, monkeypatch):
         for m in (fused, plain):
             cache = caches[id(m)]
             out.append(m.forward_packed(tokens, PackedBatch(cache, slots, starts, lens, kernel=True)))
-        torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out[0], out[1], **tol)
     a, b = caches[id(fused)], caches[id(plain)]
-    torch.testing.assert_close(a.k, b.k, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(a.v, b.v, rtol=1e-4, atol=1e-5)
+    assert a.k.dtype == b.k.dtype == kv
+    torch.testing.assert_close(a.k, b.k, **tol)
+    torch.testing.assert_close(a.v, b.v, **tol)
 
 
 def test_auto_dtype_on_a_cpu_is_float32_for_a_gguf_target_even_with_native_bf16(monkeypatch, tmp_path):
@@ -332,3 +340,17 @@ def test_auto_dtype_on_a_cpu_is_float32_for_a_gguf_target_even_with_native_bf16(
     assert models.parse_dtype("auto", "cuda", SMOLLM) == torch.bfloat16
     monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
     assert models.parse_dtype("auto", "cpu", tmp_path) == torch.float32
+
+
+def test_a_bf16_kv_cache_needs_the_attention_kernel_under_a_float32_target(tiny_model, monkeypatch):
+    """torch's attention over a bf16 cache would need float32 queries cast down: a float32 runner is
+    refused a bf16 cache where the kernels do not run, and an unknown cache dtype is refused by name."""
+    from moa_serve.verifier.torch_runner import TorchTargetRunner
+
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        TorchTargetRunner(str(tiny_model), "float32", max_sessions=1, kv_cache_dtype="fp8")
+    runner = TorchTargetRunner(str(tiny_model), "float32", max_sessions=1, kv_cache_dtype="bfloat16")
+    assert runner.cache.k.dtype == torch.bfloat16 and runner.attention_kernel
+    monkeypatch.setattr(kernels, "library", lambda: None)
+    with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 with a float32 target needs the CPU attention kernel"):
+        TorchTargetRunner(str(tiny_model), "float32", max_sessions=1, kv_cache_dtype="bfloat16")

@@ -274,3 +274,21 @@ def test_common_prefix_matches_a_plain_scan():
         while want < min(len(a), len(b), limit) and a[want] == b[want]:
             want += 1
         assert common_prefix(a, b, limit) == want
+
+
+def test_features_read_a_bf16_kv_cache(stories_path, stories_drafter):
+    """A float32 target over a bfloat16 KV cache (kv_cache_dtype) hands the MoA feature head the
+    cached K/V widened back to float32: features of every prompt position, float32, close to those
+    of a float32 cache (the K/V differ by one bf16 rounding)."""
+    from moa_serve.engine.engine import load_feature_head
+
+    feats = {}
+    for kv in ("float32", "bfloat16"):
+        runner = TorchTargetRunner(str(stories_path), "float32", max_sessions=1, max_model_len=128,
+                                   feature_head=load_feature_head(str(stories_drafter)), kv_cache_dtype=kv)
+        assert runner.cache.k.dtype == getattr(torch, kv)
+        prompt = prompt_of(12, 1)
+        (r,) = runner.verify([VerifyRequest("s", prompt)])
+        assert r.feature_start == 0 and r.features.shape[0] == len(prompt) and r.features.dtype == torch.float32
+        feats[kv] = r.features
+    torch.testing.assert_close(feats["bfloat16"], feats["float32"], rtol=0.05, atol=0.05)

@@ -119,10 +119,11 @@ class TargetModel(nn.Module):
         state = {k: v for k, v in state.items() if "rotary_emb" not in k}
         return assign_weights(model, arch, cfg, state, dtype, device).eval()
 
-    def new_cache(self, num_slots: int, max_len: int) -> SlotKVCache:
+    def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype | None = None) -> SlotKVCache:
+        """A slot KV cache in ``dtype`` (default: the model's)."""
         p = self.lm_head.weight
         return SlotKVCache(self.arch.num_layers, num_slots, self.arch.num_kv_heads, self.arch.head_dim,
-                           max_len, p.dtype, p.device)
+                           max_len, dtype or p.dtype, p.device)
 
     def forward_packed(self, tokens: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """tokens [N]: the new tokens of several sessions packed one after another (``batch`` says

@@ -67,6 +67,11 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
     return lo
 
 
+# a KV cache dtype other than the target's (``auto``); bfloat16 halves the cache and the bytes attention
+# reads, K/V rounded once when written (as vLLM's --kv-cache-dtype; batch invariance is kept)
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 class ContextTooLongError(ValueError):
     pass
 
@@ -97,7 +102,7 @@ class TorchTargetRunner(TargetBackend):
                  max_sessions: int = 16, max_model_len: int = 2048, feature_head: FeatureHead | None = None,
                  model: TargetModel | None = None, max_num_batched_tokens: int = 512,
                  draft_vocab: torch.Tensor | None = None, packed_weights: str = "auto",
-                 prefix_caching: bool = True, matmul_precision: str = "highest"):
+                 prefix_caching: bool = True, matmul_precision: str = "highest", kv_cache_dtype: str = "auto"):
         path = resolve_model_path(target) if model is None else None
         self.dtype = target_dtype(dtype, device, path, model)
         self.device = torch.device(device)
@@ -112,12 +117,18 @@ class TorchTargetRunner(TargetBackend):
         self.arch = model.arch
         self.max_model_len = min(max_model_len, self.arch.max_position_embeddings)
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.cache = model.new_cache(max_sessions, self.max_model_len)
+        kv_dtype = self.dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES.get(kv_cache_dtype)
+        if kv_dtype is None:
+            raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
+        self.cache = model.new_cache(max_sessions, self.max_model_len, kv_dtype)
         # batch-invariant attention (every token alone over its slot, fixed order, float32 sums over a
         # float32 or bfloat16 cache) where it runs
         self.attention_kernel = (self.cache.k.dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
                                  and self.arch.head_dim % 8 == 0 and self.arch.head_dim <= 256
                                  and kernels.library() is not None)
+        if kv_dtype != self.dtype and not self.attention_kernel:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype} with a {str(self.dtype).removeprefix('torch.')} target "
+                             f"needs the CPU attention kernel ({kernels.unavailable_reason() or 'not for this device'})")
         self.feature_head = (for_inference(feature_head, self.device, self.dtype) if feature_head is not None
                              else None)
         self.draft_vocab = draft_vocab  # maps a drafter's [K, V'] probabilities back to the vocabulary
@@ -414,6 +425,6 @@ class TorchTargetRunner(TargetBackend):
         sizes = [x.shape[0] for x in kv]
         if sum(sizes) == 0:
             return
-        feats = self.feature_head(torch.cat(kv)).cpu()
+        feats = self.feature_head(torch.cat(kv).to(self.dtype)).cpu()  # a bfloat16 cache widens here
         for r, (a, _), chunk in zip(results, spans, torch.split(feats, sizes)):
             r.feature_start, r.features = a, (chunk if len(chunk) else None)

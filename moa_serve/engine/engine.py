@@ -87,11 +87,11 @@ class SpeculativeEngine:
     @classmethod
     def load(cls, target: str, drafter: str | None, dtype="float32", device="cpu", max_sessions=16,
              max_model_len=2048, packed_weights: str = "auto",
-             matmul_precision: str = "highest") -> "SpeculativeEngine":
+             matmul_precision: str = "highest", kv_cache_dtype: str = "auto") -> "SpeculativeEngine":
         path = resolve_model_path(target)
         verifier = TorchTargetRunner(str(path), dtype, device, max_sessions, max_model_len,
                                      load_feature_head(drafter), packed_weights=packed_weights,
-                                     matmul_precision=matmul_precision)
+                                     matmul_precision=matmul_precision, kv_cache_dtype=kv_cache_dtype)
         proposer = None
         if drafter is not None:
             from moa_serve.drafter.baselines import load_proposer  # picks MoA / EAGLE / independent by kind

@@ -114,7 +114,7 @@ def library() -> ctypes.CDLL | None:
                                               ctypes.c_float, ptr, i64, i32]
                 lib.moa_attention_bf16.argtypes = lib.moa_attention.argtypes
                 lib.moa_decoder_layers.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, i64, i64, i64, i64,
-                                                   ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+                                                   ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
                 for f in (lib.moa_packed_matmul, lib.moa_q4_1_rows, lib.moa_q8_0_rows, lib.moa_attention, lib.moa_attention_bf16, lib.moa_decoder_layers):
                     f.restype = None
                 _lib = lib
@@ -222,10 +222,12 @@ LAYER_PARAMS = 24  # int64 slots per layer in moa_decoder_layers' parameter bloc
 
 def decoder_layers(x: torch.Tensor, params: torch.Tensor, eps: float, heads: int, kv_heads: int, head_dim: int,
                    intermediate: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                   positions: torch.Tensor, cache_strides: tuple[int, int, int], max_len: int) -> torch.Tensor:
+                   positions: torch.Tensor, cache_strides: tuple[int, int, int], max_len: int,
+                   kv_bf16: bool = False) -> torch.Tensor:
     """Runs ``params.shape[0]`` fused float32 decoder layers over x [n, hidden] (in place; see
     ``moa_decoder_layers`` in qmatmul.c): cos/sin [n, head_dim], slots/positions [n] int64, the
-    layers' K/V caches named in ``params`` with element strides (slot, head, position)."""
+    layers' K/V caches named in ``params`` with element strides (slot, head, position), float32 or
+    (``kv_bf16``) bfloat16."""
     lib = library()
     n, hidden = x.shape
     if not (x.dtype == cos.dtype == sin.dtype == torch.float32 and x.is_contiguous() and cos.is_contiguous()
@@ -236,5 +238,5 @@ def decoder_layers(x: torch.Tensor, params: torch.Tensor, eps: float, heads: int
     ss, hs, ps = cache_strides
     lib.moa_decoder_layers(_ptr(x), n, hidden, params.shape[0], _ptr(params), eps, heads, kv_heads, head_dim,
                            intermediate, _ptr(cos), _ptr(sin), _ptr(slots), _ptr(positions), ss, hs, ps, max_len,
-                           torch.get_num_threads())
+                           int(kv_bf16), torch.get_num_threads())
     return x

@@ -434,8 +434,8 @@ class FusedStack:
         return params
 
     def usable(self, x: torch.Tensor, cache) -> bool:
-        return (x.dtype == torch.float32 and x.device.type == "cpu" and cache.k.dtype == torch.float32
-                and cache.k.is_contiguous() and cache.v.is_contiguous())
+        return (x.dtype == torch.float32 and x.device.type == "cpu" and cache.k.dtype in (torch.float32, torch.bfloat16)
+                and cache.v.dtype == cache.k.dtype and cache.k.is_contiguous() and cache.v.is_contiguous())
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, slots: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
@@ -445,4 +445,5 @@ class FusedStack:
         _, ss, hs, ps, _ = cache.k.stride()
         return kernels.decoder_layers(x.contiguous(), self._params_for(cache), a.rms_norm_eps, a.num_heads,
                                       a.num_kv_heads, a.head_dim, a.intermediate_size, cos.contiguous(),
-                                      sin.contiguous(), slots, positions, (ss, hs, ps), cache.k.shape[3])
+                                      sin.contiguous(), slots, positions, (ss, hs, ps), cache.k.shape[3],
+                                      kv_bf16=cache.k.dtype == torch.bfloat16)

@@ -557,13 +557,33 @@ static inline void layer_matmul(const int64_t *p, const float *x, int64_t M, int
 #define LP_V 23
 #define LP_SIZE 24
 
+/* float32 -> bfloat16 bits, round to nearest even (NaN -> the quiet NaN 0x7FC0): as torch's
+ * float32 -> bfloat16 conversion, so a K/V written here equals the per-layer path's cache write. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* One head's K (rotated) or V row into the cache: float32, or bfloat16 bits when kv_bf16. */
+static inline void store_head(int kv_bf16, const float *row, void *cache, int64_t at, int64_t hd) {
+    if (!kv_bf16) {
+        memcpy((float *)cache + at, row, sizeof(float) * hd);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + at;
+    for (int64_t j = 0; j < hd; j++) dst[j] = to_bf16(row[j]);
+}
+
 /* x [n, H] float32, updated in place through `layers` layers; params [layers, LP_SIZE]; cos/sin
  * [n, hd]; slots/pos [n]: each token's cache slot and position; cache strides (elements) ss, hs,
- * ps and max_len (positions per slot) are those of every layer's K and V. */
+ * ps and max_len (positions per slot) are those of every layer's K and V, float32 or, with
+ * kv_bf16, bfloat16 (K/V rounded once when written; attention reads them widened). */
 void moa_decoder_layers(float *x, int64_t n, int64_t H, int64_t layers, const int64_t *params, float eps,
                         int64_t heads, int64_t kv_heads, int64_t hd, int64_t inter, const float *cos,
                         const float *sin, const int64_t *slots, const int64_t *pos, int64_t ss, int64_t hs,
-                        int64_t ps, int64_t max_len, int threads) {
+                        int64_t ps, int64_t max_len, int kv_bf16, int threads) {
     const int64_t nq = heads * hd, nkv = kv_heads * hd, wqkv = nq + 2 * nkv;
     float *h = aligned_alloc(32, sizeof(float) * n * H);
     float *qkv = aligned_alloc(32, sizeof(float) * n * wqkv);
@@ -572,10 +592,11 @@ void moa_decoder_layers(float *x, int64_t n, int64_t H, int64_t layers, const in
     float *gu = aligned_alloc(32, sizeof(float) * n * 2 * inter);
     float *act = aligned_alloc(32, sizeof(float) * n * inter);
     float *y = aligned_alloc(32, sizeof(float) * n * H);
+    float *kr = aligned_alloc(32, sizeof(float) * ((hd + 7) / 8 * 8)); /* one rotated key head */
     const float scale = 1.0f / sqrtf((float)hd);
     for (int64_t l = 0; l < layers; l++) {
         const int64_t *p = params + l * LP_SIZE;
-        float *kc = (float *)p[LP_K], *vc = (float *)p[LP_V];
+        void *kc = (void *)p[LP_K], *vc = (void *)p[LP_V];
         rmsnorm_rows(x, n, H, (const float *)p[LP_NORM1], eps, h);
         layer_matmul(p + LP_QKV, h, n, H, qkv, threads);
         for (int64_t t = 0; t < n; t++) {
@@ -583,11 +604,12 @@ void moa_decoder_layers(float *x, int64_t n, int64_t H, int64_t layers, const in
             for (int64_t a = 0; a < heads; a++) rope_head(row + a * hd, c, s, hd, q + (t * heads + a) * hd);
             for (int64_t g = 0; g < kv_heads; g++) {
                 const int64_t at = slots[t] * ss + g * hs + pos[t] * ps;
-                rope_head(row + nq + g * hd, c, s, hd, kc + at);
-                memcpy(vc + at, row + nq + nkv + g * hd, sizeof(float) * hd);
+                rope_head(row + nq + g * hd, c, s, hd, kr);
+                store_head(kv_bf16, kr, kc, at, hd);
+                store_head(kv_bf16, row + nq + nkv + g * hd, vc, at, hd);
             }
         }
-        attention(0, q, n, heads, kv_heads, hd, kc, vc, ss, hs, ps, slots, pos, scale, att, max_len, threads);
+        attention(kv_bf16, q, n, heads, kv_heads, hd, kc, vc, ss, hs, ps, slots, pos, scale, att, max_len, threads);
         layer_matmul(p + LP_O, att, n, nq, y, threads);
         add_rows(x, y, n * H);
         rmsnorm_rows(x, n, H, (const float *)p[LP_NORM2], eps, h);
@@ -602,5 +624,5 @@ void moa_decoder_layers(float *x, int64_t n, int64_t H, int64_t layers, const in
         layer_matmul(p + LP_DOWN, act, n, inter, y, threads);
         add_rows(x, y, n * H);
     }
-    free(h); free(qkv); free(q); free(att); free(gu); free(act); free(y);
+    free(h); free(qkv); free(q); free(att); free(gu); free(act); free(y); free(kr);
 }
