@@ -105,6 +105,11 @@ class RouterConfig(_Strict):
                               "multi_step_max_sessions sessions and with nobody queued, get up to this many tokens "
                               "per session from one verify call (1 = one token per round)")
     multi_step_max_sessions: int = Field(4, ge=1)
+    lookahead: bool = Field(False, description="verify-call pipelining: a round without drafts (none allowed, no "
+                            "features, no prompt prefilling, nobody queued) sends the next round's verify call before "
+                            "its own returns, each session continuing from the length it is predicted to hold, so the "
+                            "verifier does not wait for the Router between calls; a session that stops early costs a "
+                            "discarded row")
     speculation_governor: bool = Field(True, description="speculate only in rounds where it measurably pays "
                                        "(moving averages of ms per token on/off per batch size, with probes)")
     retry_after_s: int = Field(2, ge=1)

@@ -117,7 +117,7 @@ class Router:
             groups=self.groups, max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,
             speculation_token_budget=r.speculation_token_budget, speculation_governor=r.speculation_governor,
             observer=PrometheusObserver(), decode_steps=r.decode_steps,
-            multi_step_max_sessions=r.multi_step_max_sessions,
+            multi_step_max_sessions=r.multi_step_max_sessions, lookahead=r.lookahead,
             # MoA features come from the verifier's K/V cache: skipped ones can be recomputed later
             recompute_features=kind == "moa")
 

@@ -621,6 +621,92 @@ def test_multi_step_is_not_used_while_drafting_or_with_a_queue():
     assert drafting_calls and all(q.decode_steps == 1 for reqs in drafting_calls for q in reqs)
 
 
+# ---------------------------------------------------------------------- lookahead (verify-call pipelining)
+class OverlapVerifier(FakeVerifier):
+    """Counts how many verify calls were in flight at once."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.in_flight = self.most_in_flight = 0
+
+    async def __call__(self, group, reqs):
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            return await super().__call__(group, reqs)
+        finally:
+            self.in_flight -= 1
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_lookahead_calls_overlap_and_keep_every_token_stop_and_length(decode_steps):
+    """With lookahead, draft-free rounds send the next verify call before the current one returns
+    (two calls in flight), continuing from the predicted lengths with no tokens sent; every session
+    still gets exactly the reference tokens, ends at its stop token or length, and the results of a
+    session that stopped before the end of the previous call are dropped, not streamed."""
+    ss = [make_session(i, max_new=9 + 5 * i) for i in range(4)]
+    stop = reference(ss[1].prompt, ss[1].max_new_tokens)[6]
+    ss[1].stop_token_ids = frozenset({stop})
+
+    async def main():
+        verifier = OverlapVerifier(delay=0.002, reverse=True)
+        svc, _ = make_service(verifier, None, lookahead=True, decode_steps=decode_steps, multi_step_max_sessions=64,
+                              speculation_token_budget=0)
+        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
+        await svc.stop()
+        return verifier, outs, svc.stats
+
+    verifier, outs, stats = asyncio.run(main())
+    for s, (toks, finish) in zip(ss, outs):
+        ref = reference(s.prompt, s.max_new_tokens)
+        if s.stop_token_ids:
+            assert toks == ref[:ref.index(stop) + 1] and finish == "stop"
+        else:
+            assert toks == ref and finish == "length"
+    assert verifier.errors == [] and verifier.most_in_flight == 2  # never more than one call ahead
+    assert stats.lookahead_calls > 3 and stats.lookahead_failures == 0 and stats.completed == 4
+    ahead = [q for _, reqs in verifier.calls for q in reqs if q.base > 0 and not q.tokens]
+    assert ahead and all(not q.want_features and not q.drafts for q in ahead)
+    assert stats.lookahead_discarded > 0  # the stopped session's row in the call already sent
+
+
+def test_lookahead_admits_newcomers_and_survives_a_failed_call():
+    """A session arriving while calls are sent ahead is admitted (its prefill round is not sent
+    ahead); a lookahead call that fails makes its sessions resend their tokens, nothing lost or
+    repeated."""
+    async def main():
+        verifier = OverlapVerifier(delay=0.002)
+        verifier.fail_on[4] = ConnectionError("verifier replica died")
+        svc, _ = make_service(verifier, None, lookahead=True, speculation_token_budget=0)
+        first = [svc.submit(make_session(i, max_new=30)) for i in range(2)]
+        tasks = [asyncio.ensure_future(collect(svc, t)) for t in first]
+        await asyncio.sleep(0.02)
+        late = make_session(7, max_new=12)
+        outs = await asyncio.gather(*tasks, collect(svc, svc.submit(late)))
+        await svc.stop()
+        return verifier, outs, svc.stats
+
+    verifier, outs, stats = asyncio.run(main())
+    assert [o[0] for o in outs] == [reference(make_session(i, max_new=30).prompt, 30) for i in range(2)] + [
+        reference(make_session(7).prompt, 12)]
+    assert stats.lookahead_calls > 0 and stats.lookahead_failures + stats.verify_retries >= 1
+    assert requests_of(verifier, "s7")[0].base == 0 and verifier.errors == []
+
+
+def test_lookahead_is_off_by_default_and_while_drafting():
+    async def main(**kw):
+        verifier = OverlapVerifier(delay=0.001)
+        svc, _ = make_service(verifier, FakeDrafter(), **kw)
+        outs = await asyncio.gather(*(collect(svc, svc.submit(make_session(i))) for i in range(3)))
+        await svc.stop()
+        return verifier, outs, svc.stats
+
+    for kw in ({}, {"lookahead": True}):  # off; on, but every round drafts
+        verifier, outs, stats = asyncio.run(main(**kw))
+        assert [o[0] for o in outs] == [reference(make_session(i).prompt, 20) for i in range(3)]
+        assert stats.lookahead_calls == 0 and verifier.most_in_flight == 1
+
+
 # ---------------------------------------------------------------------- prompt lookup in the service
 class SpyLookup(LookupTable):
     """A real lookup table that logs the drafts it gives, interleaved with the drafter's calls."""

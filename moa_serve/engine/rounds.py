@@ -97,14 +97,38 @@ def verify_requests(sessions: list[Session], drafts: dict[str, DraftResult],
         want = want_features if isinstance(want_features, bool) else s.id in want_features
         steps, room = 1, 0
         if decode_steps > 1 and (d is None or not want):
-            room = min(s.max_new_tokens - len(s.generated), s.max_model_len - len(s.tokens))
-            steps = max(1, min(decode_steps, room))
+            steps, room = step_budget(s, len(s.tokens), decode_steps)
         out.append(VerifyRequest(s.id, s.tokens[s.verifier_base:], list(d.drafts) if d else [],
                                  d.probs if d is not None else None, s.sampling, want,
                                  base=s.verifier_base, features_from=s.num_features if want else None,
                                  decode_steps=steps, max_tokens=room if steps > 1 else 0,
                                  stop_token_ids=tuple(sorted(s.stop_token_ids))))
     return out
+
+
+def step_budget(s: Session, length: int, decode_steps: int) -> tuple[int, int]:
+    """(forwards, room) for a session whose committed length will be ``length``: room is how many
+    more tokens its output and context can take, forwards at most ``decode_steps`` and at least 1."""
+    room = min(s.max_new_tokens - (len(s.generated) + length - len(s.tokens)), s.max_model_len - length)
+    return max(1, min(decode_steps, room)), room
+
+
+def lookahead_requests(sessions: list[Session], bases: dict[str, int], decode_steps: int
+                       ) -> tuple[list[VerifyRequest], dict[str, int]]:
+    """A draft-free verify call sent before the previous one returned: each session continues from
+    ``bases[id]``, the committed length that call is predicted to leave (the replica holds those
+    tokens: it returned them), no tokens sent, no features. Sessions with no room left are not in
+    it. Returns the requests and the tokens each asks for (the next prediction)."""
+    reqs, asked = [], {}
+    for s in sessions:
+        steps, room = step_budget(s, bases[s.id], decode_steps)
+        if room <= 0:
+            continue
+        asked[s.id] = steps
+        reqs.append(VerifyRequest(s.id, [], [], None, s.sampling, False, base=bases[s.id], decode_steps=steps,
+                                  max_tokens=room if steps > 1 else 0,
+                                  stop_token_ids=tuple(sorted(s.stop_token_ids))))
+    return reqs, asked
 
 
 def verify_failed(sessions: list[Session]) -> None:

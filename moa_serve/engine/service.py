@@ -160,6 +160,9 @@ class ServiceStats:
     prefill_rounds: int = 0  # session-rounds that only prefilled a prompt chunk (no token, no round)
     release_failures: int = 0  # release calls that failed (their sessions are retried later)
     releases_dropped: int = 0  # sessions given up after bounded release attempts (pools evict LRU)
+    lookahead_calls: int = 0  # verify calls sent before the previous one returned (lookahead)
+    lookahead_discarded: int = 0  # their session results not used (finished, aborted, mispredicted)
+    lookahead_failures: int = 0  # lookahead calls that failed (their sessions resync)
     # cumulative seconds of the rounds' parts
     release_s: float = 0.0
     draft_s: float = 0.0
@@ -185,6 +188,16 @@ class ServiceStats:
             setattr(self, f"{part}_s", getattr(self, f"{part}_s") + getattr(p, f"{part}_s"))
 
 
+@dataclass
+class _Ahead:
+    """A verify call sent before the previous one came back: it continues each of its sessions
+    from ``bases`` (the committed length the previous call was predicted to leave) and asks for
+    ``asked`` tokens each."""
+    task: asyncio.Future
+    bases: dict[str, int]
+    asked: dict[str, int]
+
+
 class Observer:
     """Hooks for metrics; the Ray layer plugs Prometheus metrics in. ``round_done`` keeps its
     original signature; ``round_profile`` carries the full per-round picture (a no-op unless
@@ -207,7 +220,7 @@ class RoundService:
                  speculation_token_budget: int = 32, speculation_governor: bool = True,
                  observer: Observer | None = None, want_features: bool | None = None,
                  recompute_features: bool = False, decode_steps: int = 1, multi_step_max_sessions: int = 4,
-                 lookup: LookupTable | None = None):
+                 lookup: LookupTable | None = None, lookahead: bool = False):
         self._verify, self._draft, self._release = verify, draft, release
         # prompt lookup over the sessions' own tokens, here: a session it drafts for skips the
         # drafter call this round (``hybrid:``); with no drafter pool it is the only drafter
@@ -224,6 +237,12 @@ class RoundService:
         if decode_steps < 1:
             raise ValueError("decode_steps must be >= 1")
         self.decode_steps, self.multi_step_max_sessions = decode_steps, multi_step_max_sessions
+        # lookahead (verify-call pipelining): a draft-free round sends the next round's call before
+        # its own returns, predicting what each session will then hold, so the verifier is never
+        # idle while the Router commits and streams; a session the prediction misses (a stop token)
+        # costs a discarded row
+        self.lookahead = lookahead
+        self._ahead: dict[Hashable, _Ahead] = {}
         self.groups = list(groups) if groups is not None else list(range(num_groups))
         if not self.groups or len(set(self.groups)) != len(self.groups):
             raise ValueError(f"session groups must be a non-empty list of distinct keys: {self.groups!r}")
@@ -279,6 +298,11 @@ class RoundService:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        ahead = [a.task for a in self._ahead.values()]
+        self._ahead.clear()
+        for t in ahead:
+            t.cancel()
+        await asyncio.gather(*ahead, return_exceptions=True)
 
     @property
     def queue_depth(self) -> int:
@@ -442,6 +466,10 @@ class RoundService:
 
     # ------------------------------------------------------------------ one round
     async def _round(self, g: Hashable, batch: list[_Tracked], release_s: float = 0.0) -> None:
+        ahead = self._ahead.pop(g, None)
+        if ahead is not None:
+            await self._ahead_round(g, batch, ahead, release_s)
+            return
         t0 = time.perf_counter()
         by_id = {t.session.id: t.session for t in batch}
         sessions = list(by_id.values())
@@ -458,7 +486,18 @@ class RoundService:
         want = self._features_wanted(g, batch, cap)
         steps = self._decode_steps(batch, drafts, want)
         t1 = time.perf_counter()
-        results = await self._verify_round(g, by_id, sessions, drafts, profile, want, steps)
+        if self._may_look_ahead(batch, cap, drafts, want):
+            call = asyncio.ensure_future(self._verify_round(g, by_id, sessions, drafts, profile, want, steps))
+            await asyncio.sleep(0)  # this round's call goes out first
+            bases = {s.id: len(s.tokens) + rounds.step_budget(s, len(s.tokens), steps)[0] for s in sessions}
+            self._send_ahead(g, sessions, bases)
+            try:
+                results = await call
+            except BaseException:
+                self._drop_ahead(g)
+                raise
+        else:
+            results = await self._verify_round(g, by_id, sessions, drafts, profile, want, steps)
         t2 = time.perf_counter()
         self._observe_gate(g, results, drafts, matches, t2 - t1, profile)
         self._note_reprefills(by_id, results, drafts, profile)
@@ -472,6 +511,76 @@ class RoundService:
         if governor is not None and profile.prefilled_sessions == 0 and profile.resyncs == 0 and not remote:
             governor.observe(profile.sessions, profile.drafted_sessions > 0, profile.round_s, profile.tokens)
         self.observer.round_done(g, profile.sessions, profile.draft_s, profile.verify_s, profile.round_s)
+        self.observer.round_profile(profile)
+
+    # ------------------------------------------------------------------ lookahead
+    def _may_look_ahead(self, batch: list[_Tracked], cap: int | None, drafts: dict, want: bool | set[str]) -> bool:
+        """A round whose successor can be predicted: no drafts now and none next (no drafter, or a
+        cap of 0), no features, no remote client, no prompt still prefilling or unknown to the
+        verifier, nobody queued (they would wait one more call)."""
+        drafting = cap != 0 and (self._draft is not None or self.lookup is not None)
+        return (self.lookahead and not drafting and not drafts and not self._waiting
+                and (want is False or (isinstance(want, set) and not want))
+                and not any(t.remote or t.session.prefilling or t.session.verifier_base == 0 or t.session.finished
+                            for t in batch))
+
+    def _send_ahead(self, g: Hashable, sessions: list[Session], bases: dict[str, int]) -> None:
+        reqs, asked = rounds.lookahead_requests(sessions, bases, self.decode_steps)
+        if not reqs:
+            return
+        self.stats.lookahead_calls += 1
+        task = asyncio.ensure_future(_within(self.verify_timeout_s, self._verify(g, reqs)))
+        self._ahead[g] = _Ahead(task, {r.session_id: r.base for r in reqs}, asked)
+
+    def _drop_ahead(self, g: Hashable) -> None:
+        ahead = self._ahead.pop(g, None)
+        if ahead is not None:
+            ahead.task.cancel()
+            # what it did on the replica is unknown: its sessions resend their tokens whole
+            for t in self._active[g]:
+                if t.session.id in ahead.bases:
+                    t.session.verifier_base = 0
+
+    async def _ahead_round(self, g: Hashable, batch: list[_Tracked], ahead: _Ahead, release_s: float) -> None:
+        """Takes the results of the call sent ahead. If the round may look ahead again (its sessions
+        are the call's, still decoding), the next call goes out before this one's results are
+        awaited. A session's result is used only if it holds exactly what the call assumed; the
+        others (finished, aborted, a stop token before the end of the previous call) are dropped."""
+        t0 = time.perf_counter()
+        live = [t for t in batch if t.session.id in ahead.bases and not t.session.finished]
+        profile = RoundProfile(g, len(live), speculation_cap=0, release_s=release_s)
+        cap = rounds.speculation_cap(self.speculation_token_budget, len(batch))
+        governor = self._governors.get(g)
+        if governor is not None and not governor.speculate(len(batch)):
+            cap = 0
+        if (len(live) == len(batch) and all(t.session.id in ahead.asked for t in live)
+                and self._may_look_ahead(batch, cap, {}, self._features_wanted(g, batch, cap))):
+            self._send_ahead(g, [t.session for t in live],
+                             {t.session.id: ahead.bases[t.session.id] + ahead.asked[t.session.id] for t in live})
+        try:
+            replies = await ahead.task
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.stats.lookahead_failures += 1
+            log.warning("lookahead verify call failed (%s: %s); its sessions resync", type(exc).__name__, exc)
+            self._drop_ahead(g)
+            rounds.verify_failed([t.session for t in live])
+            return
+        t1 = time.perf_counter()
+        by_id = {t.session.id: t.session for t in live if len(t.session.tokens) == ahead.bases[t.session.id]}
+        for t in live:
+            if t.session.id not in by_id:  # mispredicted: the replica holds tokens this session does not
+                t.session.verifier_base = 0
+        results = {r.session_id: r for r in replies if r.session_id in by_id}
+        self.stats.lookahead_discarded += len(replies) - len(results)
+        used = [t for t in live if t.session.id in by_id]
+        self._publish(used, rounds.commit(by_id, results, {}), profile)
+        t2 = time.perf_counter()
+        profile.verify_s, profile.commit_s = t1 - t0, t2 - t1
+        profile.round_s = t2 - t0 + release_s
+        self.stats.add(profile)
+        self.observer.round_done(g, profile.sessions, 0.0, profile.verify_s, profile.round_s)
         self.observer.round_profile(profile)
 
     def _observe_gate(self, g: Hashable, results: dict[str, VerifyResult], drafts: dict[str, DraftResult],
