@@ -576,6 +576,8 @@ class RoundService:
         self.stats.lookahead_discarded += len(replies) - len(results)
         used = [t for t in live if t.session.id in by_id]
         self._publish(used, rounds.commit(by_id, results, {}), profile)
+        if not used:  # every session of the call ended meanwhile: not a round
+            return
         t2 = time.perf_counter()
         profile.verify_s, profile.commit_s = t1 - t0, t2 - t1
         profile.round_s = t2 - t0 + release_s
