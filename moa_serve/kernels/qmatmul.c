@@ -172,8 +172,8 @@ static void matmul(int kind, const float *x, int64_t M, int64_t K, const void *q
  * bfloat16 the same way (the weights a bf16 copy of the float32 model holds). Twice the multiply
  * rate of float32 FMAs on CPUs that have the instruction. Batch invariance as above: every output
  * is one chain of VDPBF16PS over 16 lanes (pair p of 32-block b in lane p, b ascending) and the
- * same horizontal sum, whichever path (straight from the blocks for 1-2 rows of x, through a
- * de-quantized buffer otherwise) and however many rows or threads.
+ * same horizontal sum, however many rows (tiles of 1-4 rows of x over a de-quantized bf16 buffer)
+ * or threads.
  * These functions are compiled for AVX-512 BF16 only (target attribute) and called only when
  * kernels/__init__.py found avx512_bf16 in the CPU flags. */
 #if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
@@ -232,26 +232,6 @@ BF16DOT static inline __attribute__((always_inline)) void bf16dot_tile(int mt, c
         for (int j = 0; j < nn; j++) y[i * ldy + j] = hsum16(acc[i][j]);
 }
 
-/* The same sums for mt <= 2 rows of x and nn <= 2 weight rows taken straight from the blocks. */
-BF16DOT static inline __attribute__((always_inline)) void bf16dot_direct(int kind, int mt, const uint16_t *x, int64_t K,
-                                                                       const void *qs, const float *d, const float *m,
-                                                                       int64_t n0, int nn, float *y, int64_t ldy) {
-    __m512 acc[2][2];
-    for (int i = 0; i < mt; i++)
-        for (int j = 0; j < 2; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < K / 32; b++) {
-        const __m512bh w0 = bf16dot_block(kind, qs, d, m, K, n0, b);
-        const __m512bh w1 = bf16dot_block(kind, qs, d, m, K, n0 + (nn > 1 ? 1 : 0), b);
-        for (int i = 0; i < mt; i++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + 32 * b);
-            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w0);
-            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, w1);
-        }
-    }
-    for (int i = 0; i < mt; i++)
-        for (int j = 0; j < nn; j++) y[i * ldy + j] = hsum16(acc[i][j]);
-}
-
 BF16DOT static void bf16dot_rows(const uint16_t *x, int64_t mc, int64_t K, const uint16_t *w, float *y, int64_t ldy,
                                  int nn) {
     int64_t i = 0;
@@ -279,16 +259,8 @@ BF16DOT static void bf16dot_matmul(int kind, const float *xf, int64_t M, int64_t
             for (int64_t nb = 0; nb < nblocks; nb++) {
                 const int64_t n0 = nb * BNB;
                 const int nn = N - n0 < BNB ? (int)(N - n0) : BNB;
-                if (mc <= 2) {
-                    for (int r = 0; r < nn; r += 2) {
-                        const int nd = nn - r < 2 ? nn - r : 2;
-                        if (mc == 1)
-                            bf16dot_direct(kind, 1, x + m0 * K, K, qs, d, m, n0 + r, nd, y + m0 * N + n0 + r, N);
-                        else
-                            bf16dot_direct(kind, 2, x + m0 * K, K, qs, d, m, n0 + r, nd, y + m0 * N + n0 + r, N);
-                    }
-                    continue;
-                }
+                /* de-quantized to bf16 first even for one row of x: straight from the blocks was up to
+                 * 2x slower here (Q8_0 LM head, 1 row: 2.0 vs 1.0 ms on an AVX512-BF16 EPYC) */
                 for (int r = 0; r < BNB; r++) { /* a short last block repeats a row */
                     const int64_t n = n0 + (r < nn ? r : 0);
                     for (int64_t b = 0; b < K / 32; b++)
