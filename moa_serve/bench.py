@@ -276,8 +276,11 @@ def cmd_bench(args) -> int:
 
 
 def register(sub) -> None:
+    from moa_serve.cli import _model_args
+
     p = sub.add_parser("bench", help="Spec-Bench: vanilla vs speculative decoding (τ, tokens/s, speed-up, identity)")
-    p.add_argument("--target", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    # --target, --dtype, --device, --max-model-len, --packed-weights, --matmul-precision, --kv-cache-dtype
+    _model_args(p, drafter=False)
     p.add_argument("--drafter", default="smollm2-135m-instruct-moa",
                    help="drafter checkpoint folder (or packaged name); comma-separated for several; 'none' = vanilla only")
     p.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench-format JSONL")
@@ -287,18 +290,8 @@ def register(sub) -> None:
     p.add_argument("--num-speculative-tokens", "-k", default="5", help="K, or a comma-separated list")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--backend", choices=["torch", "vllm"], default="torch",
                    help="vllm: the target in stock vLLM (one engine per method; 'lookup' = vLLM's n-gram proposer)")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--packed-weights", choices=["auto", "off"], default="auto",
-                   help="auto: a float32 CPU target from a GGUF keeps its 4/8-bit blocks, de-quantized in registers")
-    p.add_argument("--matmul-precision", choices=["highest", "medium"], default="highest",
-                   help="packed CPU target: medium multiplies bfloat16-rounded activations and weights on "
-                        "AVX512-BF16 CPUs (every method alike)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="torch backend: the target's KV cache dtype (auto = the target's dtype)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--out", default="results.json")
     p.set_defaults(func=cmd_bench)
