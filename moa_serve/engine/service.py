@@ -465,6 +465,14 @@ class RoundService:
             pending.pop(sid, None)
 
     # ------------------------------------------------------------------ one round
+    def _round_cap(self, g: Hashable, n: int) -> int | None:
+        """Most drafts per session in a round of ``n`` sessions: the token budget's cap, 0 while the
+        group's governor has speculation off (asking it counts a round)."""
+        governor = self._governors.get(g)
+        if governor is not None and not governor.speculate(n):
+            return 0
+        return rounds.speculation_cap(self.speculation_token_budget, n)
+
     async def _round(self, g: Hashable, batch: list[_Tracked], release_s: float = 0.0) -> None:
         ahead = self._ahead.pop(g, None)
         if ahead is not None:
@@ -473,10 +481,8 @@ class RoundService:
         t0 = time.perf_counter()
         by_id = {t.session.id: t.session for t in batch}
         sessions = list(by_id.values())
-        cap = rounds.speculation_cap(self.speculation_token_budget, len(sessions))
+        cap = self._round_cap(g, len(sessions))
         governor = self._governors.get(g)
-        if governor is not None and not governor.speculate(len(sessions)):
-            cap = 0
         profile = RoundProfile(g, len(batch), speculation_cap=cap, release_s=release_s)
         remote = {t.session.id: t.pending.drafts for t in batch if t.remote and t.pending.drafts.drafts}
         matches: dict[str, int] = {}  # lookup-drafted sessions -> length of the n-gram they continue
@@ -549,10 +555,7 @@ class RoundService:
         t0 = time.perf_counter()
         live = [t for t in batch if t.session.id in ahead.bases and not t.session.finished]
         profile = RoundProfile(g, len(live), speculation_cap=0, release_s=release_s)
-        cap = rounds.speculation_cap(self.speculation_token_budget, len(batch))
-        governor = self._governors.get(g)
-        if governor is not None and not governor.speculate(len(batch)):
-            cap = 0
+        cap = self._round_cap(g, len(batch))
         if (len(live) == len(batch) and all(t.session.id in ahead.asked for t in live)
                 and self._may_look_ahead(batch, cap, {}, self._features_wanted(g, batch, cap))):
             self._send_ahead(g, [t.session for t in live],
