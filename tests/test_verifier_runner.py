@@ -208,6 +208,26 @@ def test_a_shared_prefix_is_copied_from_a_live_session(target, hf):
         assert first + got[sid] == hf_greedy(hf, prompts[sid], 5), sid
 
 
+def test_a_retained_prompt_outlives_prompts_that_share_only_its_system_prompt(target, hf):
+    """A new session that shares only the system prompt with a retained one copies those positions
+    and leaves the retained prompt in place, so a later repeat of it prefills one token; a finished
+    repeat replaces its older copy instead of holding a second slot."""
+    system = prompt_of(24, 10)
+    a, b = system + prompt_of(9, 11), system + prompt_of(6, 12)
+    runner = TorchTargetRunner("unused", model=target, max_sessions=4, max_model_len=128)
+    first = decode(runner, {"a": a}, 3)["a"]
+    runner.release("a")
+    (rb,) = runner.verify([VerifyRequest("b", b, want_features=False)])
+    assert rb.num_computed == 6 and len(runner.retained) == 1  # b copied the 24 shared positions
+    runner.release("b")
+    (again,) = runner.verify([VerifyRequest("a2", a, want_features=False)])
+    assert again.num_computed == 1 and again.tokens == first[:1] == hf_greedy(hf, a, 1)
+    assert len(runner.retained) == 2  # a's and b's prefixes, a's copied into a2's slot
+    decode(runner, {"a2": a + again.tokens}, 3)
+    runner.release("a2")  # holds all a's retained positions and more: a's old slot is given back
+    assert len(runner.retained) == 2 and runner.cache.num_free == 2
+
+
 def test_retained_slots_give_way_to_new_sessions(target):
     runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=128)
     for sid in "ab":
