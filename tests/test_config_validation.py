@@ -175,7 +175,8 @@ def test_local_configs_are_valid(name):  # MOA_MODEL_DIR: ../shared/models (conf
         assert cfg.drafter == "lookup" and cfg.drafter_checkpoint is None and cfg.prompt_lookup
         assert {f.pool for f in results} == {"verifier_pool"} and set(cfg.pools()) == {"verifier_pool"}
         assert cfg.router.session_groups == 1 and cfg.router.max_sessions_per_round == 64
-        assert cfg.verifier_pool.max_sessions == 64 and cfg.verifier_pool.torch_threads == 2
+        # slots beyond the live sessions keep finished prompts' K/V (the prefix cache)
+        assert cfg.verifier_pool.max_sessions == 128 and cfg.verifier_pool.torch_threads == 2
     elif name == "local-cpu-vllm.yaml":
         assert cfg.backend == "vllm" and cfg.drafter_checkpoint is not None
         v = next(f for f in results if f.pool == "verifier_pool")

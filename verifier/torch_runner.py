@@ -15,8 +15,9 @@ Prefix caching: a released session's slot keeps its K/V (``retained``, least rec
 given back only when a slot is needed), and a new session starts from the longest prefix of its
 tokens already in the cache: it takes over a retained slot whose tokens it all reuses, or copies the
 shared positions from another slot (live, or retained: a partial match leaves the retained prefix in
-place for a later repeat of its own prompt). Its prefill then covers only what differs (a repeated prompt: one token; a shared
-system prompt: the rest of the prompt). The fixed-order kernels make a token's K/V independent of
+place for a later repeat of its own prompt). A released session frees the retained slots whose
+tokens its own contain. Its prefill then covers only what differs (a repeated prompt: one token; a
+shared system prompt: the rest of the prompt). The fixed-order kernels make a token's K/V independent of
 the batch and chunk it was computed in, so reused positions are bitwise those a fresh prefill
 would write.
 """
@@ -44,7 +45,7 @@ from moa_serve.verifier.target_model import TargetModel
 log = logging.getLogger(__name__)
 
 MIN_PREFILL_CHUNK = 32  # a waiting prefill always advances by at least this much per call
-MIN_PREFIX_COPY = 16  # positions worth copying from another slot (a retained slot whose whole prefix is reused is taken over at any length)
+MIN_PREFIX_COPY = 16  # positions worth copying from another slot (a retained slot reused whole is taken at any length)
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:
@@ -194,18 +195,19 @@ class TorchTargetRunner(TargetBackend):
         # take over a retained slot (K/V in place) only when its whole prefix is reused, or when it is
         # the only slot there is to take; a partial match (another prompt's shared system prompt) is
         # copied instead, so the retained prefix still answers a later repeat of its own prompt
-        take_over = best is not None and not live and (
-            best_len == len(self.retained[best]) or (self.cache.num_free == 0 and len(self.retained) == 1))
-        if best is not None and not live and not take_over and best_len < MIN_PREFIX_COPY:
-            best, best_len = None, 0  # too short to be worth a copy
+        from_retained = best is not None and not live
+        take_over = from_retained and (best_len == len(self.retained[best])
+                                       or (self.cache.num_free == 0 and len(self.retained) == 1))
+        if from_retained and not take_over and best_len < MIN_PREFIX_COPY:
+            best, best_len, from_retained = None, 0, False  # too short to be worth a copy
         if take_over:
             del self.retained[best]
             slot = best
         else:
-            if best is not None and not live:
+            if from_retained:
                 self.retained.move_to_end(best)  # just used: not the one _slot gives back
             slot = self._slot(keep)
-            if best is not None:  # copy the shared positions from the live session's slot
+            if best is not None:  # copy the shared positions from the other slot
                 self.cache.k[:, slot, :, :best_len] = self.cache.k[:, best, :, :best_len]
                 self.cache.v[:, slot, :, :best_len] = self.cache.v[:, best, :, :best_len]
         if best is not None:
