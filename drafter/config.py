@@ -25,6 +25,13 @@ class DrafterConfig:
     draft_vocab_size: int = 0  # 0 = full vocabulary; else the drafter's LM head keeps a subset
     kind: str = "moa"  # "moa" | "eagle" (EAGLE-style baseline) | "independent" (small LM baseline)
     num_layers: int = 0  # decoder layers of the "independent" baseline (0 = 2)
+    # MoA beyond the paper: a linear map from the *values* of the target's last N layers straight
+    # into the feature, added to the LSA's (0 = the paper's LSA only). Values carry no RoPE, so
+    # the map does not depend on the position; see FeatureHead.
+    value_readout_layers: int = 0
+    # MoA beyond the paper: the CA reads only the freshest verified feature (a draft at distance d
+    # reads the feature of the position it was drafted from) instead of every verified one.
+    cross_attention_latest_only: bool = False
 
     def __post_init__(self):
         t = self.target
@@ -41,6 +48,8 @@ class DrafterConfig:
                 object.__setattr__(self, name, value)
         if self.target_layer_inference not in range(0, t.num_layers + 1):
             raise ValueError(f"target_layer_inference must be in [0, {t.num_layers}], got {self.target_layer_inference}")
+        if not 0 <= self.value_readout_layers <= t.num_layers:
+            raise ValueError(f"value_readout_layers must be in [0, {t.num_layers}], got {self.value_readout_layers}")
         if self.kind not in KINDS:
             raise ValueError(f"drafter kind must be one of {KINDS}, got {self.kind!r}")
         if self.draft_vocab_size < 0 or self.draft_vocab_size > t.vocab_size:

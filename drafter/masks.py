@@ -42,6 +42,17 @@ def bounded_cross_mask(visible: torch.Tensor) -> torch.Tensor:
     return (j[None, None, :] <= start[:, :, None]).unsqueeze(1)
 
 
+def latest_cross_mask(visible: torch.Tensor) -> torch.Tensor:
+    """The CA mask of a drafter that reads only its freshest feature, bool [B, 1, S, S]: query i
+    reads the features of j = start_i alone (at serving: the last verified position). Training
+    and serving then see the same thing, which the bounded mask does not quite give: in training,
+    the response positions between two visible ones carry no feature."""
+    s = visible.shape[1]
+    start = last_visible(visible)
+    j = torch.arange(s, device=visible.device)
+    return (j[None, None, :] == start[:, :, None]).unsqueeze(1)
+
+
 def staircase_self_mask(visible: torch.Tensor) -> torch.Tensor:
     """The staircase SA mask, bool [B, 1, S, S]: query i sees the tokens after its last visible
     position up to itself (start_i < j <= i), and always itself (the reference's

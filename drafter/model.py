@@ -27,20 +27,42 @@ from moa_serve.verifier.target_model import TargetArch, TargetModel, assign_weig
 
 
 class FeatureHead(nn.Module):
+    """LSA over a token's per-layer K/V, mean-pooled, ``Ekv2E`` to the hidden size (the paper);
+    with ``value_readout_layers`` = N > 0, plus ``value_readout``: one linear map from the values
+    of the target's last N layers (beyond the paper). The paper's path alone, distilled here,
+    learned features that told the drafter nothing about the next token (its top-1 was the same
+    with the feature of the very position it predicts from as with one 5 tokens old), while a
+    linear probe on those values recovers the target's final hidden state (cos ~0.9)."""
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         shape = cfg.lsa_shape()
         self.layer_self_attention = DecoderLayer(shape)
         self.Ekv2E = nn.Linear(shape.hidden_size, cfg.target.hidden_size)
         self.rotary = Rotary.plain(shape.head_dim, cfg.target.rope_theta)
+        self.readout_layers = cfg.value_readout_layers
+        self.kv_heads = cfg.target.num_kv_heads
+        if self.readout_layers:
+            width = self.readout_layers * cfg.target.kv_width // 2
+            self.value_readout = nn.Linear(width, cfg.target.hidden_size)
+
+    def readout_values(self, per_layer_kv: torch.Tensor) -> torch.Tensor:
+        """per_layer_kv [n, num_layers, kv_width] -> the values of the last N layers, flat [n, N * kv_width / 2]
+        (each layer's vector holds, per KV head, that head's key then its value)."""
+        x = per_layer_kv[:, per_layer_kv.shape[1] - self.readout_layers:]
+        x = x.reshape(*x.shape[:2], self.kv_heads, 2, -1)[:, :, :, 1]
+        return x.reshape(x.shape[0], -1)
 
     def forward(self, per_layer_kv: torch.Tensor) -> torch.Tensor:
         """per_layer_kv [..., num_layers, kv_width] -> features [..., hidden_size]."""
         lead = per_layer_kv.shape[:-2]
-        x = per_layer_kv.reshape(-1, *per_layer_kv.shape[-2:])
-        cos, sin = self.rotary(torch.arange(x.shape[1], device=x.device), x.dtype)
-        x = self.layer_self_attention(x, cos, sin, lambda k, v: (k, v, None))
-        return self.Ekv2E(x.mean(1)).reshape(*lead, -1)
+        kv = per_layer_kv.reshape(-1, *per_layer_kv.shape[-2:])
+        cos, sin = self.rotary(torch.arange(kv.shape[1], device=kv.device), kv.dtype)
+        x = self.layer_self_attention(kv, cos, sin, lambda k, v: (k, v, None))
+        out = self.Ekv2E(x.mean(1))
+        if self.readout_layers:
+            out = out + self.value_readout(self.readout_values(kv))
+        return out.reshape(*lead, -1)
 
 
 class CrossAttentionLayer(nn.Module):
@@ -187,13 +209,19 @@ class MoADrafter(nn.Module):
     def flat_state_dict(self) -> dict[str, torch.Tensor]:
         return {**self.feature_head.state_dict(), **self.draft_head.state_dict()}
 
-    def load_flat_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        fh = {k: v for k, v in state.items() if k.startswith(("layer_self_attention.", "Ekv2E."))}
+    def load_flat_state_dict(self, state: dict[str, torch.Tensor], new_readout: bool = False) -> None:
+        """Loads a flat (reference-layout) state dict; ``new_readout`` lets a checkpoint without a
+        ``value_readout`` start one (training a paper-layout drafter on with the readout added)."""
+        fh = {k: v for k, v in state.items() if k.startswith(("layer_self_attention.", "Ekv2E.", "value_readout."))}
         dh = {k: v for k, v in state.items() if k.startswith(("self_attention.", "cross_attention."))}
         unexpected = set(state) - set(fh) - set(dh)
         if unexpected:
             raise ValueError(f"unexpected drafter weights: {sorted(unexpected)[:5]}")
-        self.feature_head.load_state_dict(fh)
+        missing, unexpected = self.feature_head.load_state_dict(fh, strict=False)
+        if unexpected:
+            raise ValueError(f"drafter weights this config has no place for: {sorted(unexpected)[:5]}")
+        if missing and not (new_readout and all(k.startswith("value_readout.") for k in missing)):
+            raise ValueError(f"missing drafter weights: {sorted(missing)[:5]}")
         self.draft_head.load_state_dict(dh)
 
 

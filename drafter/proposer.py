@@ -389,7 +389,11 @@ class MoAProposer(ProposerBase):
         drafting, so read once per call (again only when the batch shrinks)."""
         n_feat = self.ca_cache.lengths[slots]
         keys, values = self.ca_cache.read(0, slots, int(n_feat.max()))
-        mask = (torch.arange(keys.shape[2])[None, :] < n_feat[:, None])[:, None, None, :].to(self.device)
+        idx = torch.arange(keys.shape[2])[None, :]
+        mask = idx < n_feat[:, None]
+        if self.cfg.cross_attention_latest_only:  # only the last verified position's feature
+            mask &= idx >= n_feat[:, None] - 1
+        mask = mask[:, None, None, :].to(self.device)
         return keys, values, mask
 
     def _narrow(self, ctx, sel: torch.Tensor, slots: torch.Tensor):

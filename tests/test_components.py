@@ -123,6 +123,49 @@ def test_incremental_drafting_equals_parallel_pass(stories_path, stories_drafter
     assert greedy == res.drafts
 
 
+def test_latest_only_drafter_reads_only_its_freshest_feature(tmp_path, stories_path, stories_drafter, target):
+    """cross_attention_latest_only (with a value readout): the proposer's cached drafting equals the
+    teacher-forced pass with the latest-only mask, and its drafts ignore every feature but the
+    last verified position's."""
+    import dataclasses
+
+    from moa_serve.drafter import masks
+
+    cfg, state = load_drafter(str(stories_drafter))
+    cfg = dataclasses.replace(cfg, cross_attention_latest_only=True, value_readout_layers=2)
+    moa = MoADrafter(cfg)
+    init_weights(moa, seed=3)
+    moa.load_flat_state_dict({k: v for k, v in state.items() if not k.startswith("draft_vocab")}, new_readout=True)
+    folder = save_drafter(tmp_path / "latest", cfg, moa.flat_state_dict())
+    committed = list(range(40, 60))
+    n = len(committed) - 1
+    feats = torch.randn(n, cfg.feature_dim, generator=torch.Generator().manual_seed(1))
+
+    def drafts(features):
+        proposer = MoAProposer.load(str(folder), target_model=target, max_sessions=2, max_model_len=64)
+        (res,) = proposer.propose([DraftRequest("x", tokens=committed, num_drafts=3, feature_start=0,
+                                                features=features)])
+        return res.drafts
+
+    got = drafts(feats)
+    seq = committed + got[:2]
+    s = len(seq)
+    visible = torch.zeros(1, s, dtype=torch.bool)
+    visible[0, :n] = True
+    allf = torch.cat([feats, torch.zeros(s - n, cfg.feature_dim)])[None]
+    sa = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        h, _ = moa.draft_head.forward_parallel(TargetParts(target, 0), torch.tensor([seq]), allf,
+                                               torch.arange(s)[None], sa, masks.latest_cross_mask(visible))
+    assert target.lm_head(h[0, n:]).argmax(-1).tolist() == got
+    older = feats.clone()
+    older[:-1] = torch.randn(n - 1, cfg.feature_dim)
+    assert drafts(older) == got  # only the last verified feature counts
+    fresher = feats.clone()
+    fresher[-1] = 5 * torch.randn(cfg.feature_dim)
+    assert drafts(fresher) != got
+
+
 def test_reference_layout_checkpoint_loads(tmp_path, stories_path):
     """A checkpoint written the way the HEBO reference saves it: the target's HF config as
     config.json (+ the sizes it was built with), weights under the reference's key names."""

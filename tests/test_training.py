@@ -46,6 +46,16 @@ def test_bounded_cross_mask_semantics():
     assert not m[0, 0, :7, 3:7].any()  # before the cut at 7, positions 3..6 are unverified
 
 
+def test_latest_cross_mask_reads_only_the_last_visible_position():
+    visible = torch.tensor([[True, True, False, False, True, False]])
+    m = masks.latest_cross_mask(visible)[0, 0]
+    expected = torch.zeros(6, 6, dtype=torch.bool)
+    for i, start in enumerate([0, 1, 1, 1, 4, 4]):
+        expected[i, start] = True
+    assert torch.equal(m, expected)
+    assert (m <= masks.bounded_cross_mask(visible)[0, 0]).all()  # a subset of the bounded mask
+
+
 def test_every_t_visible_and_staircase():
     is_prompt = torch.zeros(1, 20, dtype=torch.bool)
     is_prompt[0, :4] = True
@@ -276,3 +286,51 @@ def test_training_without_data_names_the_data_dir(tmp_path, stories_path):
 
     with pytest.raises(ValueError, match="data_dir .*no conversations"):
         Trainer(_tiny_cfg(tmp_path, stories_path, data_dir=str(tmp_path / "missing"), data_files=None))
+
+
+def test_value_readout_starts_from_the_targets_state_and_round_trips(tmp_path, stories_path):
+    """value_readout_layers: a paper-layout drafter continued with the readout gets a linear map
+    from the target's last layers' *values* (fitted, LSA path zeroed), so its features start close
+    to the target's final hidden state; they then ignore every key and the earlier layers; the
+    exported checkpoint keeps the readout and serves through the proposer; a checkpoint with a
+    readout does not load into a config without one."""
+    import torch.nn.functional as F
+
+    from moa_serve.drafter.data import batches
+    from moa_serve.drafter.model import MoADrafter
+    from moa_serve.drafter.train import Trainer
+    from moa_serve.engine.engine import load_feature_head
+
+    paper = Trainer(_tiny_cfg(tmp_path / "a", stories_path, drafters=["moa"], max_steps=3))
+    paper.train(progress_bar=False)
+    cfg = _tiny_cfg(tmp_path / "b", stories_path, drafters=["moa"], max_steps=2, value_readout_layers=2,
+                    feature_target_weight=1.0, init_from=str(tmp_path / "a" / "export"))
+    tr = Trainer(cfg)
+    head = tr.models["moa"].feature_head
+    assert head.readout_layers == 2 and not head.Ekv2E.weight.any()
+
+    tokens, _, valid = next(batches(tr.examples, 4, 11))
+    with torch.no_grad():
+        t = tr.target.forward_train(tokens, valid, 0, tr.vocab_dev)
+        kv, hidden = t["per_layer_kv"][valid].float(), t["hidden"][valid].float()
+        cos_readout = F.cosine_similarity(head(kv), hidden, dim=-1).mean()
+        cos_paper = F.cosine_similarity(paper.models["moa"].feature_head(kv), hidden, dim=-1).mean()
+        assert cos_readout > 0.5 and cos_readout > cos_paper + 0.2, (cos_readout, cos_paper)
+        # only the values of the last two layers reach the feature (the LSA path is zero here)
+        nl, kvh = kv.shape[1], tr.arch.num_kv_heads
+        changed = kv.clone().reshape(len(kv), nl, kvh, 2, -1)
+        changed[:, :, :, 0] += 3.0          # every key
+        changed[:, : nl - 2] -= 2.0         # earlier layers, keys and values
+        assert torch.allclose(head(changed.reshape_as(kv)), head(kv), atol=1e-5)
+        changed[:, nl - 1, 0, 1] += 1.0     # a value of the last layer
+        assert not torch.allclose(head(changed.reshape_as(kv)), head(kv), atol=1e-3)
+
+    tr.train(progress_bar=False)
+    assert "ground" in tr.history[-1]["moa"]
+    dcfg, state = load_drafter(str(tmp_path / "b" / "export" / "tiny-moa"))
+    assert dcfg.value_readout_layers == 2 and "value_readout.weight" in state
+    served = load_feature_head(str(tmp_path / "b" / "export" / "tiny-moa"))  # what the verifier runs
+    with torch.no_grad():
+        assert torch.allclose(served(kv), tr.models["moa"].feature_head(kv), atol=0.05, rtol=0.05)  # bf16 copy
+    with pytest.raises(ValueError, match="no place for"):
+        MoADrafter(paper.cfgs["moa"]).load_flat_state_dict({k: v for k, v in state.items() if k != DRAFT_VOCAB_KEY})
