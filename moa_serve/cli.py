@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("--seed", type=int, default=0)
     di.add_argument("--target-layer-inference", type=int, default=0, choices=[0, 1, 2, 3])
     di.set_defaults(func=cmd_drafter_init)
+    from moa_serve.drafter.diagnose import register as register_diagnose
+
+    register_diagnose(dsub)
 
     for register in _extra_commands():
         register(sub)

@@ -334,3 +334,30 @@ def test_value_readout_starts_from_the_targets_state_and_round_trips(tmp_path, s
         assert torch.allclose(served(kv), tr.models["moa"].feature_head(kv), atol=0.05, rtol=0.05)  # bf16 copy
     with pytest.raises(ValueError, match="no place for"):
         MoADrafter(paper.cfgs["moa"]).load_flat_state_dict({k: v for k, v in state.items() if k != DRAFT_VOCAB_KEY})
+
+
+def test_diagnose_reports_distances_and_the_cas_use_of_features(tmp_path, stories_path):
+    """moa drafter diagnose: top-1 by distance for MoA, d = 1 for EAGLE-style; a latest-only drafter
+    puts all of its CA mass on the freshest feature, a paper-layout one spreads it."""
+    from moa_serve.drafter.diagnose import diagnose
+    from moa_serve.drafter.train import Trainer
+
+    tr = Trainer(_tiny_cfg(tmp_path / "a", stories_path, drafters=["moa", "eagle"], max_steps=2))
+    tr.train(progress_bar=False)
+    latest = Trainer(_tiny_cfg(tmp_path / "b", stories_path, drafters=["moa"], max_steps=1,
+                               cross_attention_latest_only=True))
+    latest.train(progress_bar=False)
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [json.loads(line) for line in (DATA / "alpaca_5k.jsonl").read_text().splitlines()[:12]]
+    (data / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = diagnose(str(stories_path), [str(tmp_path / "a" / "export" / "tiny-moa"),
+                                       str(tmp_path / "a" / "export" / "tiny-eagle"),
+                                       str(tmp_path / "b" / "export" / "tiny-moa")],
+                   str(data), batches_=2, batch_size=4, period=4, max_len=48, max_prompt=16, progress=False)
+    paper, eagle, fresh = out
+    assert len(paper["top1_by_distance"]) == 4 and paper["positions"] > 0
+    assert all(0 <= x <= 1 for x in paper["top1_by_distance"] + [paper["top1_features_zeroed"]])
+    assert 0 < paper["ca_mass_on_freshest"] < 0.99 and paper["ca_mass_if_uniform"] < 1
+    assert fresh["ca_mass_on_freshest"] == pytest.approx(1.0)
+    assert eagle["kind"] == "eagle" and 0 <= eagle["top1_d1"] <= 1
