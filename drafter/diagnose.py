@@ -29,7 +29,7 @@ from moa_serve.drafter.data import batches, build_examples, load_conversations
 from moa_serve.drafter.model import MoADrafter, TargetParts
 
 
-def _load(target, spec: str):
+def _load(spec: str):
     cfg, state = load_drafter(spec)
     vocab = state.pop(DRAFT_VOCAB_KEY, None)
     if cfg.kind == "moa":
@@ -61,8 +61,11 @@ def diagnose(target_name: str, drafters: list[str], data_dir: str, batches_: int
         raise ValueError(f"--data {data_dir!r}: no conversations in *.jsonl files")
     examples = build_examples(tok, convs, max_len, max_prompt=max_prompt)
     n = min(batches_, max(1, len(examples) // batch_size))
-    loaded = [(spec, *_load(target, spec)) for spec in drafters]
     parts = TargetParts(target, 0)
+    loaded = []
+    for spec in drafters:
+        cfg, m, vocab = _load(spec)
+        loaded.append((spec, cfg, m, vocab, parts.lm_head.weight if vocab is None else parts.lm_head.weight[vocab]))
     acc = {spec: {"hits": torch.zeros(period), "count": torch.zeros(period), "zeroed": 0, "fresh": 0.0,
                   "uniform": 0.0} for spec in drafters}
     stream = batches(examples, batch_size, 123)
@@ -78,10 +81,12 @@ def diagnose(target_name: str, drafters: list[str], data_dir: str, batches_: int
         visible[:, 0] = True
         start = masks.last_visible(visible)
         dist = positions - start
-        for spec, cfg, m, vocab in loaded:
+        cos, sin = parts.rotary(positions, torch.float32)
+        for spec, cfg, m, vocab, head_w in loaded:
             a = acc[spec]
-            head_w = target.lm_head.weight[vocab] if vocab is not None else target.lm_head.weight
-            def top1(hidden):  # the draft token (mapped back from the draft vocabulary) == the target's
+
+            def top1(hidden, vocab=vocab, head_w=head_w):
+                """The draft token (mapped back from the draft vocabulary) == the target's."""
                 ids = (hidden @ head_w.T).argmax(-1)
                 return (vocab[ids] if vocab is not None else ids) == want
 
@@ -108,9 +113,7 @@ def diagnose(target_name: str, drafters: list[str], data_dir: str, batches_: int
             zeroed, _ = dh.forward_parallel(parts, tokens, torch.zeros_like(feats), positions, sa, ca)
             a["zeroed"] += int((top1(zeroed) & scored).sum())
             # the CA's attention (mean over heads) on the freshest feature
-            x = dh.self_attention(parts.embed_tokens(tokens), *parts.rotary(positions, feats.dtype),
-                                  lambda k, v: (k, v, sa))
-            cos, sin = parts.rotary(positions, feats.dtype)
+            x = dh.self_attention(parts.embed_tokens(tokens), cos, sin, lambda k, v: (k, v, sa))
             keys, _ = dh.cross_attention.project_features(feats, cos, sin)
             q = dh.cross_attention.self_attn.query(dh.cross_attention.input_layernorm(x), cos, sin)
             keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], 1)
@@ -119,7 +122,7 @@ def diagnose(target_name: str, drafters: list[str], data_dir: str, batches_: int
             a["fresh"] += float(fresh[scored].sum())
             a["uniform"] += float((1.0 / ca[:, 0].sum(-1).clamp_min(1))[scored].sum())
     out = []
-    for spec, cfg, _, _ in loaded:
+    for spec, cfg, *_ in loaded:
         a = acc[spec]
         by_d = (a["hits"] / a["count"].clamp_min(1)).tolist()
         row = {"drafter": str(resolve_drafter_path(spec)), "kind": cfg.kind, "data": data_dir,

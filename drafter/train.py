@@ -13,9 +13,9 @@ the target's last N layers to the feature head (fitted by ridge regression when 
 path then starting at zero), ``feature_target_weight`` adds a grounding loss (smooth-L1 between
 each verified position's feature and the target's final hidden state there), and
 ``cross_attention_latest_only`` lets the CA read only the freshest feature. Measured on the
-shipped paper-layout drafter: its CA put 1.2% of its attention on the freshest feature (1.5%
-would be uniform) and zeroing every feature changed its top-1 by 0.006 (``drafter/checkpoints/
-README.md``).
+shipped paper-layout drafter: its CA put 1.3% of its attention on the freshest feature (1.5%
+would be uniform) and zeroing every feature changed its top-1 by 0.004 (``moa drafter diagnose``,
+``drafter/checkpoints/README.md``).
 
 MoA masks: CA reads features only of visible positions (prompt + every T-th, T ~ U[period_min,
 period_max] per sequence); SA uses the staircase mask with a probability falling from 1 to 0
@@ -146,9 +146,9 @@ class Trainer:
             if kind in self.init:
                 state = {k: v for k, v in self.init[kind][1].items() if k != DRAFT_VOCAB_KEY}
                 m.load_flat_state_dict(state, new_readout=True) if kind == "moa" else m.load_state_dict(state)
-            if kind == "moa" and dcfg.value_readout_layers and not any(
-                    k.startswith("value_readout.") for k in self.init.get(kind, (None, {}))[1]):
-                self._fit_value_readout(m)
+            started_from = self.init[kind][0] if kind in self.init else None
+            if dcfg.value_readout_layers and not (started_from and started_from.value_readout_layers):
+                self._fit_value_readout(m)  # a new readout (init_from's, when it has one, is kept)
             self.models[kind] = m.to(self.device).train()
             self.cfgs[kind] = dcfg
         self.opts = {k: torch.optim.AdamW(m.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]),
@@ -311,7 +311,7 @@ class Trainer:
                         # state there (what EAGLE-style reads directly); without this the LSA is
                         # trained only through the CA, and the drafters it gave predicted no better
                         # from a fresh feature than from one 5 tokens old
-                        grounding = F.smooth_l1_loss(fv.float(), t["hidden"][sel]).mean()
+                        grounding = F.smooth_l1_loss(fv.float(), t["hidden"][sel])
                     feats = torch.zeros(b, s, fv.shape[-1], dtype=fv.dtype, device=dev)
                     feats = feats.index_put((sel,), fv)
                     hidden, ca_out = m.draft_head.forward_parallel(
