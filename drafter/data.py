@@ -1,9 +1,11 @@
 """Training data for drafter distillation: chat conversations -> token ids + response marks.
 
-Conversations are rendered with the target's chat format *without* a system prompt (as the
-paper trains): for ChatML tokenizers ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message,
+Conversations are rendered with the target's chat format, with a system prompt only where the
+conversation has one (the paper trains without; ``moa regenerate --system-prompt-share`` gives part
+of the data the template's default one, as served chat requests have it): for ChatML tokenizers ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message,
 for tokenizers without a chat template a plain ``User: ... / Assistant: ...`` format. Only
-assistant tokens are "response" tokens (the loss is counted where the next token is one).
+assistant tokens are "response" tokens (the loss is counted where the next token is one); a
+multi-turn conversation gives one training window per assistant turn (``encode_turns``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,20 @@ def prompt_ids(tok, messages: list[dict]) -> list[int]:
     return [t for ids, _ in render_segments(tok, messages, add_generation_prompt=True) for t in ids]
 
 
+def default_system_prompt(tok) -> str | None:
+    """The system prompt the tokenizer's chat template inserts when a conversation has none (what a
+    served chat request is rendered with: SmolLM2's "You are a helpful AI assistant named SmolLM,
+    ..."), or None if the template adds none (or there is no template)."""
+    if not getattr(tok, "chat_template", None):
+        return None
+    probe = "\x00probe\x00"
+    text = tok.apply_chat_template([{"role": "user", "content": probe}], tokenize=False)
+    head = "<|im_start|>system\n"
+    if not text.startswith(head) or "<|im_end|>" not in text.split(probe)[0]:
+        return None
+    return text[len(head):text.index("<|im_end|>")]
+
+
 def encode_conversation(tok, messages: list[dict], max_len: int, max_prompt: int = 0) -> tuple[list[int], list[bool]]:
     """Token ids and response marks, truncated to ``max_len``; with ``max_prompt`` the text before
     the first response token is cut from the left to that many tokens (spends the budget on
@@ -69,6 +85,30 @@ def encode_conversation(tok, messages: list[dict], max_len: int, max_prompt: int
     for seg, is_resp in render_segments(tok, messages):
         ids += seg
         resp += [is_resp] * len(seg)
+    return _cut(ids, resp, max_len, max_prompt)
+
+
+def encode_turns(tok, messages: list[dict], max_len: int, max_prompt: int = 0) -> list[tuple[list[int], list[bool]]]:
+    """One (ids, response marks) window per assistant turn: the conversation up to and including
+    that turn, only its reply marked as response (earlier replies are context there, and trained in
+    their own windows), cut as ``encode_conversation`` cuts. A single-turn conversation gives exactly
+    ``encode_conversation``'s window; a multi-turn one no longer loses every turn past ``max_len``."""
+    turns = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(turns) <= 1:
+        return [encode_conversation(tok, messages, max_len, max_prompt)]
+    out = []
+    for j in turns:
+        segs = render_segments(tok, messages[:j + 1])
+        last = max(i for i, (_, is_resp) in enumerate(segs) if is_resp)
+        ids = [t for seg, _ in segs for t in seg]
+        resp = [i == last for i, (seg, _) in enumerate(segs) for _ in seg]
+        out.append(_cut(ids, resp, max_len, max_prompt))
+    return out
+
+
+def _cut(ids: list[int], resp: list[bool], max_len: int, max_prompt: int) -> tuple[list[int], list[bool]]:
+    """``max_prompt``: the text before the first response token cut from the left to that many
+    tokens; then at most ``max_len`` tokens."""
     if max_prompt and True in resp:
         cut = max(0, resp.index(True) - max_prompt)
         ids, resp = ids[cut:], resp[cut:]
@@ -107,9 +147,9 @@ def load_conversations(data_dir: str | Path, per_file: int = 0, seed: int = 0,
 def build_examples(tok, conversations, max_len: int, min_response: int = 4, max_prompt: int = 0) -> list[Example]:
     out = []
     for conv in conversations:
-        ids, resp = encode_conversation(tok, conv, max_len, max_prompt)
-        if sum(resp) >= min_response:
-            out.append(Example(ids, resp))
+        for ids, resp in encode_turns(tok, conv, max_len, max_prompt):
+            if sum(resp) >= min_response:
+                out.append(Example(ids, resp))
     return out
 
 

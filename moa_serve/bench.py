@@ -150,8 +150,16 @@ def run_bench(args) -> dict:
         m.engine.generate([prompt_ids(tok, [{"role": "user", "content": "Hello"}])], 8, sampling, max(1, m.k))
     n_turns = sum(len(q["turns"]) for q in questions)
     bar = tqdm(total=n_turns * len(methods), desc="bench", dynamic_ncols=True)
+    head = []
+    if args.system_prompt == "default":
+        from moa_serve.drafter.data import default_system_prompt
+
+        system = default_system_prompt(tok)
+        if system is None:
+            raise ValueError("--system-prompt default: the target's chat template inserts no system prompt")
+        head = [{"role": "system", "content": system}]
     for q in questions:
-        history = {m.name: [] for m in methods}
+        history = {m.name: list(head) for m in methods}
         for ti, turn in enumerate(q["turns"]):
             ref = None
             for m in methods:
@@ -200,6 +208,7 @@ def _write(args, methods, questions, partial: bool) -> dict:
                    "num_questions": len(questions), "limit": args.limit, "per_category": args.per_category,
                    "max_new_tokens": args.max_new_tokens, "num_speculative_tokens": str(args.num_speculative_tokens),
                    "temperature": args.temperature, "dtype": args.dtype, "device": args.device,
+                   "system_prompt": getattr(args, "system_prompt", "none"),
                    "backend": getattr(args, "backend", "torch"),
                    "threads": args.threads, "packed_weights": getattr(args, "packed_weights", "auto"),
                    "matmul_precision": getattr(args, "matmul_precision", "highest"),
@@ -288,6 +297,9 @@ def register(sub) -> None:
     p.add_argument("--per-category", type=int, default=0, help="at most N questions per category (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-speculative-tokens", "-k", default="5", help="K, or a comma-separated list")
+    p.add_argument("--system-prompt", choices=["none", "default"], default="none",
+                   help="none: prompts without a system prompt (the paper's evaluation); default: with the "
+                        "system prompt the chat template inserts, as a served chat request gets it")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=["torch", "vllm"], default="torch",

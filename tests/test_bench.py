@@ -43,3 +43,15 @@ def test_drafter_labels_tell_same_named_checkpoints_apart():
     assert len(set(labels.values())) == len(labels)
     with pytest.raises(ValueError, match="given twice"):
         drafter_labels(["x-moa", "x-moa"])
+
+
+def test_bench_system_prompt_default_needs_a_template_that_has_one(tmp_path, stories_path, capsys):
+    """--system-prompt default renders prompts as served chat requests are (the template's default
+    system prompt); a target whose tokenizer has no such template is refused, naming the option."""
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Lily had a dog"]}) + "\n")
+    rc = main(["bench", "--target", str(stories_path), "--drafter", "lookup", "--questions", str(q),
+               "--max-new-tokens", "4", "--dtype", "float32", "--system-prompt", "default",
+               "--out", str(tmp_path / "r.json")])
+    assert rc == 2 and "--system-prompt default" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()

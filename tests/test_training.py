@@ -209,6 +209,117 @@ def test_regenerate_writes_target_replies_and_matching_originals(tmp_path, stori
         assert r[1]["content"] == tok.decode(ref[0, len(ids):], skip_special_tokens=True)
 
 
+def test_regenerate_all_turns_answers_each_turn_in_the_context_of_its_own_replies(tmp_path, stories_path):
+    """--all-turns: turn t is answered after the target's own replies to turns < t (not the
+    dataset's); the control arm keeps the dataset's replies to the same turns; pack/unpack keeps
+    them all."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moa_serve.drafter.data import load_conversations, prompt_ids
+    from moa_serve.drafter.regenerate import pack, regenerate, unpack
+
+    data = tmp_path / "data"
+    data.mkdir()
+    convs = [[{"role": "user", "content": "Tell me a story about a cat."},
+              {"role": "assistant", "content": "Dataset reply one."},
+              {"role": "user", "content": "And then?"},
+              {"role": "assistant", "content": "Dataset reply two."},
+              {"role": "user", "content": "How did it end?"},
+              {"role": "assistant", "content": "Dataset reply three."}],
+             [{"role": "user", "content": "Tell me a story about a dog."},
+              {"role": "assistant", "content": "Dataset reply."}]]
+    (data / "toy.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    out = regenerate(str(stories_path), str(data), str(tmp_path / "out"), per_file=2, max_new_tokens=6,
+                     batch=2, dtype="float32", all_turns=True)
+    regen = {c[0]["content"]: c for c in load_conversations(out / "self")}
+    orig = {c[0]["content"]: c for c in load_conversations(out / "original")}
+    assert orig == {c[0]["content"]: c for c in convs}
+    long = regen["Tell me a story about a cat."]
+    assert [m["role"] for m in long] == ["user", "assistant"] * 3
+    assert [m["content"] for m in long[0::2]] == [m["content"] for m in convs[0][0::2]]
+    tok = AutoTokenizer.from_pretrained(stories_path)
+    hf = AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
+    for t in (1, 3, 5):  # each reply: greedy after the target's own earlier replies
+        ids = prompt_ids(tok, long[:t])
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id)
+        assert long[t]["content"] == tok.decode(ref[0, len(ids):], skip_special_tokens=True)
+    assert not any("Dataset" in m["content"] for m in long[1::2])
+    packed = tmp_path / "pack.jsonl.gz"
+    assert pack(str(out), str(packed)) == 2
+    again = unpack(str(packed), str(data), str(tmp_path / "again"))
+    for part in ("self", "original"):
+        assert sorted(json.dumps(c) for c in load_conversations(again / part)) == \
+            sorted(json.dumps(c) for c in load_conversations(out / part))
+
+
+def test_system_prompt_share_picks_a_stable_share_and_round_trips_through_a_pack(tmp_path):
+    """The serving-matched variant: the chat template's default system prompt (SmolLM2's), given to
+    a hash-chosen share of conversations; a pack keeps it, and training windows start with it."""
+    from transformers import AutoTokenizer
+
+    from conftest import SMOLLM
+    from moa_serve.drafter.data import default_system_prompt, encode_turns, load_conversations, render_segments
+    from moa_serve.drafter.regenerate import gets_system_prompt, pack, unpack
+
+    tok = AutoTokenizer.from_pretrained(SMOLLM)
+    system = default_system_prompt(tok)
+    assert system == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    served = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    rendered = [t for ids, _ in render_segments(tok, [{"role": "system", "content": system},
+                                                       {"role": "user", "content": "Hi"}], True) for t in ids]
+    assert list(served if isinstance(served, list) else served["input_ids"]) == rendered  # exactly as served
+    msgs = [{"role": "user", "content": f"prompt {i}"} for i in range(2000)]
+    picked = [gets_system_prompt(m, 0.5) for m in msgs]
+    assert 0.45 < sum(picked) / len(picked) < 0.55
+    assert picked == [gets_system_prompt(m, 0.5) for m in msgs]  # stable
+    assert all(gets_system_prompt(m, 0.7) for m, p in zip(msgs, picked) if p)  # a larger share holds it
+    assert not any(gets_system_prompt(m, 0.0) for m in msgs) and all(gets_system_prompt(m, 1.0) for m in msgs)
+
+    data = tmp_path / "data"
+    data.mkdir()
+    convs = [[{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+              {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}],
+             [{"role": "user", "content": "Solo"}, {"role": "assistant", "content": "Dataset"}]]
+    (data / "toy.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    out = tmp_path / "out"
+    (out / "self").mkdir(parents=True)
+    sys_msg = {"role": "system", "content": system}
+    written = [[sys_msg, convs[0][0], {"role": "assistant", "content": "mine 1"}, convs[0][2],
+                {"role": "assistant", "content": "mine 2"}],
+               [convs[1][0], {"role": "assistant", "content": "mine"}]]
+    (out / "self" / "regenerated.jsonl").write_text("".join(
+        json.dumps({"messages": c, "source": {"file": "toy.jsonl", "row": i}}) + "\n" for i, c in enumerate(written)))
+    assert pack(str(out), str(tmp_path / "p.gz")) == 2
+    again = unpack(str(tmp_path / "p.gz"), str(data), str(tmp_path / "again"))
+    assert sorted(map(json.dumps, load_conversations(again / "self"))) == sorted(map(json.dumps, written))
+    assert sorted(map(json.dumps, load_conversations(again / "original"))) == \
+        sorted(map(json.dumps, [[sys_msg] + convs[0], convs[1]]))
+    windows = encode_turns(tok, written[0], max_len=512)
+    sys_ids = [t for ids, _ in render_segments(tok, [sys_msg]) for t in ids]
+    assert len(windows) == 2 and all(ids[:len(sys_ids)] == sys_ids for ids, _ in windows)
+
+
+def test_encode_turns_gives_each_reply_its_own_window():
+    """A multi-turn conversation: one window per assistant turn, only that turn's reply (and its
+    end token) marked; a single-turn conversation: exactly encode_conversation's window."""
+    from transformers import AutoTokenizer
+
+    from conftest import SMOLLM
+    from moa_serve.drafter.data import build_examples, encode_conversation, encode_turns
+
+    tok = AutoTokenizer.from_pretrained(SMOLLM)
+    conv = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Green, like grass."}]
+    assert encode_turns(tok, conv[:2], 64, 8) == [encode_conversation(tok, conv[:2], 64, 8)]
+    (ids1, r1), (ids2, r2) = encode_turns(tok, conv, 512)
+    marked = lambda ids, r: tok.decode([t for t, m in zip(ids, r) if m])  # noqa: E731
+    assert marked(ids1, r1) == "Blue.<|im_end|>" and marked(ids2, r2) == "Green, like grass.<|im_end|>"
+    assert ids2[:len(ids1)] == ids1  # the second window holds the first turn as context
+    (c2, m2), = encode_turns(tok, conv, 512, max_prompt=4)[1:]
+    assert m2.index(True) == 4 and marked(c2, m2) == "Green, like grass.<|im_end|>"
+    assert len(build_examples(tok, [conv], 512, min_response=1)) == 2
+
+
 def test_regenerate_goes_on_where_an_earlier_run_stopped(tmp_path, stories_path):
     """--limit answers part of the sample; the next run answers only the prompts not yet answered,
     into a new shard; a third run has nothing left to do."""
