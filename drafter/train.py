@@ -17,6 +17,9 @@ shipped paper-layout drafter: its CA put 1.3% of its attention on the freshest f
 would be uniform) and zeroing every feature changed its top-1 by 0.004 (``moa drafter diagnose``,
 ``drafter/checkpoints/README.md``).
 
+``system_prompted: drop`` leaves out the conversations that have a system prompt (data written by
+``moa regenerate --system-prompt-share``): the paper's no-system-prompt recipe on the same folder.
+
 MoA masks: CA reads features only of visible positions (prompt + every T-th, T ~ U[period_min,
 period_max] per sequence); SA uses the staircase mask with a probability falling from 1 to 0
 over the first half of training (as the reference code), plain causal afterwards.
@@ -56,7 +59,7 @@ DEFAULTS = dict(
     period_max=14, staircase=True, eagle_noise=0.1, feature_target_weight=0.0, value_readout_layers=0,
     cross_attention_latest_only=False, amp="float32", target_dtype="bfloat16", max_prompt=0, device="cpu", threads=2, seed=0,
     out_dir="runs/drafters", export_dir="runs/drafters/export", export_prefix="drafter", save_every_min=5.0,
-    log_every=5, init_seed=0, init_from=None,
+    log_every=5, init_seed=0, init_from=None, system_prompted="keep",
 )
 
 
@@ -110,6 +113,10 @@ class Trainer:
         self.parts = TargetParts(self.target32, self.tli)
 
         convs = load_conversations(cfg["data_dir"], cfg["per_file"], cfg["seed"], cfg["data_files"])
+        if cfg["system_prompted"] not in ("keep", "drop"):
+            raise ValueError(f"system_prompted: keep or drop, got {cfg['system_prompted']!r}")
+        if cfg["system_prompted"] == "drop":  # the paper's recipe on data regenerated with --system-prompt-share
+            convs = [c for c in convs if c[0]["role"] != "system"]
         if not convs:
             raise ValueError(f"data_dir {cfg['data_dir']!r}: no conversations in *.jsonl files (for the "
                              "self-distilled recipe run `moa regenerate --out ../runs/selfdistill` first)")

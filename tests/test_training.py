@@ -399,6 +399,27 @@ def test_training_without_data_names_the_data_dir(tmp_path, stories_path):
         Trainer(_tiny_cfg(tmp_path, stories_path, data_dir=str(tmp_path / "missing"), data_files=None))
 
 
+def test_system_prompted_drop_trains_on_the_conversations_without_one(tmp_path, stories_path):
+    """system_prompted: drop keeps only the conversations without a system prompt (the paper's
+    recipe on data regenerated with --system-prompt-share); keep trains on all; anything else is
+    refused, naming the key."""
+    from moa_serve.drafter.train import Trainer
+
+    data = tmp_path / "data"
+    data.mkdir()
+    sys_msg = {"role": "system", "content": "You are a storyteller."}
+    convs = [[{"role": "user", "content": f"Tell me a story about a {w}."},
+              {"role": "assistant", "content": f"Once upon a time there was a little {w} who liked to play."}]
+             for w in ("cat", "dog", "bird", "frog", "tree", "fox")]
+    convs = [([sys_msg] if i % 3 == 0 else []) + c for i, c in enumerate(convs)]
+    (data / "toy.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    kw = dict(data_dir=str(data), data_files=None, per_file=0, drafters=["eagle"], max_len=64)
+    assert len(Trainer(_tiny_cfg(tmp_path, stories_path, **kw)).examples) == 6
+    assert len(Trainer(_tiny_cfg(tmp_path, stories_path, system_prompted="drop", **kw)).examples) == 4
+    with pytest.raises(ValueError, match="system_prompted"):
+        Trainer(_tiny_cfg(tmp_path, stories_path, system_prompted="some", **kw))
+
+
 def test_value_readout_starts_from_the_targets_state_and_round_trips(tmp_path, stories_path):
     """value_readout_layers: a paper-layout drafter continued with the readout gets a linear map
     from the target's last layers' *values* (fitted, LSA path zeroed), so its features start close
