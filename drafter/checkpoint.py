@@ -131,6 +131,18 @@ def drafter_kind(name_or_path: str) -> str:
     return raw.get("kind", "moa") if raw.get("format") == FORMAT else "moa"
 
 
+def reads_latest_feature_only(name_or_path: str | None) -> bool:
+    """Whether a drafter's cross-attention reads only the freshest verified feature (an MoA drafter
+    trained with ``cross_attention_latest_only``): then a position's feature is needed only while
+    it is the latest, and the features of older positions need not travel."""
+    ckpt = model_checkpoint(name_or_path) if name_or_path else None
+    if ckpt is None:
+        return False
+    raw = json.loads((resolve_drafter_path(ckpt) / "config.json").read_text())
+    return raw.get("format") == FORMAT and raw.get("kind", "moa") == "moa" \
+        and bool(raw.get("cross_attention_latest_only", False))
+
+
 def load_draft_vocab(drafter: str) -> torch.Tensor | None:
     """The draft vocabulary of a drafter checkpoint: target token ids (long, [V'], on CPU) whose
     rows the drafter's LM head keeps, in the order of its outputs; ``None`` when the drafter

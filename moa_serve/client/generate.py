@@ -177,6 +177,8 @@ class GenerationRun:
         self.tail: list[int] = []  # offline tokens, not verified yet
         self.tail_probs: list[torch.Tensor] = []  # their drafter distributions (sampling)
         self.features = FeatureStore()  # the server's features, by position
+        # the server sends only each round's freshest feature (its drafter reads no other one)
+        self.latest_only = ident.get("feature_positions") == "latest"
         self.fed_features = 0  # the local proposer holds features [0, fed_features)
         self.features_from: int | None = None  # ask the server to resend from here
         self.sid, self.round, self.finish = "", 1, None
@@ -335,6 +337,10 @@ class GenerationRun:
         """Commits a round's answer; events: verified tokens, and a correction where the offline
         tail parts from them."""
         feats = wire.decode_features(tensors)
+        if feats is not None and self.latest_only and int(header["feature_start"]) > self.features.end:
+            # zeros stand in for the older positions' features: the drafter never reads them
+            self.features.add(self.features.end, feats.new_zeros(int(header["feature_start"]) - self.features.end,
+                                                                  feats.shape[1]))
         if feats is not None and not self.features.add(int(header["feature_start"]), feats):
             self.features_from = self.features.end  # a hole: ask for them again
         elif feats is not None:

@@ -68,6 +68,10 @@ class ServerIdentity:
     max_drafts: int = MAX_DRAFTS
     session_ttl_s: float = 300.0
     feature_codecs: tuple[str, ...] = ("float16", "int8")
+    # "latest": the drafter reads only the freshest verified feature (MoA with
+    # cross_attention_latest_only), so a round sends only the last committed position's feature
+    # and the client stands zeros in for the older ones, which its drafter never reads
+    feature_positions: str = "all"
 
     @property
     def features(self) -> bool:
@@ -82,14 +86,15 @@ class ServerIdentity:
         """From what the Router holds (the tokenizer, the drafter's name) and the target's
         fingerprint (computed where the weights are: the verifier)."""
         from moa_serve.cs.fingerprint import drafter_fingerprint, tokenizer_fingerprint
-        from moa_serve.drafter.checkpoint import drafter_kind, load_draft_vocab
+        from moa_serve.drafter.checkpoint import drafter_kind, load_draft_vocab, reads_latest_feature_only
 
         vocab = load_draft_vocab(drafter) if drafter else None
         return cls(model=model, target=target_fingerprint, tokenizer=tokenizer_fingerprint(tokenizer),
                    drafter=drafter_fingerprint(drafter) if drafter else None,
                    drafter_kind=drafter_kind(drafter) if drafter else None, vocab_size=vocab_size,
                    draft_vocab_size=len(vocab) if vocab is not None else None, max_model_len=max_model_len,
-                   stop_token_ids=sorted(stop_token_ids))
+                   stop_token_ids=sorted(stop_token_ids),
+                   feature_positions="latest" if reads_latest_feature_only(drafter) else "all")
 
 
 @dataclass
@@ -109,6 +114,7 @@ class _Entry:
     tracked: _Tracked
     want_features: bool
     feature_codec: str
+    latest_only: bool  # send only the last committed position's feature (ServerIdentity.feature_positions)
     features_sent: int = 0  # the client holds the features of positions [0, features_sent)
     round: int = 0  # the last round answered
     last: Reply | None = None
@@ -167,8 +173,8 @@ class ClientSessions:
             tracked = self.service.submit(session, remote=True)
         except QueueFullError as exc:
             raise CSError(429, f"server busy: {exc}; retry later", None, "rate_limit_error") from None
-        e = self.entries[sid] = _Entry(tracked, want_features, feature_codec, min(features_from, len(tokens)),
-                                       touched=self.clock())
+        e = self.entries[sid] = _Entry(tracked, want_features, feature_codec, ident.feature_positions == "latest",
+                                       min(features_from, len(tokens)), touched=self.clock())
         self.stats["created"] += 1
         self._ensure_sweeper()
         return sid, await self._start_round(e, (0, len(tokens)), [], None)
@@ -264,6 +270,8 @@ class ClientSessions:
                 raise CSError(409, "the session was closed while its round ran", "session_id", "finished")
             # features the client lacks (recomputed ones it holds, after a re-prefill, are as good)
             start = min(e.features_sent, s.num_features)
+            if e.latest_only:  # the drafter reads only the freshest: the older ones are never sent
+                start = max(start, s.num_features - 1)
             feats = s.features.since(start) if e.want_features else None
             e.features_sent = s.num_features
             reply = Reply(key[0], len(s.tokens), list(ev.tokens), s.accepted - accepted_before, start, feats,
