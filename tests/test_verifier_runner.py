@@ -260,6 +260,34 @@ def test_a_reused_prefix_still_sends_every_positions_features(target, stories_dr
     torch.testing.assert_close(feats[True], feats[False], rtol=1e-5, atol=1e-6)
 
 
+def test_a_latest_only_feature_head_computes_only_each_spans_last_feature(target, stories_path, tmp_path):
+    """A drafter whose CA reads only the freshest feature: the verifier computes the feature of the
+    last position of each span (the prompt, each round's accepted drafts) — equal to the full
+    head's there — and zeros for the others, which that drafter never reads."""
+    from moa_serve.drafter.checkpoint import init_drafter
+    from moa_serve.engine.engine import load_feature_head
+
+    ckpt = init_drafter(str(stories_path), tmp_path / "latest", seed=2, cross_attention_latest_only=True)
+    head = load_feature_head(str(ckpt))
+    assert head.latest_only
+    runs = {}
+    for latest in (True, False):
+        head.latest_only = latest
+        runner = TorchTargetRunner("unused", torch.float32, model=target, max_sessions=2, max_model_len=128,
+                                   feature_head=head)
+        assert runner.latest_feature_only is latest
+        prompt = prompt_of(20, 7)
+        (r0,) = runner.verify([VerifyRequest("s", prompt, want_features=True, features_from=0)])
+        (r1,) = runner.verify([VerifyRequest("s", r0.tokens + [5, 6, 7], base=len(prompt), want_features=True)])
+        runs[latest] = (r0, r1)
+    for lat, full in zip(runs[True], runs[False]):
+        assert lat.tokens == full.tokens and lat.feature_start == full.feature_start
+        assert lat.features.shape == full.features.shape
+        torch.testing.assert_close(lat.features[-1], full.features[-1], rtol=1e-5, atol=1e-6)
+        assert not lat.features[:-1].any() and full.features[:-1].abs().sum() > 0
+    assert len(runs[True][0].features) == 20
+
+
 def test_a_drafted_session_goes_on_decoding_after_its_drafts(target, hf):
     """decode_steps with drafts and no features (prompt lookup): the accepted drafts, the
     correction, then one token of the target's own per further forward (decode_steps forwards in

@@ -133,6 +133,9 @@ class TorchTargetRunner(TargetBackend):
                              f"needs the CPU attention kernel ({kernels.unavailable_reason() or 'not for this device'})")
         self.feature_head = (for_inference(feature_head, self.device, self.dtype) if feature_head is not None
                              else None)
+        # a drafter that reads only the freshest feature: each span's last position is computed,
+        # zeros stand in for the others (never read), so a prefill pays the LSA once, not per token
+        self.latest_feature_only = bool(getattr(feature_head, "latest_only", False))
         self.draft_vocab = draft_vocab  # maps a drafter's [K, V'] probabilities back to the vocabulary
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
         self.prefix_caching = prefix_caching
@@ -437,13 +440,17 @@ class TorchTargetRunner(TargetBackend):
             spans.append((start, end))
             rows.append(offset)
             offset += len(w.fed)
+        latest = self.latest_feature_only and self.feature_kind == "per_layer_kv"
         if self.feature_kind == "hidden":
             kv = [hidden[o:o + (e - a)] for o, (a, e) in zip(rows, spans)]
         else:
-            kv = [self.cache.per_layer_kv(w.session.slot, a, e) for w, (a, e) in zip(work, spans)]
+            kv = [self.cache.per_layer_kv(w.session.slot, max(a, e - 1) if latest else a, e)
+                  for w, (a, e) in zip(work, spans)]
         sizes = [x.shape[0] for x in kv]
         if sum(sizes) == 0:
             return
         feats = self.feature_head(torch.cat(kv).to(self.dtype)).cpu()  # a bfloat16 cache widens here
-        for r, (a, _), chunk in zip(results, spans, torch.split(feats, sizes)):
+        for r, (a, e), chunk in zip(results, spans, torch.split(feats, sizes)):
+            if latest and e - a > len(chunk):
+                chunk = torch.cat([chunk.new_zeros(e - a - len(chunk), chunk.shape[1]), chunk])
             r.feature_start, r.features = a, (chunk if len(chunk) else None)

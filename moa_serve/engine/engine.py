@@ -53,7 +53,10 @@ def load_feature_head(drafter: str | None):
         return HiddenFeatures() if cfg.kind == "eagle" else None
     moa = MoADrafter(cfg)
     moa.load_flat_state_dict({k: v for k, v in state.items() if k != DRAFT_VOCAB_KEY})
-    return moa.feature_head
+    head = moa.feature_head
+    # the drafter's CA reads only the freshest verified feature: the verifier computes no other one
+    head.latest_only = bool(cfg.cross_attention_latest_only)
+    return head
 
 
 def stop_token_ids(path, tokenizer) -> frozenset[int]:
