@@ -237,6 +237,31 @@ def test_lazy_features_run_the_head_only_for_sessions_that_draft():
     assert calls == [5, 1] and torch.equal(src.calls[-1][0].features, feats(5, 6) * 10)
 
 
+def test_a_latest_only_drafter_gets_the_head_run_on_each_requests_last_position_only():
+    """latest_feature_only: one head row per drafting request (its last pending position, however
+    long the backlog), zeros standing in for the older positions the drafter never reads."""
+    src, calls = Source(), []
+
+    def head(x):
+        calls.append(x.shape[0])
+        return x * 10
+
+    d = StepDrafting(src, num_drafts=2, feature_fn=head, latest_feature_only=True)
+    d.step([StepRow("a", [1, 2, 3, 4, 5], 0, feature_input=feats(0, 4)),
+            StepRow("b", [1, 2, 3], 0, feature_input=feats(0, 2))])
+    assert calls == [2]  # one row each, in one call
+    ra, rb = src.calls[-1]
+    assert ra.feature_start == 0 and torch.equal(ra.features, torch.cat([torch.zeros(3, 3), feats(3, 4) * 10]))
+    assert torch.equal(rb.features, torch.cat([torch.zeros(1, 3), feats(1, 2) * 10]))
+    d.step([StepRow("a", [1, 2, 3, 4, 5, 6, 7], 4, feature_input=feats(4, 6)),
+            StepRow("b", [1, 2, 3, 4], 2, feature_input=feats(2, 3))])
+    assert calls == [2, 2]
+    ra, rb = src.calls[-1]
+    assert (ra.feature_start, rb.feature_start) == (4, 2)
+    assert torch.equal(ra.features, torch.cat([torch.zeros(1, 3), feats(5, 6) * 10]))
+    assert torch.equal(rb.features, feats(2, 3) * 10)
+
+
 def test_lazy_features_are_dropped_past_the_cap():
     src = Source()
 

@@ -170,7 +170,8 @@ class StepStats:
 class StepDrafting:
     def __init__(self, source: DraftSource, num_drafts: int, needs_features: bool = True,
                  retry_after_s: float = 5.0, clock=time.monotonic, governor=None, feature_fn=None,
-                 max_pending_positions: int = 64, prefix_features: PrefixFeatures | None = None):
+                 max_pending_positions: int = 64, prefix_features: PrefixFeatures | None = None,
+                 latest_feature_only: bool = False):
         if num_drafts < 1:
             raise ValueError("num_drafts must be >= 1")
         self.source = source
@@ -189,6 +190,9 @@ class StepDrafting:
         # (bounded memory) and decodes without drafts to its end (``_bound_pending``)
         self.feature_fn = feature_fn
         self.max_pending_positions = max_pending_positions
+        # the drafter reads only the freshest verified feature (MoA with cross_attention_latest_only):
+        # the head runs on each request's last pending position only, zeros stand in for the others
+        self.latest_feature_only = latest_feature_only
         # the features of prefixes the verifier's prefix cache will skip (None: it has none)
         self.prefix_features = prefix_features
         # (time, batch, drafted, backlog seconds) of the previous step
@@ -306,11 +310,18 @@ class StepDrafting:
         if not work:
             return
         t0 = self.clock()
-        inputs = torch.cat([x for *_, x in work])
-        feats = self.feature_fn(inputs) if self.feature_fn is not None else inputs
-        fresh = sum(min(r.feature_input.shape[0], x.shape[0]) for r, *_, x in work if r.feature_input is not None)
-        self._backlog_s += (self.clock() - t0) * (1 - fresh / inputs.shape[0])
-        for (r, t, start, _), chunk in zip(work, torch.split(feats, [x.shape[0] for *_, x in work])):
+        if self.latest_feature_only and self.feature_fn is not None:
+            last = self.feature_fn(torch.cat([x[-1:] for *_, x in work]))
+            chunks = [torch.cat([last.new_zeros(x.shape[0] - 1, last.shape[1]), last[i:i + 1]])
+                      for i, (*_, x) in enumerate(work)]
+        else:
+            inputs = torch.cat([x for *_, x in work])
+            feats = self.feature_fn(inputs) if self.feature_fn is not None else inputs
+            fresh = sum(min(r.feature_input.shape[0], x.shape[0]) for r, *_, x in work
+                        if r.feature_input is not None)
+            self._backlog_s += (self.clock() - t0) * (1 - fresh / inputs.shape[0])
+            chunks = torch.split(feats, [x.shape[0] for *_, x in work])
+        for (r, t, start, _), chunk in zip(work, chunks):
             t.features.put(start, chunk)
             if self.prefix_features is not None:
                 t.stored = self.prefix_features.remember(

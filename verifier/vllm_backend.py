@@ -170,6 +170,7 @@ class MoAStepProposer:
             self.feature_head = for_inference(feature_head, p.device, p.dtype)
             self.capture = FeatureCapture(self.model, kind, self.num_kv_heads, self.head_dim)
             drafting.feature_fn = self._features
+            drafting.latest_feature_only = bool(getattr(feature_head, "latest_only", False))
 
     @torch.inference_mode()
     def _features(self, inputs: torch.Tensor) -> torch.Tensor:
