@@ -4,6 +4,8 @@ in-process TorchTargetRunner, ClientSessions, the FastAPI app) served by uvicorn
 
 from __future__ import annotations
 
+import contextlib
+
 import httpx
 
 from moa_serve.cs import local_server
@@ -34,6 +36,22 @@ class Server(LocalStack):
         self.verify_calls.append(list(reqs))
         if self.verify_hook is not None:
             self.verify_hook(reqs)
+
+
+@contextlib.contextmanager
+def serving(target, drafter, **kw):
+    """A ``Server`` installed in the app and served by uvicorn: yields (server, uvicorn); then
+    stops it and uninstalls it."""
+    from moa_serve.app import state
+    from moa_serve.app.http import create_app
+
+    srv = Server(target, drafter, **kw).install()
+    uv = Uvicorn(create_app())
+    try:
+        yield srv, uv
+    finally:
+        uv.stop()
+        state.install(cs=None, frontend=None)
 
 
 def free_port(lo: int = 8200, hi: int = 8300) -> int:

@@ -10,25 +10,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from moa_serve.app.http import create_app
 from moa_serve.cli import main
 from moa_serve.client import (DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, Transport)
 from moa_serve.engine.engine import SpeculativeEngine
 from moa_serve.engine.sampling import SamplingParams
-from tests.cs_harness import FaultyTransport, OracleProposer, Server, ToySampler, Uvicorn, http_client
+from tests.cs_harness import FaultyTransport, OracleProposer, Server, ToySampler, http_client, serving
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily went to the park and"]
 
 
 @pytest.fixture(scope="module")
 def server(stories_path, stories_drafter):
-    srv = Server(stories_path, stories_drafter).install()
-    uv = Uvicorn(create_app())
-    yield srv, uv
-    uv.stop()
-    from moa_serve.app import state
-
-    state.install(cs=None, frontend=None)
+    with serving(stories_path, stories_drafter) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

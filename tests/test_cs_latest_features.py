@@ -8,7 +8,7 @@ import pytest
 from moa_serve.client import DeviceDrafter
 from moa_serve.drafter.checkpoint import init_drafter, reads_latest_feature_only
 from moa_serve.engine.engine import SpeculativeEngine
-from tests.cs_harness import Server, Uvicorn
+from tests.cs_harness import serving
 from tests.test_cs_client import generator
 
 PROMPTS = ["Once upon a time", "The little dog"]
@@ -22,15 +22,8 @@ def latest_drafter(tmp_path_factory, stories_path):
 
 @pytest.fixture(scope="module")
 def server(stories_path, latest_drafter):
-    from moa_serve.app.http import create_app
-
-    srv = Server(stories_path, latest_drafter).install()
-    uv = Uvicorn(create_app())
-    yield srv, uv
-    uv.stop()
-    from moa_serve.app import state
-
-    state.install(cs=None, frontend=None)
+    with serving(stories_path, latest_drafter) as s:
+        yield s
 
 
 def test_only_the_freshest_feature_travels_and_the_drafts_do_not_change(server, stories_path, latest_drafter,
