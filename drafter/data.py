@@ -2,8 +2,9 @@
 
 Conversations are rendered with the target's chat format, with a system prompt only where the
 conversation has one (the paper trains without; ``moa regenerate --system-prompt-share`` gives part
-of the data the template's default one, as served chat requests have it): for ChatML tokenizers ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message,
-for tokenizers without a chat template a plain ``User: ... / Assistant: ...`` format. Only
+of the data the template's default one, as served chat requests have it): for ChatML tokenizers
+``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, for tokenizers without a chat
+template a plain ``User: ... / Assistant: ...`` format. Only
 assistant tokens are "response" tokens (the loss is counted where the next token is one); a
 multi-turn conversation gives one training window per assistant turn (``encode_turns``).
 """

@@ -28,9 +28,9 @@ instead of the project's engine: its offline batching is the faster of the two o
 
 ``--pack FILE`` stores what ``<out>/self`` holds compactly (gzip): per conversation its source
 (file and row of the corpus), the system prompt if it had one and the target's replies — no text of
-the corpus, which stays where it is. ``--unpack FILE`` rebuilds ``<out>`` from it and the corpus (``--data-dir``), checking that each
-referenced row still holds the prompt it held, so a later session trains on hours of regenerated
-replies without regenerating them, and goes on from there.
+the corpus, which stays where it is. ``--unpack FILE`` rebuilds ``<out>`` from it and the corpus
+(``--data-dir``), checking that each referenced row still holds the prompt it held, so a later
+session trains on hours of regenerated replies without regenerating them, and goes on from there.
 """
 
 from __future__ import annotations

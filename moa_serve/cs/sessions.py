@@ -173,8 +173,9 @@ class ClientSessions:
             tracked = self.service.submit(session, remote=True)
         except QueueFullError as exc:
             raise CSError(429, f"server busy: {exc}; retry later", None, "rate_limit_error") from None
-        e = self.entries[sid] = _Entry(tracked, want_features, feature_codec, ident.feature_positions == "latest",
-                                       min(features_from, len(tokens)), touched=self.clock())
+        e = self.entries[sid] = _Entry(tracked, want_features, feature_codec,
+                                       ident.feature_positions == "latest", min(features_from, len(tokens)),
+                                       touched=self.clock())
         self.stats["created"] += 1
         self._ensure_sweeper()
         return sid, await self._start_round(e, (0, len(tokens)), [], None)
