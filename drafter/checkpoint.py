@@ -124,10 +124,9 @@ def drafter_kind(name_or_path: str) -> str:
     """The kind of a drafter ("moa", "eagle", "independent") from its checkpoint's config alone
     (the reference layout is always MoA); "lookup" for prompt lookup. A hybrid spec has its
     checkpoint's kind (that is what decides the features it needs)."""
-    ckpt = model_checkpoint(name_or_path)
-    if ckpt is None:
+    raw = _raw_config(name_or_path)
+    if raw is None:
         return LOOKUP
-    raw = json.loads((resolve_drafter_path(ckpt) / "config.json").read_text())
     return raw.get("kind", "moa") if raw.get("format") == FORMAT else "moa"
 
 
@@ -135,12 +134,15 @@ def reads_latest_feature_only(name_or_path: str | None) -> bool:
     """Whether a drafter's cross-attention reads only the freshest verified feature (an MoA drafter
     trained with ``cross_attention_latest_only``): then a position's feature is needed only while
     it is the latest, and the features of older positions need not travel."""
-    ckpt = model_checkpoint(name_or_path) if name_or_path else None
-    if ckpt is None:
-        return False
-    raw = json.loads((resolve_drafter_path(ckpt) / "config.json").read_text())
-    return raw.get("format") == FORMAT and raw.get("kind", "moa") == "moa" \
+    raw = _raw_config(name_or_path)
+    return raw is not None and raw.get("format") == FORMAT and raw.get("kind", "moa") == "moa" \
         and bool(raw.get("cross_attention_latest_only", False))
+
+
+def _raw_config(name_or_path: str | None) -> dict | None:
+    """The ``config.json`` of the checkpoint a drafter spec loads (None: none or prompt lookup)."""
+    ckpt = model_checkpoint(name_or_path)
+    return None if ckpt is None else json.loads((resolve_drafter_path(ckpt) / "config.json").read_text())
 
 
 def load_draft_vocab(drafter: str) -> torch.Tensor | None:

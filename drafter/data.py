@@ -4,9 +4,9 @@ Conversations are rendered with the target's chat format, with a system prompt o
 conversation has one (the paper trains without; ``moa regenerate --system-prompt-share`` gives part
 of the data the template's default one, as served chat requests have it): for ChatML tokenizers
 ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, for tokenizers without a chat
-template a plain ``User: ... / Assistant: ...`` format. Only
-assistant tokens are "response" tokens (the loss is counted where the next token is one); a
-multi-turn conversation gives one training window per assistant turn (``encode_turns``).
+template a plain ``User: ... / Assistant: ...`` format. Only assistant tokens are "response"
+tokens (the loss is counted where the next token is one); a multi-turn conversation gives one
+training window per assistant turn (``encode_turns``).
 """
 
 from __future__ import annotations
@@ -94,15 +94,13 @@ def encode_turns(tok, messages: list[dict], max_len: int, max_prompt: int = 0) -
     that turn, only its reply marked as response (earlier replies are context there, and trained in
     their own windows), cut as ``encode_conversation`` cuts. A single-turn conversation gives exactly
     ``encode_conversation``'s window; a multi-turn one no longer loses every turn past ``max_len``."""
-    turns = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
-    if len(turns) <= 1:
+    if sum(m["role"] == "assistant" for m in messages) <= 1:
         return [encode_conversation(tok, messages, max_len, max_prompt)]
+    segs = render_segments(tok, messages)  # a turn's window is the segments up to its reply's body
     out = []
-    for j in turns:
-        segs = render_segments(tok, messages[:j + 1])
-        last = max(i for i, (_, is_resp) in enumerate(segs) if is_resp)
-        ids = [t for seg, _ in segs for t in seg]
-        resp = [i == last for i, (seg, _) in enumerate(segs) for _ in seg]
+    for last in (i for i, (_, is_resp) in enumerate(segs) if is_resp):
+        ids = [t for seg, _ in segs[:last + 1] for t in seg]
+        resp = [i == last for i, (seg, _) in enumerate(segs[:last + 1]) for _ in seg]
         out.append(_cut(ids, resp, max_len, max_prompt))
     return out
 

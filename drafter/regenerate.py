@@ -211,21 +211,22 @@ def regenerate(target: str, data_dir: str, out: str, per_file: int, max_new_toke
     if not todo:
         return root
     engine = _engine(backend, target, dtype, device, batch)
-    system = default_system_prompt(engine.tokenizer) if system_prompt_share > 0 else None
-    if system_prompt_share > 0 and system is None:
-        raise ValueError("--system-prompt-share: the target's chat template inserts no default system prompt")
     try:
+        system = default_system_prompt(engine.tokenizer) if system_prompt_share > 0 else None
+        if system_prompt_share > 0 and system is None:
+            raise ValueError("--system-prompt-share: the target's chat template inserts no default system prompt")
         self_path, orig_path = _new_shard(root)
         chunk_size = batch * 4  # continuous batching inside a chunk; the chunk bounds lost work on interrupt
         tokens, t0 = 0, time.perf_counter()
         with self_path.open("w") as f_self, orig_path.open("w") as f_orig, \
                 tqdm(total=len(todo), desc="regenerate", unit="conv") as bar:
             for i in range(0, len(todo), chunk_size):
+                part = todo[i:i + chunk_size]
                 chunk = [([{"role": "system", "content": system}] if system is not None
                           and gets_system_prompt(_first_user(c), system_prompt_share) else []) + c
-                         for c, _ in todo[i:i + chunk_size]]
+                         for c, _ in part]
                 replies, n = answer(engine, chunk, max_new_tokens)
-                for c, r, (_, src) in zip(chunk, replies, todo[i:i + chunk_size]):
+                for c, r, (_, src) in zip(chunk, replies, part):
                     f_self.write(json.dumps({"messages": r, "source": src}) + "\n")
                     f_orig.write(json.dumps({"messages": c, "source": src}) + "\n")
                 tokens += n

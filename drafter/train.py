@@ -112,9 +112,9 @@ class Trainer:
         self.tli = int(cfg["target_layer_inference"])
         self.parts = TargetParts(self.target32, self.tli)
 
-        convs = load_conversations(cfg["data_dir"], cfg["per_file"], cfg["seed"], cfg["data_files"])
         if cfg["system_prompted"] not in ("keep", "drop"):
             raise ValueError(f"system_prompted: keep or drop, got {cfg['system_prompted']!r}")
+        convs = load_conversations(cfg["data_dir"], cfg["per_file"], cfg["seed"], cfg["data_files"])
         if cfg["system_prompted"] == "drop":  # the paper's recipe on data regenerated with --system-prompt-share
             convs = [c for c in convs if c[0]["role"] != "system"]
         if not convs:

@@ -143,14 +143,7 @@ def run_bench(args) -> dict:
     if not questions:
         raise ValueError(f"no questions in {args.questions}")
     tok, methods = _build_engines(args)
-    sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
-    greedy = sampling.greedy
-    # warm-up (allocator, kernels) outside the measurement
-    for m in methods:
-        m.engine.generate([prompt_ids(tok, [{"role": "user", "content": "Hello"}])], 8, sampling, max(1, m.k))
-    n_turns = sum(len(q["turns"]) for q in questions)
-    bar = tqdm(total=n_turns * len(methods), desc="bench", dynamic_ncols=True)
-    head = []
+    head = []  # what each question's conversation starts with
     if args.system_prompt == "default":
         from moa_serve.drafter.data import default_system_prompt
 
@@ -158,6 +151,13 @@ def run_bench(args) -> dict:
         if system is None:
             raise ValueError("--system-prompt default: the target's chat template inserts no system prompt")
         head = [{"role": "system", "content": system}]
+    sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
+    greedy = sampling.greedy
+    # warm-up (allocator, kernels) outside the measurement
+    for m in methods:
+        m.engine.generate([prompt_ids(tok, [{"role": "user", "content": "Hello"}])], 8, sampling, max(1, m.k))
+    n_turns = sum(len(q["turns"]) for q in questions)
+    bar = tqdm(total=n_turns * len(methods), desc="bench", dynamic_ncols=True)
     for q in questions:
         history = {m.name: list(head) for m in methods}
         for ti, turn in enumerate(q["turns"]):

@@ -337,11 +337,11 @@ class GenerationRun:
         """Commits a round's answer; events: verified tokens, and a correction where the offline
         tail parts from them."""
         feats = wire.decode_features(tensors)
-        if feats is not None and self.latest_only and int(header["feature_start"]) > self.features.end:
+        start = int(header["feature_start"]) if feats is not None else 0
+        if feats is not None and self.latest_only and start > self.features.end:
             # zeros stand in for the older positions' features: the drafter never reads them
-            self.features.add(self.features.end, feats.new_zeros(int(header["feature_start"]) - self.features.end,
-                                                                  feats.shape[1]))
-        if feats is not None and not self.features.add(int(header["feature_start"]), feats):
+            self.features.add(self.features.end, feats.new_zeros(start - self.features.end, feats.shape[1]))
+        if feats is not None and not self.features.add(start, feats):
             self.features_from = self.features.end  # a hole: ask for them again
         elif feats is not None:
             self.features_from = None
