@@ -41,7 +41,10 @@ class DraftRequest:
     tokens: list[int]  # committed tokens from position ``base`` on
     num_drafts: int
     feature_start: int = 0
-    features: torch.Tensor | None = None  # [n, H] for positions feature_start ...
+    # [n, H] for positions feature_start ... A drafter that reads only the latest verified feature
+    # (MoA with cross_attention_latest_only) takes them past a gap: the positions skipped are
+    # never read, so a verifier may send just the newest one
+    features: torch.Tensor | None = None
     sampling: SamplingParams = GREEDY
     base: int = 0
 
@@ -372,7 +375,7 @@ class MoAProposer(ProposerBase):
     def _take_features(self, r: DraftRequest, s: _Session) -> bool:
         if r.features is None or len(r.features) == 0:
             return r.feature_start <= s.num_features
-        if r.feature_start > s.num_features:
+        if r.feature_start > s.num_features and not self.cfg.cross_attention_latest_only:
             return False
         n = r.features.shape[0]
         pos = torch.arange(r.feature_start, r.feature_start + n)

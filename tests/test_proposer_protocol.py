@@ -318,3 +318,29 @@ def test_a_batch_drafts_what_each_session_drafts_alone(stories_path, stories_tar
     for r, g in zip(reqs, got):
         alone = MoAProposer.load(d, target_model=stories_target, max_sessions=1, max_model_len=64)
         assert alone.propose([r])[0].drafts == g.drafts and len(g.drafts) == r.num_drafts
+
+
+@pytest.mark.parametrize("tli", [0, 1])
+def test_a_latest_only_drafter_takes_the_newest_feature_past_a_gap(stories_path, stories_target, tmp_path, tli):
+    """A drafter whose cross-attention reads only the latest verified feature drafts the same
+    from the newest feature sent alone (feature_start past what it holds) as from every position's
+    feature; a drafter that reads them all asks for the gap instead."""
+    from moa_serve.drafter.checkpoint import init_drafter
+
+    d = str(init_drafter(str(stories_path), tmp_path / "latest", seed=4, target_layer_inference=tli,
+                         cross_attention_latest_only=True))
+    full = MoAProposer.load(d, target_model=stories_target, max_sessions=1, max_model_len=64)
+    alone = MoAProposer.load(d, target_model=stories_target, max_sessions=1, max_model_len=64)
+    toks, feats = list(range(30, 42)), _feats(40, 64, 7)
+    for rnd in range(3):
+        n, sent = len(toks) - 1, full.sessions["s"].num_features if "s" in full.sessions else 0
+        base = len(full.sessions["s"].committed) if "s" in full.sessions else 0
+        (a,) = full.propose([DraftRequest("s", toks[base:], 3, sent, feats[sent:n], base=base)])
+        (b,) = alone.propose([DraftRequest("s", toks[base:], 3, n - 1, feats[n - 1:n], base=base)])
+        assert a.needs_features_from is None and b.needs_features_from is None
+        assert a.drafts == b.drafts and len(a.drafts) == 3
+        toks += a.drafts[:rnd] + [(a.drafts[0] + 11 + rnd) % 512]
+    reads_all = MoAProposer.load(str(init_drafter(str(stories_path), tmp_path / "all", seed=4)),
+                                 target_model=stories_target, max_sessions=1, max_model_len=64)
+    (c,) = reads_all.propose([DraftRequest("s", toks, 3, len(toks) - 2, feats[len(toks) - 2:len(toks) - 1])])
+    assert c.drafts == [] and c.needs_features_from == 0

@@ -47,6 +47,22 @@ class Source:
             self.held.pop(sid, None)
 
 
+class Switch:
+    """A governor whose answer the test sets."""
+
+    def __init__(self, on=False):
+        self.on = on
+
+    def speculate(self, n):
+        return self.on
+
+    def next_speculates(self, n):
+        return self.on
+
+    def observe(self, *a):
+        pass
+
+
 def feats(start, end):
     return torch.arange(start, end, dtype=torch.float32)[:, None].repeat(1, 3)
 
@@ -214,16 +230,7 @@ def test_lazy_features_run_the_head_only_for_sessions_that_draft():
         calls.append(x.shape[0])
         return x * 10
 
-    class Gov:
-        on = False
-
-        def speculate(self, n):
-            return self.on
-
-        def observe(self, *a):
-            pass
-
-    gov = Gov()
+    gov = Switch(on=False)
     d = StepDrafting(src, num_drafts=2, feature_fn=head, governor=gov)
     d.step([StepRow("a", [1, 2, 3, 4], 0, feature_input=feats(0, 3))])
     d.step([StepRow("a", [1, 2, 3, 4, 5], 3, feature_input=feats(3, 4))])
@@ -238,8 +245,8 @@ def test_lazy_features_run_the_head_only_for_sessions_that_draft():
 
 
 def test_a_latest_only_drafter_gets_the_head_run_on_each_requests_last_position_only():
-    """latest_feature_only: one head row per drafting request (its last pending position, however
-    long the backlog), zeros standing in for the older positions the drafter never reads."""
+    """latest_feature_only: one head row per drafting request (its newest verified position,
+    however long the backlog), sent alone; the older positions are never computed nor sent."""
     src, calls = Source(), []
 
     def head(x):
@@ -251,31 +258,55 @@ def test_a_latest_only_drafter_gets_the_head_run_on_each_requests_last_position_
             StepRow("b", [1, 2, 3], 0, feature_input=feats(0, 2))])
     assert calls == [2]  # one row each, in one call
     ra, rb = src.calls[-1]
-    assert ra.feature_start == 0 and torch.equal(ra.features, torch.cat([torch.zeros(3, 3), feats(3, 4) * 10]))
-    assert torch.equal(rb.features, torch.cat([torch.zeros(1, 3), feats(1, 2) * 10]))
+    assert (ra.feature_start, rb.feature_start) == (3, 1)
+    assert torch.equal(ra.features, feats(3, 4) * 10) and torch.equal(rb.features, feats(1, 2) * 10)
     d.step([StepRow("a", [1, 2, 3, 4, 5, 6, 7], 4, feature_input=feats(4, 6)),
             StepRow("b", [1, 2, 3, 4], 2, feature_input=feats(2, 3))])
     assert calls == [2, 2]
     ra, rb = src.calls[-1]
-    assert (ra.feature_start, rb.feature_start) == (4, 2)
-    assert torch.equal(ra.features, torch.cat([torch.zeros(1, 3), feats(5, 6) * 10]))
-    assert torch.equal(rb.features, feats(2, 3) * 10)
+    assert (ra.feature_start, rb.feature_start) == (5, 2)
+    assert torch.equal(ra.features, feats(5, 6) * 10) and torch.equal(rb.features, feats(2, 3) * 10)
+
+
+def test_a_latest_only_drafter_resumes_after_any_pause_without_a_backlog():
+    """Steps the governor runs plain compute no features and never drop a request (one input row
+    is kept, replaced each step); when speculation resumes, only the newest position's feature is
+    computed. A drafter that asks for features again gets that newest one."""
+    src, calls = Source(), []
+
+    def head(x):
+        calls.append(x.shape[0])
+        return x * 10
+
+    gov = Switch(on=False)
+    d = StepDrafting(src, num_drafts=1, feature_fn=head, latest_feature_only=True, governor=gov,
+                     max_pending_positions=4)
+    toks = list(range(1, 80))
+    d.step([StepRow("a", toks, 0, feature_input=feats(0, 78))])  # a prefill far past the cap
+    for pos in range(78, 90):
+        toks = toks + [9]
+        d.step([StepRow("a", toks, pos, feature_input=feats(pos, pos + 1))])
+    assert calls == [] and src.calls == [] and not d.tracks["a"].features_broken
+    assert d.stats.dropped_features == 0
+    gov.on = True
+    toks = toks + [9]
+    d.step([StepRow("a", toks, 90, feature_input=feats(90, 91))])
+    assert calls == [1]
+    (r,) = src.calls[-1]
+    assert r.base == 0 and r.tokens == toks and r.feature_start == 90
+    assert torch.equal(r.features, feats(90, 91) * 10)
+    # the source lost the features (e.g. a new replica): the newest one is sent again
+    src.answers.append({"a": ("features", 0)})
+    toks = toks + [9]
+    d.step([StepRow("a", toks, 91, feature_input=feats(91, 92))])
+    retry = src.calls[-1][0]
+    assert retry.feature_start == 91 and torch.equal(retry.features, feats(91, 92) * 10)
 
 
 def test_lazy_features_are_dropped_past_the_cap():
     src = Source()
 
-    class Off:
-        def speculate(self, n):
-            return False
-
-        def next_speculates(self, n):
-            return False
-
-        def observe(self, *a):
-            pass
-
-    d = StepDrafting(src, num_drafts=1, feature_fn=lambda x: x, governor=Off(), max_pending_positions=4)
+    d = StepDrafting(src, num_drafts=1, feature_fn=lambda x: x, governor=Switch(on=False), max_pending_positions=4)
     toks = [1, 2]
     for pos in range(0, 6):
         toks.append(9)

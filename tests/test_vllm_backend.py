@@ -134,6 +134,72 @@ def test_prefix_cache_hits_get_the_features_of_the_cached_positions(moa, plain):
     torch.testing.assert_close(f2, f1, atol=2e-4, rtol=1e-3)
 
 
+class FeatureSpy:
+    """Wraps a draft source: every request's (committed length, feature_start, features)."""
+
+    def __init__(self, inner):
+        self.inner, self.sent, self.length = inner, [], {}
+
+    def propose(self, requests):
+        for r in requests:
+            self.length[r.session_id] = r.base + len(r.tokens)
+            if r.features is not None:
+                self.sent.append((self.length[r.session_id], r.feature_start, r.features.float()))
+        return self.inner.propose(requests)
+
+    def release(self, session_ids):
+        return self.inner.release(session_ids)
+
+
+@pytest.fixture(scope="module")
+def latest_drafter(tmp_path_factory):
+    """An (untrained) MoA drafter whose cross-attention reads only the latest verified feature."""
+    from moa_serve.drafter.checkpoint import init_drafter
+
+    return str(init_drafter(str(SMOLLM), tmp_path_factory.mktemp("latest-only"), seed=5,
+                            cross_attention_latest_only=True))
+
+
+def test_a_latest_only_drafter_gets_the_newest_feature_alone_and_needs_no_prefix_store(latest_drafter, plain,
+                                                                                       prompts):
+    """With a drafter that reads only the freshest feature, each draft call carries one feature:
+    the newest verified position's, equal to the torch backend's there. Output stays plain vLLM's,
+    and a prefix-cache hit needs no stored features (the request still drafts, with the same
+    acceptance as the first run)."""
+    from moa_serve.engine.engine import SpeculativeEngine
+
+    engine = VllmEngine(str(SMOLLM), latest_drafter, num_speculative_tokens=K, dtype="float32",
+                        max_model_len=1024, max_num_seqs=8)
+    torch_engine = SpeculativeEngine.load(str(SMOLLM), latest_drafter, "float32", max_sessions=8,
+                                          max_model_len=1024)
+    try:
+        assert engine.drafting.latest_feature_only and engine.drafting.prefix_features is None
+        spy, rec = FeatureSpy(engine.drafting.source), Recorder(torch_engine.proposer)
+        engine.drafting.source, torch_engine.proposer = spy, rec
+        a = engine.generate(prompts[:1], 32)[0]
+        b = torch_engine.generate(prompts[:1], 32, num_speculative_tokens=K)[0]
+        assert a.token_ids == b.token_ids == plain.generate(prompts[:1], 32)[0].token_ids
+        (ft,) = rec.features.values()
+        assert len(spy.sent) >= 8
+        for length, start, feats in spy.sent:
+            assert feats.shape[0] == 1 and start == length - 2  # the newest verified position alone
+        # the torch backend's, where it drafted too (it stops drafting when the last tokens leave no
+        # room for drafts; vLLM asks to the end)
+        both = [(start, feats[0]) for _, start, feats in spy.sent if start < len(ft)]
+        assert len(both) >= len(spy.sent) - 2
+        for start, feat in both:
+            torch.testing.assert_close(feat, ft[start], atol=2e-4, rtol=1e-3)
+        text = " ".join(f"Item {i}: the {i}th entry of a long list of facts about the sea." for i in range(30))
+        long = prompt_ids(plain.tokenizer, [{"role": "user", "content": text + " Summarise the list."}])
+        first = engine.generate([long], 24)[0]
+        second = engine.generate([long], 24)[0]  # its first blocks come from vLLM's prefix cache
+        assert second.token_ids == first.token_ids == plain.generate([long], 24)[0].token_ids
+        assert second.accepted_tokens == first.accepted_tokens and second.drafted_tokens == first.drafted_tokens > 0
+        assert engine.stats()["features_missing"] == 0
+    finally:
+        engine.close()
+
+
 def test_drafter_failure_falls_back_to_target_only_decoding(moa, plain, prompts, caplog):
     class Flaky:
         def __init__(self, inner, good_calls):

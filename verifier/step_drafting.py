@@ -10,7 +10,12 @@ with the torch backend (``DraftRequest``).
 Per request it keeps every verified position's features (the target's paged cache cannot give
 them back; ``PrefixFeatures`` keeps them by block for prefixes the verifier's prefix cache will
 skip), so a drafter replica that lost a session (``resync``) or some features
-(``needs_features_from``) gets them again in the same step. When the source fails (a drafter
+(``needs_features_from``) gets them again in the same step. A drafter that reads only the latest
+verified feature (``latest_feature_only``: MoA trained with ``cross_attention_latest_only``) needs
+none of that: per request only the newest verified position's feature-head input is kept (one row,
+replaced every step), its feature is computed only when the request drafts and sent alone, so
+steps without drafts cost no feature work, a long pause costs no backlog, and a prefix-cache hit
+needs no stored features. When the source fails (a drafter
 replica died, a timeout) the step goes on without drafts — target-only decoding — and drafting is
 retried after ``retry_after_s``; every session is then resent whole (the replica may be new).
 """
@@ -136,6 +141,10 @@ class _Track:
     sent_features: int = 0  # features the source holds
     features_broken: bool = False  # a gap in the features: this request gets no drafts
     stored: tuple[int, int | None] = (0, None)  # blocks of it in prefix_features, and their chain hash
+    # latest_feature_only: (position, feature-head input [1, ...]) of the newest verified position,
+    # and (position, feature [1, H]) of the newest one computed
+    latest_input: tuple[int, torch.Tensor] | None = None
+    latest_feature: tuple[int, torch.Tensor] | None = None
     last_tokens: int = 0  # tokens at the previous step (acceptance statistics)
     last_drafts: int = 0  # drafts proposed at the previous step
     drafted: int = 0  # drafts this request verified so far
@@ -191,7 +200,8 @@ class StepDrafting:
         self.feature_fn = feature_fn
         self.max_pending_positions = max_pending_positions
         # the drafter reads only the freshest verified feature (MoA with cross_attention_latest_only):
-        # the head runs on each request's last pending position only, zeros stand in for the others
+        # only that position's input is kept, its feature computed when the request drafts and sent
+        # alone (the drafter takes features past a gap)
         self.latest_feature_only = latest_feature_only
         # the features of prefixes the verifier's prefix cache will skip (None: it has none)
         self.prefix_features = prefix_features
@@ -247,7 +257,10 @@ class StepDrafting:
         return self.needs_features and (t is None or not t.features_broken)
 
     def _keep_features(self, t: _Track, r: StepRow) -> None:
-        if r.feature_input is None:
+        if r.feature_input is None or not r.feature_input.shape[0]:
+            return
+        if self.latest_feature_only:
+            t.latest_input = (r.feature_start + r.feature_input.shape[0] - 1, r.feature_input[-1:])
             return
         start = r.feature_start
         if start > t.pending.end and not self._restore_prefix(t, r):
@@ -305,27 +318,42 @@ class StepDrafting:
         share of its time spent on positions verified before this step (a backlog from steps
         without drafts) is kept apart in ``_backlog_s``: the governor times what a mode costs
         while it lasts, not the catching up when speculation resumes."""
+        if self.latest_feature_only:
+            self._materialize_latest([self.tracks[r.session_id] for r in rows])
+            return
         work = [(r, self.tracks[r.session_id]) for r in rows]
         work = [(r, t, t.pending.start, t.pending.take()) for r, t in work if t.pending.length]
         if not work:
             return
         t0 = self.clock()
-        if self.latest_feature_only and self.feature_fn is not None:
-            last = self.feature_fn(torch.cat([x[-1:] for *_, x in work]))
-            chunks = [torch.cat([last.new_zeros(x.shape[0] - 1, last.shape[1]), last[i:i + 1]])
-                      for i, (*_, x) in enumerate(work)]
-        else:
-            inputs = torch.cat([x for *_, x in work])
-            feats = self.feature_fn(inputs) if self.feature_fn is not None else inputs
-            fresh = sum(min(r.feature_input.shape[0], x.shape[0]) for r, *_, x in work
-                        if r.feature_input is not None)
-            self._backlog_s += (self.clock() - t0) * (1 - fresh / inputs.shape[0])
-            chunks = torch.split(feats, [x.shape[0] for *_, x in work])
+        inputs = torch.cat([x for *_, x in work])
+        feats = self.feature_fn(inputs) if self.feature_fn is not None else inputs
+        fresh = sum(min(r.feature_input.shape[0], x.shape[0]) for r, *_, x in work
+                    if r.feature_input is not None)
+        self._backlog_s += (self.clock() - t0) * (1 - fresh / inputs.shape[0])
+        chunks = torch.split(feats, [x.shape[0] for *_, x in work])
         for (r, t, start, _), chunk in zip(work, chunks):
             t.features.put(start, chunk)
             if self.prefix_features is not None:
                 t.stored = self.prefix_features.remember(
                     r.tokens, t.features.data[:t.features.length], t.stored)
+
+    def _materialize_latest(self, tracks: list[_Track]) -> None:
+        """The feature of each request's newest verified position (one feature-head row each)."""
+        work = [t for t in tracks if t.latest_input is not None]
+        if not work:
+            return
+        inputs = torch.cat([t.latest_input[1] for t in work])
+        feats = self.feature_fn(inputs) if self.feature_fn is not None else inputs
+        for i, t in enumerate(work):
+            t.latest_feature, t.latest_input = (t.latest_input[0], feats[i:i + 1]), None
+
+    def _features_held(self, t: _Track) -> int:
+        """Positions whose features this request can send: with ``latest_feature_only`` up to its
+        newest computed one (the earlier ones are never read)."""
+        if self.latest_feature_only:
+            return t.latest_feature[0] + 1 if t.latest_feature is not None else 0
+        return t.features.length
 
     def _observe(self, now: float, committed: int) -> None:
         """The previous step, now finished: its seconds and committed tokens go to the governor."""
@@ -351,10 +379,14 @@ class StepDrafting:
         t = self.tracks[r.session_id]
         if t.sent_tokens > len(r.tokens):  # never expected (tokens only grow): resend whole
             t.sent_tokens = t.sent_features = 0
-        feats = t.features.since(t.sent_features) if self.needs_features else None
+        start, feats = t.sent_features, None
+        if self.needs_features and self.latest_feature_only:
+            if t.latest_feature is not None and t.latest_feature[0] >= t.sent_features:
+                start, feats = t.latest_feature  # alone: the positions before it are never read
+        elif self.needs_features:
+            feats = t.features.since(t.sent_features)
         return DraftRequest(r.session_id, [int(x) for x in r.tokens[t.sent_tokens:]], self.num_drafts,
-                            feature_start=t.sent_features, features=feats, sampling=GREEDY,
-                            base=t.sent_tokens)
+                            feature_start=start, features=feats, sampling=GREEDY, base=t.sent_tokens)
 
     def _draft(self, rows: list[StepRow]) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
@@ -381,10 +413,12 @@ class StepDrafting:
                 t.sent_tokens = len(r.tokens)
                 if res.needs_features_from is not None:
                     self.stats.resyncs += 1
-                    t.sent_features = min(res.needs_features_from, t.features.length)
+                    held = self._features_held(t)
+                    # latest_feature_only: from the newest one at most (sent again)
+                    t.sent_features = min(res.needs_features_from, max(0, held - 1) if self.latest_feature_only else held)
                     retry.append(r)
                     continue
-                t.sent_features = t.features.length if self.needs_features else 0
+                t.sent_features = self._features_held(t) if self.needs_features else 0
                 out[r.session_id] = [int(x) for x in res.drafts[:self.num_drafts]]
             if not retry:
                 break

@@ -69,12 +69,23 @@ def bind_worker(worker, key: str) -> str:
 class FeatureCapture:
     """What the target's forward computed for each flattened token of the last step: per layer the
     post-RoPE keys and the values ("per_layer_kv", MoA), or the final-norm hidden state ("hidden",
-    EAGLE-style), and the step's per-request query layout."""
+    EAGLE-style), and the step's per-request query layout.
 
-    def __init__(self, model: torch.nn.Module, kind: str, num_kv_heads: int, head_dim: int):
+    With ``tail`` (a drafter that reads only the latest verified feature) only the last ``tail``
+    query tokens of each request are kept — the newest verified position is among them whatever
+    the target accepts (a query is at most 1 + K tokens past a prefill chunk's end) — so a step
+    copies a few rows per layer instead of every token of every prefill."""
+
+    def __init__(self, model: torch.nn.Module, kind: str, num_kv_heads: int, head_dim: int,
+                 tail: int | None = None):
         if kind not in ("per_layer_kv", "hidden"):
             raise ValueError(f"unknown feature kind {kind!r}")
+        if tail is not None and (kind != "per_layer_kv" or tail < 1):
+            raise ValueError("tail needs per_layer_kv features and tail >= 1")
         self.kind = kind
+        self.tail = tail
+        self._index: torch.Tensor | None = None  # flat tokens kept (tail), in order
+        self._slot_of: torch.Tensor | None = None  # flat token -> its row among the kept ones, or -1
         self.kv_heads, self.head_dim = num_kv_heads, head_dim
         self.query_start_loc: list[int] = []
         self.seq_lens: list[int] = []
@@ -108,13 +119,23 @@ class FeatureCapture:
             self.query_start_loc = m.query_start_loc.tolist()
             self.seq_lens = m.seq_lens.tolist()
             self.num_tokens = int(self.query_start_loc[-1])
+        self._index = self._slot_of = None
+        if self.tail is not None and self.num_tokens:
+            q = self.query_start_loc
+            self._index = torch.tensor([i for r in range(len(q) - 1)
+                                        for i in range(max(q[r], q[r + 1] - self.tail), q[r + 1])])
+            self._slot_of = torch.full((self.num_tokens,), -1, dtype=torch.long)
+            self._slot_of[self._index] = torch.arange(len(self._index))
         self._kv = []
         self._k = self._v = None
         self._hidden = None
 
     def _on_attention(self, module, args) -> None:
         _, k, v = args[:3]
-        self._kv.append((k[:self.num_tokens], v[:self.num_tokens]))
+        if self._index is not None:
+            self._kv.append((k.index_select(0, self._index), v.index_select(0, self._index)))
+        else:
+            self._kv.append((k[:self.num_tokens], v[:self.num_tokens]))
 
     def _on_norm(self, module, args, output) -> None:
         h = output[0] if isinstance(output, tuple) else output
@@ -137,8 +158,15 @@ class FeatureCapture:
             return self._hidden[start:end].clone()
         k, v = self._stacked()
         n, layers = end - start, k.shape[0]
-        kv = torch.cat((k[:, start:end].view(layers, n, self.kv_heads, self.head_dim),
-                        v[:, start:end].view(layers, n, self.kv_heads, self.head_dim)), dim=-1)
+        if self._slot_of is not None:
+            kept = self._slot_of[start:end]
+            if bool((kept < 0).any()):
+                raise IndexError(f"tokens [{start}, {end}) are not all among the last {self.tail} of their query")
+            k, v = k[:, kept], v[:, kept]
+        else:
+            k, v = k[:, start:end], v[:, start:end]
+        kv = torch.cat((k.view(layers, n, self.kv_heads, self.head_dim),
+                        v.view(layers, n, self.kv_heads, self.head_dim)), dim=-1)
         return kv.transpose(0, 1).reshape(n, layers, -1)
 
 
@@ -168,9 +196,11 @@ class MoAStepProposer:
                 raise RuntimeError("bind before load_model: the engine did not hand over its model")
             p = next(self.model.parameters())
             self.feature_head = for_inference(feature_head, p.device, p.dtype)
-            self.capture = FeatureCapture(self.model, kind, self.num_kv_heads, self.head_dim)
+            latest = kind == "per_layer_kv" and bool(getattr(feature_head, "latest_only", False))
+            self.capture = FeatureCapture(self.model, kind, self.num_kv_heads, self.head_dim,
+                                          tail=self.num_drafts + 1 if latest else None)
             drafting.feature_fn = self._features
-            drafting.latest_feature_only = bool(getattr(feature_head, "latest_only", False))
+            drafting.latest_feature_only = latest
 
     @torch.inference_mode()
     def _features(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -192,8 +222,9 @@ class MoAStepProposer:
     def _attach_features(self, rows: list[StepRow]) -> None:
         """The feature head's inputs for the positions each row's forward verified this step:
         from where its query began up to the last accepted token (rejected drafts' positions are
-        dropped; mid-prefill, the whole chunk). ``StepDrafting`` runs the head on them only when
-        the request drafts."""
+        dropped; mid-prefill, the whole chunk), or only the last of them for a drafter that reads
+        the latest feature alone. ``StepDrafting`` runs the head on them only when the request
+        drafts."""
         cap = self.capture
         if len(cap.query_start_loc) != len(rows) + 1:
             log.warning("captured %d query rows for %d requests: no features this step",
@@ -201,8 +232,9 @@ class MoAStepProposer:
             return
         for r, row in enumerate(rows):
             q0, q1 = cap.query_start_loc[r], cap.query_start_loc[r + 1]
-            start = cap.seq_lens[r] - (q1 - q0)
+            first = cap.seq_lens[r] - (q1 - q0)  # position of the query's first token
             end = min(len(row.tokens) - 1 if row.sampled else cap.seq_lens[r], cap.seq_lens[r])
+            start = max(first, end - 1) if self.drafting.latest_feature_only else first
             row.feature_start = start
             if end > start and self.drafting.keeps_features(row.session_id):
-                row.feature_input = cap.rows(q0, q0 + end - start)
+                row.feature_input = cap.rows(q0 + start - first, q0 + end - first)

@@ -88,7 +88,8 @@ class VllmEngine:
             from moa_serve.verifier.prefix_features import PrefixFeatures
 
             store = None
-            if head is not None and prefix_caching:
+            # a drafter reading only the latest feature needs none of the positions a cache hit skips
+            if head is not None and prefix_caching and not getattr(head, "latest_only", False):
                 block = self.engine.vllm_config.cache_config.block_size
                 store = PrefixFeatures(block, max(block, prefix_feature_positions))
             self.drafting = StepDrafting(draft_source, num_speculative_tokens, needs_features=head is not None,
