@@ -156,17 +156,25 @@ class FeatureCapture:
         or [n, hidden]; a new tensor."""
         if self.kind == "hidden":
             return self._hidden[start:end].clone()
-        k, v = self._stacked()
-        n, layers = end - start, k.shape[0]
         if self._slot_of is not None:
-            kept = self._slot_of[start:end]
-            if bool((kept < 0).any()):
-                raise IndexError(f"tokens [{start}, {end}) are not all among the last {self.tail} of their query")
-            k, v = k[:, kept], v[:, kept]
-        else:
-            k, v = k[:, start:end], v[:, start:end]
-        kv = torch.cat((k.view(layers, n, self.kv_heads, self.head_dim),
-                        v.view(layers, n, self.kv_heads, self.head_dim)), dim=-1)
+            return self.rows_at(list(range(start, end)))
+        k, v = self._stacked()
+        return self._layout(k[:, start:end], v[:, start:end])
+
+    def rows_at(self, tokens: list[int]) -> torch.Tensor:
+        """``rows`` for any flattened tokens (one gather for all of them)."""
+        k, v = self._stacked()
+        idx = torch.tensor(tokens, dtype=torch.long)
+        if self._slot_of is not None:
+            idx = self._slot_of[idx]
+            if bool((idx < 0).any()):
+                raise IndexError(f"tokens {tokens} are not all among the last {self.tail} of their query")
+        return self._layout(k[:, idx], v[:, idx])
+
+    def _layout(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        layers, n = k.shape[:2]
+        kv = torch.cat((k.reshape(layers, n, self.kv_heads, self.head_dim),
+                        v.reshape(layers, n, self.kv_heads, self.head_dim)), dim=-1)
         return kv.transpose(0, 1).reshape(n, layers, -1)
 
 
@@ -230,11 +238,20 @@ class MoAStepProposer:
             log.warning("captured %d query rows for %d requests: no features this step",
                         len(cap.query_start_loc) - 1, len(rows))
             return
+        latest = self.drafting.latest_feature_only
+        gather: list[tuple[StepRow, int]] = []  # latest_feature_only: (row, its flattened token)
         for r, row in enumerate(rows):
             q0, q1 = cap.query_start_loc[r], cap.query_start_loc[r + 1]
             first = cap.seq_lens[r] - (q1 - q0)  # position of the query's first token
             end = min(len(row.tokens) - 1 if row.sampled else cap.seq_lens[r], cap.seq_lens[r])
-            start = max(first, end - 1) if self.drafting.latest_feature_only else first
+            start = max(first, end - 1) if latest else first
             row.feature_start = start
             if end > start and self.drafting.keeps_features(row.session_id):
-                row.feature_input = cap.rows(q0 + start - first, q0 + end - first)
+                if latest:
+                    gather.append((row, q0 + start - first))
+                else:
+                    row.feature_input = cap.rows(q0 + start - first, q0 + end - first)
+        if gather:  # one gather for the step
+            inputs = cap.rows_at([tok for _, tok in gather])
+            for i, (row, _) in enumerate(gather):
+                row.feature_input = inputs[i:i + 1]
