@@ -92,15 +92,46 @@ def test_each_request_alone_equals_the_batch(moa, prompts):
     assert alone == together
 
 
-def test_lsa_features_equal_the_torch_backends(moa, torch_engine, prompts):
-    rec_v = Recorder(moa.drafting.source)
+@pytest.fixture(scope="module")
+def all_positions_drafter(tmp_path_factory):
+    """An (untrained) MoA drafter whose cross-attention reads every verified position's feature
+    (the paper's layout): the vLLM backend keeps them all."""
+    from moa_serve.drafter.checkpoint import init_drafter
+
+    return str(init_drafter(str(SMOLLM), tmp_path_factory.mktemp("all-positions"), seed=6))
+
+
+@pytest.fixture(scope="module")
+def moa_all(all_positions_drafter):
+    engine = VllmEngine(str(SMOLLM), all_positions_drafter, num_speculative_tokens=K, dtype="float32",
+                        max_model_len=1024, max_num_seqs=8)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def long_prompt(plain):
+    """A prompt of more than two of vLLM's KV blocks (128 tokens on CPU)."""
+    text = " ".join(f"Item {i}: the {i}th entry of a long list of facts about the sea." for i in range(30))
+    prompt = prompt_ids(plain.tokenizer, [{"role": "user", "content": text + " Summarise the list."}])
+    assert len(prompt) > 2 * plain.engine.vllm_config.cache_config.block_size
+    return prompt
+
+
+def test_lsa_features_equal_the_torch_backends(moa_all, all_positions_drafter, prompts):
+    from moa_serve.engine.engine import SpeculativeEngine
+
+    torch_engine = SpeculativeEngine.load(str(SMOLLM), all_positions_drafter, "float32", max_sessions=8,
+                                          max_model_len=1024)
+    assert not moa_all.drafting.latest_feature_only
+    rec_v = Recorder(moa_all.drafting.source)
     rec_t = Recorder(torch_engine.proposer)
-    moa.drafting.source, torch_engine.proposer = rec_v, rec_t
+    moa_all.drafting.source, torch_engine.proposer = rec_v, rec_t
     try:
-        a = moa.generate(prompts[:1], 24)[0]
+        a = moa_all.generate(prompts[:1], 24)[0]
         b = torch_engine.generate(prompts[:1], 24, num_speculative_tokens=K)[0]
     finally:
-        moa.drafting.source, torch_engine.proposer = rec_v.inner, rec_t.inner
+        moa_all.drafting.source = rec_v.inner
     assert a.token_ids == b.token_ids
     (fv,), (ft,) = rec_v.features.values(), rec_t.features.values()
     n = min(len(fv), len(ft))
@@ -108,14 +139,12 @@ def test_lsa_features_equal_the_torch_backends(moa, torch_engine, prompts):
     torch.testing.assert_close(fv[:n], ft[:n], atol=2e-4, rtol=1e-3)
 
 
-def test_prefix_cache_hits_get_the_features_of_the_cached_positions(moa, plain):
+def test_prefix_cache_hits_get_the_features_of_the_cached_positions(moa_all, plain, long_prompt):
     """vLLM's prefix caching skips the forward of the full blocks (128 tokens on CPU) a prompt
     shares with an earlier one; their drafter features come from PrefixFeatures instead: the
     second run of a long prompt sends the drafter the same features as the first, and decodes the
     same tokens with the same acceptance."""
-    text = " ".join(f"Item {i}: the {i}th entry of a long list of facts about the sea." for i in range(30))
-    prompt = prompt_ids(plain.tokenizer, [{"role": "user", "content": text + " Summarise the list."}])
-    assert len(prompt) > 2 * moa.engine.vllm_config.cache_config.block_size
+    moa, prompt = moa_all, long_prompt
     rec = Recorder(moa.drafting.source)
     moa.drafting.source = rec
     try:
@@ -160,44 +189,50 @@ def latest_drafter(tmp_path_factory):
                             cross_attention_latest_only=True))
 
 
-def test_a_latest_only_drafter_gets_the_newest_feature_alone_and_needs_no_prefix_store(latest_drafter, plain,
-                                                                                       prompts):
+@pytest.fixture(scope="module")
+def moa_latest(latest_drafter):
+    # closed with the module's other engines: shutting one down mid-module breaks the others
+    engine = VllmEngine(str(SMOLLM), latest_drafter, num_speculative_tokens=K, dtype="float32",
+                        max_model_len=1024, max_num_seqs=8)
+    yield engine
+    engine.close()
+
+
+def test_a_latest_only_drafter_gets_the_newest_feature_alone_and_needs_no_prefix_store(moa_latest, latest_drafter,
+                                                                                       plain, prompts, long_prompt):
     """With a drafter that reads only the freshest feature, each draft call carries one feature:
     the newest verified position's, equal to the torch backend's there. Output stays plain vLLM's,
     and a prefix-cache hit needs no stored features (the request still drafts, with the same
     acceptance as the first run)."""
     from moa_serve.engine.engine import SpeculativeEngine
 
-    engine = VllmEngine(str(SMOLLM), latest_drafter, num_speculative_tokens=K, dtype="float32",
-                        max_model_len=1024, max_num_seqs=8)
+    engine = moa_latest
     torch_engine = SpeculativeEngine.load(str(SMOLLM), latest_drafter, "float32", max_sessions=8,
                                           max_model_len=1024)
+    assert engine.drafting.latest_feature_only and engine.drafting.prefix_features is None
+    spy, rec = FeatureSpy(engine.drafting.source), Recorder(torch_engine.proposer)
+    engine.drafting.source, torch_engine.proposer = spy, rec
     try:
-        assert engine.drafting.latest_feature_only and engine.drafting.prefix_features is None
-        spy, rec = FeatureSpy(engine.drafting.source), Recorder(torch_engine.proposer)
-        engine.drafting.source, torch_engine.proposer = spy, rec
         a = engine.generate(prompts[:1], 32)[0]
-        b = torch_engine.generate(prompts[:1], 32, num_speculative_tokens=K)[0]
-        assert a.token_ids == b.token_ids == plain.generate(prompts[:1], 32)[0].token_ids
-        (ft,) = rec.features.values()
-        assert len(spy.sent) >= 8
-        for length, start, feats in spy.sent:
-            assert feats.shape[0] == 1 and start == length - 2  # the newest verified position alone
-        # the torch backend's, where it drafted too (it stops drafting when the last tokens leave no
-        # room for drafts; vLLM asks to the end)
-        both = [(start, feats[0]) for _, start, feats in spy.sent if start < len(ft)]
-        assert len(both) >= len(spy.sent) - 2
-        for start, feat in both:
-            torch.testing.assert_close(feat, ft[start], atol=2e-4, rtol=1e-3)
-        text = " ".join(f"Item {i}: the {i}th entry of a long list of facts about the sea." for i in range(30))
-        long = prompt_ids(plain.tokenizer, [{"role": "user", "content": text + " Summarise the list."}])
-        first = engine.generate([long], 24)[0]
-        second = engine.generate([long], 24)[0]  # its first blocks come from vLLM's prefix cache
-        assert second.token_ids == first.token_ids == plain.generate([long], 24)[0].token_ids
-        assert second.accepted_tokens == first.accepted_tokens and second.drafted_tokens == first.drafted_tokens > 0
-        assert engine.stats()["features_missing"] == 0
     finally:
-        engine.close()
+        engine.drafting.source = spy.inner
+    b = torch_engine.generate(prompts[:1], 32, num_speculative_tokens=K)[0]
+    assert a.token_ids == b.token_ids == plain.generate(prompts[:1], 32)[0].token_ids
+    (ft,) = rec.features.values()
+    assert len(spy.sent) >= 8
+    for length, start, feats in spy.sent:
+        assert feats.shape[0] == 1 and start == length - 2  # the newest verified position alone
+    # the torch backend's, where it drafted too (it stops drafting when the last tokens leave no
+    # room for drafts; vLLM asks to the end)
+    both = [(start, feats[0]) for _, start, feats in spy.sent if start < len(ft)]
+    assert len(both) >= len(spy.sent) - 2
+    for start, feat in both:
+        torch.testing.assert_close(feat, ft[start], atol=2e-4, rtol=1e-3)
+    first = engine.generate([long_prompt], 24)[0]
+    second = engine.generate([long_prompt], 24)[0]  # its first blocks come from vLLM's prefix cache
+    assert second.token_ids == first.token_ids == plain.generate([long_prompt], 24)[0].token_ids
+    assert second.accepted_tokens == first.accepted_tokens and second.drafted_tokens == first.drafted_tokens > 0
+    assert engine.stats()["features_missing"] == 0
 
 
 def test_drafter_failure_falls_back_to_target_only_decoding(moa, plain, prompts, caplog):
