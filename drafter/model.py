@@ -85,6 +85,18 @@ class CrossAttentionLayer(nn.Module):
         x = x + self.self_attn.output(attend(q, keys, values, mask))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def single_feature_output(self, values: torch.Tensor) -> torch.Tensor:
+        """The attention block's output when one feature is visible (``cross_attention_latest_only``):
+        softmax over a single key is exactly 1, so every query head returns its KV head's value,
+        whatever the query. values [B, KVH, hd] -> [B, 1, hidden], fixed for a whole draft call."""
+        heads = self.self_attn.shape.num_heads // values.shape[1]
+        return self.self_attn.output(values.repeat_interleave(heads, dim=1)[:, :, None, :])
+
+    def forward_single_feature(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """``forward`` with that output precomputed (no query projection, RoPE or attention)."""
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class TargetParts(nn.Module):
     """What the drafter borrows from the target, frozen: embeddings, rotary, LM head, final

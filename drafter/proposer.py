@@ -341,6 +341,9 @@ class MoAProposer(ProposerBase):
         self._init_lm_head(cfg, draft_vocab)
         self._init_sessions(max_sessions, max_model_len)
         self.sa_fused = self._pack_layers(self.head, [self.head.self_attention], cfg.sa_shape())
+        # a CA that sees one feature returns that feature's value whatever the query: its output is
+        # computed once per draft call instead of per drafted token (CrossAttentionLayer)
+        self.single_feature_ca = bool(cfg.cross_attention_latest_only)
         fuse_projections([self.head.cross_attention])  # its MLP's gate/up, when packed
 
     @classmethod
@@ -397,7 +400,11 @@ class MoAProposer(ProposerBase):
         if self.cfg.cross_attention_latest_only:  # only the last verified position's feature
             mask &= idx >= n_feat[:, None] - 1
         mask = mask[:, None, None, :].to(self.device)
-        return keys, values, mask
+        single = None
+        if self.single_feature_ca and bool((n_feat > 0).all()):
+            latest = values[torch.arange(len(n_feat)), :, (n_feat - 1).to(values.device)]  # [B, KVH, hd]
+            single = self.head.cross_attention.single_feature_output(latest)
+        return keys, values, mask, single
 
     def _narrow(self, ctx, sel: torch.Tensor, slots: torch.Tensor):
         return self._start(None, slots)
@@ -405,7 +412,7 @@ class MoAProposer(ProposerBase):
     def _forward(self, ctx, batch, tokens, qlens, slots, step, feed) -> torch.Tensor:
         """Feeds each session its tokens [B, T] (qlens real ones); returns the hidden state before
         the LM head at each session's last fed position [B, H]."""
-        keys, values, mask = ctx
+        keys, values, mask, single = ctx
         positions = self.sa_cache.positions_for(slots, tokens.shape[1]).to(self.device)
         x = self.parts.embed_tokens(tokens)
         cos, sin = self.parts.rotary(positions, x.dtype)
@@ -416,7 +423,10 @@ class MoAProposer(ProposerBase):
             rows = torch.arange(len(batch), device=self.device)
             last = (qlens - 1).to(self.device)
             x, cos, sin = x[rows, last][:, None], cos[rows, :, last][:, :, None], sin[rows, :, last][:, :, None]
-        x = self.head.cross_attention(x, cos, sin, keys, values, mask)
+        if single is not None:
+            x = self.head.cross_attention.forward_single_feature(x, single)
+        else:
+            x = self.head.cross_attention(x, cos, sin, keys, values, mask)
         if tli:
             x = self.tli_cache.run_layers(self.parts.tli, x, cos, sin, slots, qlens)
             x = last_position(self.parts.norm(x), qlens)

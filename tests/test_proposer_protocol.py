@@ -324,13 +324,16 @@ def test_a_batch_drafts_what_each_session_drafts_alone(stories_path, stories_tar
 def test_a_latest_only_drafter_takes_the_newest_feature_past_a_gap(stories_path, stories_target, tmp_path, tli):
     """A drafter whose cross-attention reads only the latest verified feature drafts the same
     from the newest feature sent alone (feature_start past what it holds) as from every position's
-    feature; a drafter that reads them all asks for the gap instead."""
+    feature, and the same with its single-feature attention output precomputed as with the
+    attention computed per query; a drafter that reads them all asks for the gap instead."""
     from moa_serve.drafter.checkpoint import init_drafter
 
     d = str(init_drafter(str(stories_path), tmp_path / "latest", seed=4, target_layer_inference=tli,
                          cross_attention_latest_only=True))
     full = MoAProposer.load(d, target_model=stories_target, max_sessions=1, max_model_len=64)
+    full.single_feature_ca = False  # the cross-attention computed in full, query by query
     alone = MoAProposer.load(d, target_model=stories_target, max_sessions=1, max_model_len=64)
+    assert alone.single_feature_ca  # its output precomputed once per call
     toks, feats = list(range(30, 42)), _feats(40, 64, 7)
     for rnd in range(3):
         n, sent = len(toks) - 1, full.sessions["s"].num_features if "s" in full.sessions else 0
