@@ -303,6 +303,28 @@ def test_a_latest_only_drafter_resumes_after_any_pause_without_a_backlog():
     assert retry.feature_start == 91 and torch.equal(retry.features, feats(91, 92) * 10)
 
 
+def test_a_latest_only_drafter_skips_capture_while_the_governor_keeps_drafting_off():
+    """wants_features (asked before each forward) is False only for a latest-only drafter whose
+    governor will not draft next; if the governor then drafts anyway, a request whose newest
+    position was not captured waits a step instead of drafting from a stale feature."""
+    src, gov = Source(), Switch(on=False)
+    d = StepDrafting(src, num_drafts=1, feature_fn=lambda x: x, latest_feature_only=True, governor=gov)
+    assert not d.wants_features(4)
+    assert StepDrafting(src, num_drafts=1, feature_fn=lambda x: x, governor=gov).wants_features(4)
+    assert StepDrafting(src, num_drafts=1, feature_fn=lambda x: x, latest_feature_only=True).wants_features(4)
+    toks = [1, 2, 3, 4, 5]
+    d.step([StepRow("a", toks, 0, feature_input=feats(0, 4))])
+    gov.on = True
+    assert d.wants_features(4)
+    toks = toks + [6]
+    assert d.step([StepRow("a", toks, 4)]) == [[]]  # this step was not captured: no draft
+    assert src.calls == []
+    toks = toks + [7]
+    assert d.step([StepRow("a", toks, 5, feature_input=feats(5, 6))]) != [[]]
+    (r,) = src.calls[-1]
+    assert r.feature_start == 5 and torch.equal(r.features, feats(5, 6))
+
+
 def test_lazy_features_are_dropped_past_the_cap():
     src = Source()
 

@@ -235,6 +235,44 @@ def test_a_latest_only_drafter_gets_the_newest_feature_alone_and_needs_no_prefix
     assert engine.stats()["features_missing"] == 0
 
 
+def test_a_latest_only_drafter_captures_nothing_while_the_governor_keeps_drafting_off(moa_latest, plain, prompts):
+    """With a governor that alternates (3 steps plain, 3 drafting), the steps before plain ones
+    capture no K/V; every feature sent is still the newest verified position's, and the output
+    stays plain vLLM's."""
+    class Alternating:
+        def __init__(self):
+            self.rounds = 0
+
+        def speculate(self, n):
+            self.rounds += 1
+            return (self.rounds // 3) % 2 == 1
+
+        def next_speculates(self, n):
+            return ((self.rounds + 1) // 3) % 2 == 1
+
+        def observe(self, *a):
+            pass
+
+    cap = moa_latest.engine.model_executor.driver_worker.worker.model_runner.drafter.capture
+    decided, wanted = [], cap.wanted
+
+    def recording(seq_lens):
+        decided.append(wanted(seq_lens))
+        return decided[-1]
+
+    spy = FeatureSpy(moa_latest.drafting.source)
+    moa_latest.drafting.source, moa_latest.drafting.governor, cap.wanted = spy, Alternating(), recording
+    drafted = moa_latest.stats()["drafted"]
+    try:
+        out = moa_latest.generate(prompts[:2], 40)
+    finally:
+        moa_latest.drafting.source, moa_latest.drafting.governor, cap.wanted = spy.inner, None, wanted
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain.generate(prompts[:2], 40)]
+    assert True in decided and False in decided  # some forwards captured, some did not
+    assert moa_latest.stats()["drafted"] > drafted and spy.sent
+    assert all(feats.shape[0] == 1 and start == length - 2 for length, start, feats in spy.sent)
+
+
 def test_drafter_failure_falls_back_to_target_only_decoding(moa, plain, prompts, caplog):
     class Flaky:
         def __init__(self, inner, good_calls):

@@ -240,7 +240,9 @@ class StepDrafting:
                 self.stats.skipped_steps += 1
             else:
                 t0 = time.perf_counter()
-                drafts.update(self._draft(wanting))
+                # a latest-only drafter's request whose newest position was not captured (the
+                # governor was expected to keep drafting off) waits for the next step
+                drafts.update(self._draft([r for r in wanting if self._fresh(self.tracks[r.session_id], r)]))
                 self.stats.draft_s += time.perf_counter() - t0
         for r in rows:
             t = self.tracks[r.session_id]
@@ -250,6 +252,14 @@ class StepDrafting:
         self._last = (now, batch, any(drafts.values()), self._backlog_s) if wanting else None
         self._backlog_s = 0.0
         return [drafts[r.session_id] for r in rows]
+
+    def wants_features(self, requests: int) -> bool:
+        """Asked before a verify forward in which ``requests`` requests will sample: whether its
+        features may be needed. Only a latest-only drafter can do without them (a step it skips
+        leaves a stale input that is never sent: such a request waits for a fresh one), and only
+        while the governor will not draft after this step."""
+        return not (self.latest_feature_only and self.governor is not None
+                    and not self.governor.next_speculates(max(1, requests)))
 
     def keeps_features(self, session_id: str) -> bool:
         """Whether this request's feature inputs are still wanted (unknown requests: yes)."""
@@ -348,6 +358,14 @@ class StepDrafting:
         for i, t in enumerate(work):
             t.latest_feature, t.latest_input = (t.latest_input[0], feats[i:i + 1]), None
 
+    def _fresh(self, t: _Track, r: StepRow) -> bool:
+        """A latest-only drafter drafts from the newest verified position's feature or not at all
+        (its input is missing when the step was not captured)."""
+        if not (self.needs_features and self.latest_feature_only):
+            return True
+        newest = len(r.tokens) - 2
+        return any(x is not None and x[0] == newest for x in (t.latest_input, t.latest_feature))
+
     def _features_held(self, t: _Track) -> int:
         """Positions whose features this request can send: with ``latest_feature_only`` up to its
         newest computed one (the earlier ones are never read)."""
@@ -390,6 +408,8 @@ class StepDrafting:
 
     def _draft(self, rows: list[StepRow]) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
+        if not rows:
+            return out
         if self.needs_features:
             t0 = time.perf_counter()
             self._materialize(rows)

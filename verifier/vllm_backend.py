@@ -74,7 +74,10 @@ class FeatureCapture:
     With ``tail`` (a drafter that reads only the latest verified feature) only the last ``tail``
     query tokens of each request are kept — the newest verified position is among them whatever
     the target accepts (a query is at most 1 + K tokens past a prefill chunk's end) — so a step
-    copies a few rows per layer instead of every token of every prefill."""
+    copies a few rows per layer instead of every token of every prefill. ``wanted(seq_lens)``, if
+    given, is asked before each forward (with the step's per-request sequence lengths); when it
+    says no, the step captures nothing (``active`` False): with such a drafter nothing later needs
+    this step's features."""
 
     def __init__(self, model: torch.nn.Module, kind: str, num_kv_heads: int, head_dim: int,
                  tail: int | None = None):
@@ -84,6 +87,8 @@ class FeatureCapture:
             raise ValueError("tail needs per_layer_kv features and tail >= 1")
         self.kind = kind
         self.tail = tail
+        self.wanted = None  # (the step's seq_lens) -> whether to capture it; None: always
+        self.active = True  # whether the last step was captured
         self._index: torch.Tensor | None = None  # flat tokens kept (tail), in order
         self._slot_of: torch.Tensor | None = None  # flat token -> its row among the kept ones, or -1
         self.kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -119,8 +124,9 @@ class FeatureCapture:
             self.query_start_loc = m.query_start_loc.tolist()
             self.seq_lens = m.seq_lens.tolist()
             self.num_tokens = int(self.query_start_loc[-1])
+        self.active = self.wanted is None or not self.num_tokens or self.wanted(self.seq_lens)
         self._index = self._slot_of = None
-        if self.tail is not None and self.num_tokens:
+        if self.active and self.tail is not None and self.num_tokens:
             q = self.query_start_loc
             self._index = torch.tensor([i for r in range(len(q) - 1)
                                         for i in range(max(q[r], q[r + 1] - self.tail), q[r + 1])])
@@ -131,6 +137,8 @@ class FeatureCapture:
         self._hidden = None
 
     def _on_attention(self, module, args) -> None:
+        if not self.active:
+            return
         _, k, v = args[:3]
         if self._index is not None:
             self._kv.append((k.index_select(0, self._index), v.index_select(0, self._index)))
@@ -207,8 +215,17 @@ class MoAStepProposer:
             latest = kind == "per_layer_kv" and bool(getattr(feature_head, "latest_only", False))
             self.capture = FeatureCapture(self.model, kind, self.num_kv_heads, self.head_dim,
                                           tail=self.num_drafts + 1 if latest else None)
+            if latest:  # nothing to capture in a step after which the governor will not draft
+                self.capture.wanted = self._wants_capture
             drafting.feature_fn = self._features
             drafting.latest_feature_only = latest
+
+    def _wants_capture(self, seq_lens: list[int]) -> bool:
+        """Before a forward: whether the drafts asked after it may need its features. The step's
+        batch for the governor is the requests that will sample (a request mid-prefill does not:
+        its sequence stays short of its known tokens), as ``StepDrafting.step`` counts it."""
+        known = self.runner.input_batch.num_tokens_no_spec[:len(seq_lens)]
+        return self.drafting.wants_features(sum(int(s >= k) for s, k in zip(seq_lens, known)))
 
     @torch.inference_mode()
     def _features(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -234,6 +251,8 @@ class MoAStepProposer:
         the latest feature alone. ``StepDrafting`` runs the head on them only when the request
         drafts."""
         cap = self.capture
+        if not cap.active:  # the governor keeps drafting off: nothing was captured, none needed
+            return
         if len(cap.query_start_loc) != len(rows) + 1:
             log.warning("captured %d query rows for %d requests: no features this step",
                         len(cap.query_start_loc) - 1, len(rows))
