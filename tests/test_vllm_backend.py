@@ -36,10 +36,21 @@ def plain():
     engine.close()
 
 
+def speculative_engine(drafter: str, **kw) -> VllmEngine:
+    return VllmEngine(str(SMOLLM), drafter, num_speculative_tokens=K, dtype="float32", max_model_len=1024,
+                      max_num_seqs=8, **kw)
+
+
+def untrained_drafter(tmp_path_factory, name: str, seed: int, **options) -> str:
+    from moa_serve.drafter.checkpoint import init_drafter
+
+    return str(init_drafter(str(SMOLLM), tmp_path_factory.mktemp(name), seed=seed, **options))
+
+
+# the module's engines are closed together at its end: shutting one down mid-module breaks the others
 @pytest.fixture(scope="module")
 def moa():
-    engine = VllmEngine(str(SMOLLM), MOA, num_speculative_tokens=K, dtype="float32", max_model_len=1024,
-                        max_num_seqs=8, retry_after_s=0.0)
+    engine = speculative_engine(MOA, retry_after_s=0.0)
     yield engine
     engine.close()
 
@@ -96,15 +107,12 @@ def test_each_request_alone_equals_the_batch(moa, prompts):
 def all_positions_drafter(tmp_path_factory):
     """An (untrained) MoA drafter whose cross-attention reads every verified position's feature
     (the paper's layout): the vLLM backend keeps them all."""
-    from moa_serve.drafter.checkpoint import init_drafter
-
-    return str(init_drafter(str(SMOLLM), tmp_path_factory.mktemp("all-positions"), seed=6))
+    return untrained_drafter(tmp_path_factory, "all-positions", seed=6)
 
 
 @pytest.fixture(scope="module")
 def moa_all(all_positions_drafter):
-    engine = VllmEngine(str(SMOLLM), all_positions_drafter, num_speculative_tokens=K, dtype="float32",
-                        max_model_len=1024, max_num_seqs=8)
+    engine = speculative_engine(all_positions_drafter)
     yield engine
     engine.close()
 
@@ -183,17 +191,12 @@ class FeatureSpy:
 @pytest.fixture(scope="module")
 def latest_drafter(tmp_path_factory):
     """An (untrained) MoA drafter whose cross-attention reads only the latest verified feature."""
-    from moa_serve.drafter.checkpoint import init_drafter
-
-    return str(init_drafter(str(SMOLLM), tmp_path_factory.mktemp("latest-only"), seed=5,
-                            cross_attention_latest_only=True))
+    return untrained_drafter(tmp_path_factory, "latest-only", seed=5, cross_attention_latest_only=True)
 
 
 @pytest.fixture(scope="module")
 def moa_latest(latest_drafter):
-    # closed with the module's other engines: shutting one down mid-module breaks the others
-    engine = VllmEngine(str(SMOLLM), latest_drafter, num_speculative_tokens=K, dtype="float32",
-                        max_model_len=1024, max_num_seqs=8)
+    engine = speculative_engine(latest_drafter)
     yield engine
     engine.close()
 
