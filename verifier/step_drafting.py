@@ -15,9 +15,11 @@ verified feature (``latest_feature_only``: MoA trained with ``cross_attention_la
 none of that: per request only the newest verified position's feature-head input is kept (one row,
 replaced every step), its feature is computed only when the request drafts and sent alone, so
 steps without drafts cost no feature work, a long pause costs no backlog, and a prefix-cache hit
-needs no stored features. When the source fails (a drafter
-replica died, a timeout) the step goes on without drafts — target-only decoding — and drafting is
-retried after ``retry_after_s``; every session is then resent whole (the replica may be new).
+needs no stored features.
+
+When the source fails (a drafter replica died, a timeout) the step goes on without drafts —
+target-only decoding — and drafting is retried after ``retry_after_s``; every session is then
+resent whole (the replica may be new).
 """
 
 from __future__ import annotations
@@ -242,7 +244,8 @@ class StepDrafting:
                 t0 = time.perf_counter()
                 # a latest-only drafter's request whose newest position was not captured (the
                 # governor was expected to keep drafting off) waits for the next step
-                drafts.update(self._draft([r for r in wanting if self._fresh(self.tracks[r.session_id], r)]))
+                fresh = [r for r in wanting if self._fresh(self.tracks[r.session_id], r)]
+                drafts.update(self._draft(fresh))
                 self.stats.draft_s += time.perf_counter() - t0
         for r in rows:
             t = self.tracks[r.session_id]
@@ -434,8 +437,9 @@ class StepDrafting:
                 if res.needs_features_from is not None:
                     self.stats.resyncs += 1
                     held = self._features_held(t)
-                    # latest_feature_only: from the newest one at most (sent again)
-                    t.sent_features = min(res.needs_features_from, max(0, held - 1) if self.latest_feature_only else held)
+                    if self.latest_feature_only:  # from the newest one at most (sent again)
+                        held = max(0, held - 1)
+                    t.sent_features = min(res.needs_features_from, held)
                     retry.append(r)
                     continue
                 t.sent_features = self._features_held(t) if self.needs_features else 0
