@@ -391,20 +391,20 @@ class MoAProposer(ProposerBase):
         return True
 
     def _start(self, live, slots: torch.Tensor):
-        """The CA keys/values of the batch's verified positions and their mask: fixed while
-        drafting, so read once per call (again only when the batch shrinks)."""
+        """The CA keys/values of the batch's verified positions and their mask, or, for a CA that
+        sees one feature, its attention output: fixed while drafting, so read once per call (again
+        only when the batch shrinks)."""
         n_feat = self.ca_cache.lengths[slots]
+        if self.single_feature_ca and bool((n_feat > 0).all()):  # only the latest value is read
+            latest = self.ca_cache.v[0, slots, :, n_feat - 1]  # [B, KVH, hd]
+            return None, None, None, self.head.cross_attention.single_feature_output(latest)
         keys, values = self.ca_cache.read(0, slots, int(n_feat.max()))
         idx = torch.arange(keys.shape[2])[None, :]
         mask = idx < n_feat[:, None]
         if self.cfg.cross_attention_latest_only:  # only the last verified position's feature
             mask &= idx >= n_feat[:, None] - 1
         mask = mask[:, None, None, :].to(self.device)
-        single = None
-        if self.single_feature_ca and bool((n_feat > 0).all()):
-            latest = values[torch.arange(len(n_feat)), :, (n_feat - 1).to(values.device)]  # [B, KVH, hd]
-            single = self.head.cross_attention.single_feature_output(latest)
-        return keys, values, mask, single
+        return keys, values, mask, None
 
     def _narrow(self, ctx, sel: torch.Tensor, slots: torch.Tensor):
         return self._start(None, slots)

@@ -305,12 +305,15 @@ def test_drafts_stop_at_the_context_limit(stories_drafter, stories_target):
     assert res.drafts == [] and not res.resync
 
 
-def test_a_batch_drafts_what_each_session_drafts_alone(stories_path, stories_target, tmp_path):
+@pytest.mark.parametrize("latest_only", [False, True])
+def test_a_batch_drafts_what_each_session_drafts_alone(stories_path, stories_target, tmp_path, latest_only):
     """Sessions of different lengths and K in one call (the batch shrinks as sessions finish),
-    with TLI: each drafts what it drafts alone."""
+    with TLI: each drafts what it drafts alone (a latest-only drafter: also with its CA computed
+    per query)."""
     from moa_serve.drafter.checkpoint import init_drafter
 
-    d = str(init_drafter(str(stories_path), tmp_path / "tli", seed=3, target_layer_inference=1))
+    d = str(init_drafter(str(stories_path), tmp_path / "tli", seed=3, target_layer_inference=1,
+                         cross_attention_latest_only=latest_only))
     batch = MoAProposer.load(d, target_model=stories_target, max_sessions=3, max_model_len=64)
     reqs = [DraftRequest(f"s{i}", list(range(20 + i, 31 + 4 * i)), k, 0, _feats(10 + 4 * i, 64, i))
             for i, k in enumerate((2, 5, 1))]
@@ -318,6 +321,10 @@ def test_a_batch_drafts_what_each_session_drafts_alone(stories_path, stories_tar
     for r, g in zip(reqs, got):
         alone = MoAProposer.load(d, target_model=stories_target, max_sessions=1, max_model_len=64)
         assert alone.propose([r])[0].drafts == g.drafts and len(g.drafts) == r.num_drafts
+    if latest_only:
+        per_query = MoAProposer.load(d, target_model=stories_target, max_sessions=3, max_model_len=64)
+        per_query.single_feature_ca = False
+        assert [x.drafts for x in per_query.propose(reqs)] == [g.drafts for g in got]
 
 
 @pytest.mark.parametrize("tli", [0, 1])
