@@ -144,6 +144,11 @@ def _generator(method: _Method, url: str, args):
     return gen, t
 
 
+def _lookup_drafts(method: _Method) -> int:
+    """Draft tokens a hybrid device has taken from prompt lookup so far (0: no lookup)."""
+    return method.device.proposer.stats.get("lookup_drafts", 0) if method.device.uses_lookup else 0
+
+
 def _summ(runs: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in runs)
     elapsed = sum(r["elapsed_s"] for r in runs)
@@ -162,6 +167,8 @@ def _summ(runs: list[dict]) -> dict:
             "rounds": rounds, "mean_accepted_length": round(tau, 4),
             "inverse_tau": round(1 / tau, 4) if tau else None,
             "draft_acceptance": round(accepted / drafted, 4) if drafted else None,
+            "lookup_draft_share": round(sum(r.get("lookup_drafted_tokens", 0) for r in runs) / drafted, 4)
+            if drafted else None,
             "bytes_up": up, "bytes_down": down, "bytes_up_per_token": round(up / n, 1),
             "bytes_down_per_token": round(down / n, 1), "bytes_per_token": round((up + down) / n, 1),
             "identical": sum(same), "identical_all": all(same) if same else None,
@@ -174,10 +181,11 @@ def run_cs_bench(args) -> dict:
     from tqdm import tqdm
 
     from moa_serve.client import DeviceDrafter, Transport
-    from moa_serve.drafter.checkpoint import drafter_kind
+    from moa_serve.drafter.checkpoint import drafter_kind, model_checkpoint
     from moa_serve.drafter.data import prompt_ids
     from moa_serve.engine.engine import SpeculativeEngine, stop_token_ids
     from moa_serve.engine.sampling import GREEDY
+    from moa_serve.kernels.packed import pack_target
     from moa_serve.models import load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path
     from moa_serve.netem import PROFILES, netem_proxy
     from moa_serve.verifier.target_model import TargetModel
@@ -208,6 +216,8 @@ def run_cs_bench(args) -> dict:
     path = resolve_model_path(args.target)
     dt = parse_dtype(args.dtype, "cpu", path)
     tm = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, "cpu")
+    # the server's target as a verifier replica runs it (packed GGUF / bf16 kernels); every stack shares it
+    packing = pack_target(tm, path) if args.packed_weights == "auto" else {"packed": 0, "reason": "--packed-weights off"}
     tok = load_tokenizer(path)
     stops = stop_token_ids(path, tok)
     plain = SpeculativeEngine(TorchTargetRunner(str(path), dt, "cpu", 1, args.max_model_len, None, model=tm),
@@ -216,13 +226,21 @@ def run_cs_bench(args) -> dict:
     no_features = server_stack(path, tm, dt, tok, stops, None, args.max_model_len, args.target)
     methods: list[_Method] = []
     checkpoints = [d for d in (args.drafter or "").split(",") if d and d.lower() != "none"]
+    stacks: dict[str, object] = {}  # one per feature head: a hybrid shares its checkpoint's
     for ck in checkpoints:
         kind = drafter_kind(ck)
         dev = DeviceDrafter.load(ck, args.target, dtype_name, args.max_model_len)
-        dev.proposer = SlowedProposer(dev.proposer, args.device_slowdown)
-        srv = (server_stack(path, tm, dt, tok, stops, ck, args.max_model_len, args.target) if dev.needs_features
-               else no_features)
+        model = SlowedProposer(dev.model, args.device_slowdown)
+        dev.proposer = SlowedProposer(dev.proposer, args.device_slowdown) if dev.uses_lookup else model
+        dev.model = model
+        fp = dev.fingerprints["drafter"]
+        if dev.needs_features and fp not in stacks:
+            stacks[fp] = server_stack(path, tm, dt, tok, stops, model_checkpoint(ck), args.max_model_len,
+                                      args.target)
+        srv = stacks[fp] if dev.needs_features else no_features
         name = {"moa": "MoA", "eagle": "EAGLE-style", "independent": "independent"}.get(kind, kind)
+        if dev.uses_lookup:
+            name = f"lookup + {name}"
         if any(m.name == name for m in methods):
             name = f"{name} ({Path(ck).name})"
         methods.append(_Method(name, kind, ck, dev, srv))
@@ -280,6 +298,7 @@ def run_cs_bench(args) -> dict:
                     m.server.install()
                     slowed = m.device.proposer if isinstance(m.device.proposer, SlowedProposer) else None
                     busy0 = slowed.busy_s if slowed else 0.0
+                    lookup0 = _lookup_drafts(m)
                     with netem_proxy(prof, upstream, seed=args.seed + pi) as px:
                         gen, t = _generator(m, f"http://{px.host}:{px.port}", args)
                         try:
@@ -293,12 +312,13 @@ def run_cs_bench(args) -> dict:
                            "bytes_down": res.bytes_down, "drafted_tokens": res.drafted_tokens,
                            "accepted_tokens": res.accepted_tokens, "finish_reason": res.finish_reason,
                            "identical": res.token_ids == p["target_ids"], "k": res.k,
-                           "device_draft_s": (slowed.busy_s - busy0) if slowed else 0.0}
+                           "device_draft_s": (slowed.busy_s - busy0) if slowed else 0.0,
+                           "lookup_drafted_tokens": _lookup_drafts(m) - lookup0}
                     per_run.append(row)
                     bar.update(1)
                     bar.set_postfix_str(f"{prof} {m.name} {res.tokens_per_s:.1f}tok/s "
                                         f"tau={res.mean_accepted_length:.2f}")
-            result = _report(args, methods, profiles, prompts, plain_runs, per_run, [], partial=True)
+            result = _report(args, methods, profiles, prompts, plain_runs, per_run, [], partial=True, packing=packing)
 
         cut_runs: list[dict] = []
         for pi, p in enumerate(prompts):
@@ -346,14 +366,15 @@ def run_cs_bench(args) -> dict:
                 bar.update(1)
                 bar.set_postfix_str(f"cut {m.name} {match}/{len(target_cont)} tokens match")
         bar.close()
-        result = _report(args, methods, profiles, prompts, plain_runs, per_run, cut_runs, partial=False)
+        result = _report(args, methods, profiles, prompts, plain_runs, per_run, cut_runs, partial=False, packing=packing)
     finally:
         http.stop()
         state.install(cs=None, frontend=None)
     return result
 
 
-def _report(args, methods, profiles, prompts, plain_runs, per_run, cut_runs, partial: bool) -> dict:
+def _report(args, methods, profiles, prompts, plain_runs, per_run, cut_runs, partial: bool,
+            packing: dict | None = None) -> dict:
     ptok = sum(r["tokens"] for r in plain_runs)
     pel = sum(r["elapsed_s"] for r in plain_runs)
     table = []
@@ -387,6 +408,7 @@ def _report(args, methods, profiles, prompts, plain_runs, per_run, cut_runs, par
         "profiles": profiles, "max_new_tokens": args.max_new_tokens, "num_speculative_tokens":
             args.num_speculative_tokens, "adaptive_k": not args.fixed_k, "feature_codec": args.feature_codec,
         "device_slowdown": args.device_slowdown, "threads": args.threads, "prompt_format": args.prompt_format,
+        "server_packed_layers": (packing or {}).get("packed", 0),
         "prompts": [{"question_id": p["question_id"], "category": p["category"], "prompt_tokens": len(p["ids"]),
                      "target_tokens": len(p.get("target_ids", []))} for p in prompts],
         "plain_target": {"tokens": ptok, "elapsed_s": round(pel, 3),
@@ -406,13 +428,16 @@ def _targets(table: list[dict], disc: list[dict]) -> dict:
         return next((r for r in table if r["profile"] == prof and r["method"] == kind_name), None)
 
     out: dict = {}
-    moa, api, eagle = get("4g", "MoA"), get("4g", "API-only"), get("4g", "EAGLE-style")
-    if moa and api and api["tokens_per_s"]:
-        r = moa["tokens_per_s"] / api["tokens_per_s"]
-        out["4g_moa_vs_api_only"] = {"ratio": round(r, 3), "target": 1.5, "met": r >= 1.5}
-    if moa and eagle and eagle["tokens_per_s"]:
-        r = moa["tokens_per_s"] / eagle["tokens_per_s"]
-        out["4g_moa_vs_eagle"] = {"ratio": round(r, 3), "target": 1.2, "met": r >= 1.2}
+    api = get("4g", "API-only")
+    for prefix, key in (("", "4g_moa"), ("lookup + ", "4g_lookup_moa")):  # the drafters alone, and hybrids
+        moa, eagle = get("4g", f"{prefix}MoA"), get("4g", f"{prefix}EAGLE-style")
+        if moa and api and api["tokens_per_s"]:
+            r = moa["tokens_per_s"] / api["tokens_per_s"]
+            out[f"{key}_vs_api_only"] = {"ratio": round(r, 3), "target": 1.5, "met": r >= 1.5}
+        if moa and eagle and eagle["tokens_per_s"]:
+            r = moa["tokens_per_s"] / eagle["tokens_per_s"]
+            out[f"{key}_vs_{'lookup_' if prefix else ''}eagle"] = {"ratio": round(r, 3), "target": 1.2,
+                                                                   "met": r >= 1.2}
     out["calls_per_token_le_inverse_tau"] = {
         f"{r['profile']}/{r['method']}": {"calls_per_token": r["calls_per_token"], "inverse_tau": r["inverse_tau"],
                                           "met": r["inverse_tau"] is not None
@@ -436,7 +461,9 @@ def markdown(result: dict) -> str:
              f"K ≤ {result['num_speculative_tokens']} ({'adaptive' if result['adaptive_k'] else 'fixed'}), "
              f"features {result['feature_codec']}, device slowdown {result['device_slowdown']:g}× "
              f"(server/device compute ratio), plain target decoding in-process: "
-             f"{result['plain_target']['tokens_per_s']:.2f} tok/s.", "",
+             f"{result['plain_target']['tokens_per_s']:.2f} tok/s"
+             + (f" (packed kernels, {result['server_packed_layers']} layers)" if result.get("server_packed_layers")
+                else "") + ".", "",
              "| profile | method | tok/s | ms/token | calls/100 tok | B up/tok | B down/tok | τ | "
              "identical to target |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in result["runs"]:
@@ -463,7 +490,8 @@ def markdown(result: dict) -> str:
     t = result["targets"]
     if t:
         lines += ["", "Targets:"]
-        for key in ("4g_moa_vs_api_only", "4g_moa_vs_eagle"):
+        for key in ("4g_moa_vs_api_only", "4g_moa_vs_eagle", "4g_lookup_moa_vs_api_only",
+                    "4g_lookup_moa_vs_lookup_eagle"):
             if key in t:
                 lines.append(f"- {key}: {t[key]['ratio']:.2f}× (target ≥ {t[key]['target']}×) — "
                              f"{'met' if t[key]['met'] else 'NOT met'}")
@@ -483,8 +511,8 @@ def add_arguments(p) -> None:
 
     p.add_argument("--target", default=DEFAULT_TARGET, help="the server's target LLM")
     p.add_argument("--drafter", default=DEFAULT_DRAFTERS,
-                   help="comma-separated device drafter checkpoints (MoA, EAGLE-style, independent); 'none': only "
-                        "API-only")
+                   help="comma-separated device drafter checkpoints (MoA, EAGLE-style, independent), each also as "
+                        "hybrid:<checkpoint> (prompt lookup first, online and greedy); 'none': only API-only")
     p.add_argument("--no-api-only", action="store_true", help="skip the API-only client (no drafter, K = 0)")
     p.add_argument("--profiles", default=DEFAULT_PROFILES, help="netem profiles, comma-separated")
     p.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench-format JSONL (held-out prompts)")
@@ -500,6 +528,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="server and device (float32: greedy identity is exact)")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--packed-weights", choices=["auto", "off"], default="auto",
+                   help="auto: the server's target runs on the packed kernels, as a verifier replica does")
     p.add_argument("--device-slowdown", type=float, default=3.0,
                    help="the device's drafting takes this many times its measured time (the server has this many "
                         "times the device's compute; the paper: 3)")

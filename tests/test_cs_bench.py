@@ -22,8 +22,9 @@ def test_cs_bench_local_one_prompt(tmp_path, stories_path, stories_drafter):
                              "turns": ["Once upon a time there was a little girl"],
                              "reference": ["#### 3"]}) + "\n")
     out = tmp_path / "out"
-    rc = main(["cs-bench", "--target", str(stories_path), "--drafter", str(stories_drafter), "--profiles", "local",
-               "--questions", str(q), "--categories", "", "--prompt-format", "plain", "--max-new-tokens", "12",
+    rc = main(["cs-bench", "--target", str(stories_path), "--drafter", f"{stories_drafter},hybrid:{stories_drafter}",
+               "--profiles", "local",
+               "--questions", str(q), "--categories", "", "--prompt-format", "plain", "--max-new-tokens", "40",
                "--cut-profile", "local", "--cut-after-tokens", "4", "--max-model-len", "256", "-k", "4",
                "--out", str(out)])
     assert rc == 0
@@ -31,7 +32,7 @@ def test_cs_bench_local_one_prompt(tmp_path, stories_path, stories_drafter):
     assert (out / "results.md").read_text().startswith("# moa cs-bench")
     assert res["partial"] is False and res["profiles"] == ["local"] and len(res["prompts"]) == 1
     runs = {r["method"]: r for r in res["runs"]}
-    assert set(runs) == {"MoA", "API-only"}
+    assert set(runs) == {"MoA", "lookup + MoA", "API-only"}
     for r in runs.values():
         for f in ("tokens_per_s", "ms_per_token", "calls_per_100_tokens", "bytes_up_per_token",
                   "bytes_down_per_token", "mean_accepted_length", "identical_all"):
@@ -39,11 +40,12 @@ def test_cs_bench_local_one_prompt(tmp_path, stories_path, stories_drafter):
         assert r["profile"] == "local" and r["tokens"] > 0 and r["tokens_per_s"] > 0
         assert r["identical_all"] is True and r["identical"] == 1  # greedy, float32: plain target decoding
         assert r["server_calls"] == r["rounds"] and r["calls_per_token"] <= r["inverse_tau"] + 1e-9
+    assert runs["MoA"]["lookup_draft_share"] == 0 and runs["lookup + MoA"]["lookup_draft_share"] > 0
     api = runs["API-only"]
     assert api["mean_accepted_length"] == 1.0 and api["draft_acceptance"] is None
     assert runs["MoA"]["bytes_down_per_token"] > api["bytes_down_per_token"]  # features travel down
     disc = {d["method"]: d for d in res["disconnection"]}
-    assert set(disc) == {"MoA", "API-only"}
+    assert set(disc) == {"MoA", "lookup + MoA", "API-only"}
     assert all(d["cut"] == 1 and d["verified_identical"] for d in disc.values())
     assert disc["API-only"]["offline_tokens"] == 0 and disc["API-only"]["mean_tokens_until_divergence"] == 0
     assert disc["MoA"]["offline_tokens"] > 0 and disc["MoA"]["math_prompts"] == 1

@@ -228,6 +228,58 @@ def test_a_link_that_never_comes_back(server, device, plain):
         gen.generate(ids, 30, ignore_eos=True)
 
 
+class CountingProposer:
+    """Counts the draft calls a proposer gets (and the tokens it drafts)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, reqs):
+        self.calls += 1
+        return self.inner.propose(reqs)
+
+
+def test_a_hybrid_device_drafts_by_lookup_online_and_with_its_model_offline_or_sampling(
+        server, device, plain, stories_path, stories_drafter):
+    """``hybrid:<checkpoint>`` on the device: the server's own drafter (the same fingerprint: lookup
+    changes the drafts, not the features), prompt lookup drafts in greedy online rounds with the
+    output still the target's; offline and when sampling the trained drafter drafts alone."""
+    from moa_serve.drafter.lookup import HybridProposer
+
+    srv, uv = server
+    hybrid = DeviceDrafter.load(f"hybrid:{stories_drafter}", str(stories_path), "float32", 512)
+    assert hybrid.uses_lookup and isinstance(hybrid.proposer, HybridProposer)
+    assert hybrid.fingerprints == device.fingerprints and hybrid.model is hybrid.proposer.model
+    assert not device.uses_lookup and device.model is device.proposer
+    ids = device.tokenizer.encode(PROMPTS[2])
+    ref = reference(plain, ids, 64)
+    gen, t = generator(hybrid, uv.url)
+    res = gen.generate(ids, 64, ignore_eos=True)
+    assert res.token_ids == ref and res.offline_tokens == 0
+    assert hybrid.proposer.stats["lookup_drafts"] > 0  # the tiny model's stories repeat themselves
+
+    # a link cut after 4 calls that never returns: the offline tail comes from the model alone
+    hybrid.model = CountingProposer(hybrid.proposer.model)
+    before = dict(hybrid.proposer.stats)
+    faulty = FaultyTransport()
+    faulty.on_call = lambda n, req: setattr(faulty, "cut", True) if n == 4 else None
+    gen, t = generator(hybrid, uv.url, faulty, final_reconnects=2)
+    res = gen.generate(ids, 40, ignore_eos=True)
+    assert res.finish_reason == "offline" and res.offline_tokens > 0
+    assert hybrid.model.calls >= -(-res.offline_generated // gen.offline_chunk)
+    assert res.token_ids[:res.verified_tokens] == ref[:res.verified_tokens]
+
+    # sampling: every draft call goes to the model, none to the lookup
+    hybrid.model.calls, before = 0, dict(hybrid.proposer.stats)
+    gen, t = generator(hybrid, uv.url)
+    res = gen.generate(ids, 24, SamplingParams(temperature=0.8, seed=3), ignore_eos=True)
+    assert res.num_tokens == 24 and hybrid.model.calls > 0
+    assert hybrid.proposer.stats == before
+
+
 def test_the_handshake_refuses_a_drafter_that_is_not_the_servers(server, device, stories_path, tiny_model,
                                                                  tmp_path):
     from moa_serve.drafter.checkpoint import init_drafter

@@ -14,23 +14,44 @@ from moa_serve.cs.fingerprint import drafter_fingerprint, model_fingerprint, tok
 
 @dataclass
 class DeviceDrafter:
-    proposer: object  # a ProposerBase (MoA, EAGLE-style or independent), one session
+    proposer: object  # a ProposerBase (MoA, EAGLE-style or independent) or a hybrid, one session
     tokenizer: object
     fingerprints: dict  # {"target", "tokenizer", "drafter"}
     name: str
+    # the trained drafter alone (``proposer`` itself unless that is a prompt-lookup hybrid): it
+    # drafts while offline and when sampling, where copied text is no draft to trust or to send
+    model: object = None
+
+    def __post_init__(self):
+        if self.model is None:
+            self.model = self.proposer.model if self.uses_lookup else self.proposer
 
     @classmethod
     def load(cls, drafter: str, target: str | None = None, dtype: str = "float32",
              max_model_len: int = 2048, device: str = "cpu") -> "DeviceDrafter":
         from moa_serve.drafter.baselines import load_proposer
+        from moa_serve.drafter.checkpoint import split_drafter_spec
         from moa_serve.models import load_tokenizer, resolve_model_path
 
+        lookup, checkpoint = split_drafter_spec(drafter)
+        if checkpoint is None:
+            raise ValueError(f"drafter {drafter!r}: a device drafts with a trained checkpoint (a checkpoint, or "
+                             "hybrid:<checkpoint> for prompt lookup in front of it), not prompt lookup alone")
         proposer = load_proposer(drafter, target=target, dtype=dtype, device=device, max_sessions=1,
                                  max_model_len=max_model_len)
-        tokenizer = load_tokenizer(resolve_model_path(target or proposer.cfg.target_name_or_path, weights=False))
-        prints = {"target": model_fingerprint(proposer.parts), "tokenizer": tokenizer_fingerprint(tokenizer),
+        model = proposer.model if lookup else proposer  # a hybrid's trained drafter
+        tokenizer = load_tokenizer(resolve_model_path(target or model.cfg.target_name_or_path, weights=False))
+        prints = {"target": model_fingerprint(model.parts), "tokenizer": tokenizer_fingerprint(tokenizer),
                   "drafter": drafter_fingerprint(drafter)}
-        return cls(proposer, tokenizer, prints, drafter)
+        return cls(proposer, tokenizer, prints, drafter, model)
+
+    @property
+    def uses_lookup(self) -> bool:
+        """Prompt lookup drafts first (a ``hybrid:<checkpoint>`` spec), the trained drafter elsewhere."""
+        from moa_serve.drafter.lookup import HybridProposer
+
+        inner = getattr(self.proposer, "inner", self.proposer)  # through a benchmark's wrapper
+        return isinstance(inner, HybridProposer)
 
     @property
     def needs_features(self) -> bool:
@@ -38,17 +59,17 @@ class DeviceDrafter:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.proposer.dtype
+        return self.model.dtype
 
     @property
     def max_model_len(self) -> int:
-        return self.proposer.max_model_len
+        return self.model.max_model_len
 
     def weight_bytes(self) -> int:
         """Bytes of every weight the device holds (shared tensors counted once)."""
         seen, total = set(), 0
-        modules = [self.proposer.parts] + [m for m in (getattr(self.proposer, "head", None),
-                                                        getattr(self.proposer, "model", None)) if m is not None]
+        modules = [self.model.parts] + [m for m in (getattr(self.model, "head", None),
+                                                     getattr(self.model, "model", None)) if m is not None]
         for m in modules:
             for p in list(m.parameters()) + list(m.buffers()):
                 if p.data_ptr() not in seen:

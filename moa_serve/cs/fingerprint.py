@@ -7,7 +7,8 @@ drafter checkpoint, computable on both sides from what each side holds.
   target: both hold these.
 * tokenizer — the vocabulary, the special tokens and the chat template.
 * drafter — the checkpoint's bytes. The server's verifier computes the features with *its*
-  drafter's feature head (MoA's LSA), so a client's drafter must be that very checkpoint.
+  drafter's feature head (MoA's LSA), so a client's drafter must be that very checkpoint (with or
+  without prompt lookup in front of it: ``hybrid:<checkpoint>`` reads the same features).
 """
 
 from __future__ import annotations
@@ -58,12 +59,15 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def drafter_fingerprint(drafter: str | Path) -> str:
+    """Of what the server's features depend on: the trained checkpoint of a drafter spec
+    (``hybrid:<checkpoint>`` fingerprints as its checkpoint — prompt lookup changes which
+    drafts the device proposes, not the features it reads; pure ``lookup`` reads none)."""
     from moa_serve.drafter.checkpoint import resolve_drafter_path, split_drafter_spec
 
-    lookup, ckpt = split_drafter_spec(str(drafter))
-    h = hashlib.sha256(b"lookup+" if lookup else b"")
+    _, ckpt = split_drafter_spec(str(drafter))
     if ckpt is None:
-        return _digest(h)
+        return _digest(hashlib.sha256(b"lookup+"))
+    h = hashlib.sha256()
     path = resolve_drafter_path(ckpt)
     h.update(json.dumps(json.loads((path / "config.json").read_text()), sort_keys=True).encode())
     with open(path / "model.safetensors", "rb") as f:
