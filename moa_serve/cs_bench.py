@@ -262,9 +262,10 @@ def run_cs_bench(args) -> dict:
         ids = prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}]) if args.prompt_format == "chat" \
             else tok.encode(q["turns"][0])
         ids = ids[-(args.max_model_len - args.max_new_tokens - 1):]
-        ref = q.get("reference")
+        ref = q.get("reference")  # a math answer's text; other categories' may be lists (RAG: names)
+        ref = ref[0] if isinstance(ref, list) and ref and isinstance(ref[0], str) else None
         prompts.append({"question_id": q.get("question_id"), "category": q.get("category", "all"), "ids": ids,
-                        "reference_answer": final_number(ref[0]) if isinstance(ref, list) and ref else None})
+                        "reference_answer": final_number(ref) if ref else None})
 
     from moa_serve.app import state
     from moa_serve.app.http import create_app
