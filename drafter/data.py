@@ -152,8 +152,16 @@ def build_examples(tok, conversations, max_len: int, min_response: int = 4, max_
     return out
 
 
-def _response_counts(examples: list[Example]) -> Counter:
+def response_counts(examples: list[Example]) -> Counter:
+    """How often each token occurs in the examples' responses."""
     return Counter(t for e in examples for t, r in zip(e.ids, e.response) if r)
+
+
+def stop_token_ids(tok, vocab_size: int) -> list[int]:
+    """The tokens that end a reply (end of sequence, ChatML's ``<|im_end|>``): a draft vocabulary
+    always keeps them."""
+    ids = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
+    return sorted(t for t in ids if isinstance(t, int) and 0 <= t < vocab_size)
 
 
 def _share(counts: Counter, keep) -> float:
@@ -162,14 +170,14 @@ def _share(counts: Counter, keep) -> float:
 
 def top_vocab(examples: list[Example], size: int, always: list[int] = ()) -> tuple[torch.Tensor, float]:
     """Most frequent response tokens (plus ``always``), sorted ids, and their share of response tokens."""
-    counts = _response_counts(examples)
+    counts = response_counts(examples)
     keep = list(dict.fromkeys(list(always) + [t for t, _ in counts.most_common(size)]))[:size]
     return torch.tensor(sorted(keep), dtype=torch.long), _share(counts, keep)
 
 
 def vocab_coverage(examples: list[Example], vocab: torch.Tensor) -> float:
     """Share of the examples' response tokens that ``vocab`` holds."""
-    return _share(_response_counts(examples), vocab.tolist())
+    return _share(response_counts(examples), vocab.tolist())
 
 
 def batches(examples: list[Example], batch_size: int, seed: int, pool: int = 16):

@@ -46,7 +46,8 @@ from moa_serve.drafter import masks
 from moa_serve.drafter.baselines import build_baseline
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter, save_drafter
 from moa_serve.drafter.config import DrafterConfig
-from moa_serve.drafter.data import batches, build_examples, load_conversations, top_vocab, vocab_coverage
+from moa_serve.drafter.data import (batches, build_examples, load_conversations, stop_token_ids, top_vocab,
+                                    vocab_coverage)
 from moa_serve.drafter.model import MoADrafter, TargetParts, init_weights
 from moa_serve.models import load_state_dict, load_tokenizer, read_config, resolve_model_path
 from moa_serve.verifier.target_model import TargetArch, TargetModel
@@ -122,8 +123,7 @@ class Trainer:
                              "self-distilled recipe run `moa regenerate --out ../runs/selfdistill` first)")
         self.examples = build_examples(self.tok, convs, cfg["max_len"], max_prompt=cfg["max_prompt"])
         vsize = int(cfg["draft_vocab_size"])
-        stops = [t for t in {self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>")}
-                 if isinstance(t, int) and 0 <= t < self.arch.vocab_size]
+        stops = stop_token_ids(self.tok, self.arch.vocab_size)
         # warm start: the drafters (and their draft vocabulary) of an earlier run's exported checkpoints
         self.init = self._warm_start_states(cfg) if cfg.get("init_from") else {}
         if self.init:

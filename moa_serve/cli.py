@@ -159,8 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("--target-layer-inference", type=int, default=0, choices=[0, 1, 2, 3])
     di.set_defaults(func=cmd_drafter_init)
     from moa_serve.drafter.diagnose import register as register_diagnose
+    from moa_serve.drafter.shrink_vocab import register as register_shrink_vocab
 
     register_diagnose(dsub)
+    register_shrink_vocab(dsub)
 
     for register in _extra_commands():
         register(sub)

@@ -241,8 +241,8 @@ def run_cs_bench(args) -> dict:
         name = {"moa": "MoA", "eagle": "EAGLE-style", "independent": "independent"}.get(kind, kind)
         if dev.uses_lookup:
             name = f"lookup + {name}"
-        if any(m.name == name for m in methods):
-            name = f"{name} ({Path(ck).name})"
+        if any(m.name == name for m in methods):  # the same kind twice: say which checkpoint
+            name = f"{name} ({'/'.join(Path(model_checkpoint(ck)).parts[-2:])})"
         methods.append(_Method(name, kind, ck, dev, srv))
     if not args.no_api_only:
         ref_dev = methods[0].device if methods else None

@@ -191,7 +191,7 @@ def test_drafter_shape_from_a_packaged_checkpoint():
     cfg = AppConfig.model_validate(args_of("local-cpu-2x.yaml"))
     t = fit.target_shape(cfg)
     d = fit.drafter_shape(cfg.drafter, t)
-    assert d.kind == "moa" and not d.estimated and d.draft_vocab == 8192
+    assert d.kind == "moa" and not d.estimated and d.draft_vocab == 2048  # shrunk in session 20
     assert d.kv_width_per_token == 2 * 3 * 64  # SA + CA, 3 KV heads x 64 each
     est = fit.drafter_shape("nobody/not-here", t)
     assert est.estimated and est.kv_width_per_token == 2 * t.kv_width
@@ -209,7 +209,7 @@ def test_prompt_lookup_specs_size_the_drafter_pool():
     t = fit.target_shape(cfg)
     assert fit.drafter_shape("lookup", t).kind == "lookup"
     h = fit.drafter_shape("hybrid:smollm2-135m-instruct-moa", t)
-    assert h.kind == "moa" and not h.estimated and h.draft_vocab == 8192
+    assert h.kind == "moa" and not h.estimated and h.draft_vocab == 2048
     hybrid = AppConfig.model_validate({**args_of("local-cpu-2x.yaml"), "drafter": "hybrid:smollm2-135m-instruct-moa"})
     assert hybrid.drafter_checkpoint == "smollm2-135m-instruct-moa" and hybrid.prompt_lookup
     assert {f.pool for f in validate(hybrid)} == {"verifier_pool", "drafter_pool"}

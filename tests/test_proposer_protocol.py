@@ -220,14 +220,14 @@ def test_baselines_evict_and_resync(cls, smollm_target):
 def test_sampled_drafts_ship_q_over_the_draft_vocabulary(smollm_target, stories_drafter, stories_target):
     vocab = load_draft_vocab(smollm_drafter("moa"))
     _, state = load_drafter(smollm_drafter("moa"))
-    assert torch.equal(vocab, state[DRAFT_VOCAB_KEY]) and vocab.dtype == torch.long and len(vocab) == 8192
+    assert torch.equal(vocab, state[DRAFT_VOCAB_KEY]) and vocab.dtype == torch.long and len(vocab) == 2048
     assert load_draft_vocab(str(stories_drafter)) is None
     sp = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
     prop = load_proposer(smollm_drafter("moa"), target_model=smollm_target, max_sessions=2, max_model_len=64)
     toks = [1, 504, 3300, 281, 1345, 30, 2020]
     req = DraftRequest("s", toks, 4, 0, _feats(6, 576, 0), sampling=sp)
     (res,) = prop.propose([req, DraftRequest("g", toks, 4, 0, _feats(6, 576, 0))])[:1]
-    assert res.probs.shape == (4, 8192) and res.probs.dtype == torch.float32
+    assert res.probs.shape == (4, 2048) and res.probs.dtype == torch.float32
     assert torch.allclose(res.probs.sum(-1), torch.ones(4))
     index = {int(t): j for j, t in enumerate(vocab)}
     assert all(d in index and res.probs[i, index[d]] > 0 for i, d in enumerate(res.drafts))

@@ -493,3 +493,45 @@ def test_diagnose_reports_distances_and_the_cas_use_of_features(tmp_path, storie
     assert 0 < paper["ca_mass_on_freshest"] < 0.99 and paper["ca_mass_if_uniform"] < 1
     assert fresh["ca_mass_on_freshest"] == pytest.approx(1.0)
     assert eagle["kind"] == "eagle" and 0 <= eagle["top1_d1"] <= 1
+
+
+def test_shrink_vocab_keeps_the_most_frequent_draft_tokens_and_the_output(trained_baselines, stories_path, tmp_path,
+                                                                         capsys):
+    """``moa drafter shrink-vocab``: the same weights, the draft vocabulary cut to the most frequent
+    reply tokens of the given data (stop tokens kept), and speculative greedy output unchanged."""
+    from moa_serve.cli import main
+    from moa_serve.drafter.data import build_examples, load_conversations, response_counts, stop_token_ids
+    from moa_serve.engine.engine import SpeculativeEngine
+    from moa_serve.models import load_tokenizer
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = (DATA / "alpaca_5k.jsonl").read_text().splitlines()[:40]
+    (data / "a.jsonl").write_text("\n".join(rows) + "\n")
+    src, small = trained_baselines / "tiny-moa", tmp_path / "small"
+    assert main(["drafter", "shrink-vocab", "--drafter", str(src), "--size", "64", "--data", str(data),
+                 "--out", str(small)]) == 0
+    cfg, before = load_drafter(str(src))
+    cfg_small, after = load_drafter(str(small))
+    old, new = before[DRAFT_VOCAB_KEY].tolist(), after[DRAFT_VOCAB_KEY].tolist()
+    assert len(old) > 64 and len(new) == 64 == cfg_small.draft_vocab_size
+    assert set(new) <= set(old) and new == sorted(new)
+    assert all(torch.equal(before[k], after[k]) for k in before if k != DRAFT_VOCAB_KEY)
+    tok = load_tokenizer(stories_path)
+    counts = response_counts(build_examples(tok, load_conversations(data), 256))
+    stops = set(stop_token_ids(tok, cfg.target.vocab_size)) & set(old)
+    assert stops <= set(new)
+    dropped = set(old) - set(new)
+    assert min(counts[t] for t in set(new) - stops) >= max(counts[t] for t in dropped)
+    report = json.loads((small / "training.json").read_text())["draft_vocab_shrunk"]
+    assert report["size"] == 64 and report["size_before"] == len(old) and report["coverage"] <= report["coverage_before"]
+
+    prompts = [[1, 400, 50, 61, 300], [1, 20, 21, 22, 23, 24, 25, 26]]
+    plain = SpeculativeEngine.load(str(stories_path), None, "float32", max_sessions=2, max_model_len=128)
+    spec = SpeculativeEngine.load(str(stories_path), str(small), "float32", max_sessions=2, max_model_len=128)
+    want = [r.token_ids for r in plain.generate(prompts, 30, ignore_eos=True)]
+    assert [r.token_ids for r in spec.generate(prompts, 30, num_speculative_tokens=4, ignore_eos=True)] == want
+    capsys.readouterr()
+    assert main(["drafter", "shrink-vocab", "--drafter", str(src), "--size", str(len(old)), "--data", str(data),
+                 "--out", str(tmp_path / "x")]) != 0
+    assert "--size must be in" in capsys.readouterr().err and not (tmp_path / "x").exists()
