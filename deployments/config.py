@@ -122,6 +122,11 @@ class AppConfig(_Strict):
     drafter: str | None = Field(None, description="drafter checkpoint folder (MoA, EAGLE-style or independent), "
                                 "'lookup' (prompt lookup, no model) or 'hybrid:<checkpoint>' (lookup where the "
                                 "text repeats, the checkpoint's drafts elsewhere); null = no speculation")
+    client_drafter: str | None = Field(
+        None, description="client-server mode (backend torch): the drafter checkpoint whose features devices read "
+        "(a device runs it, or hybrid:<it>); default: the served drafter's checkpoint. Set it beside drafter: lookup "
+        "or null to serve devices a drafter this server does not draft with: the verifier computes its features for "
+        "device sessions only")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="auto: float32 on CPUs without native bf16, bfloat16 otherwise")
     device: Literal["cpu", "cuda"] = "cpu"
@@ -152,7 +157,7 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _sessions_fit(self):
-        problems = session_problems(self) + backend_problems(self)
+        problems = session_problems(self) + backend_problems(self) + client_problems(self)
         if problems:
             raise ConfigError("this config cannot work:\n  - " + "\n  - ".join(problems))
         return self
@@ -164,6 +169,12 @@ class AppConfig(_Strict):
         from moa_serve.drafter.checkpoint import model_checkpoint
 
         return model_checkpoint(self.drafter)
+
+    @property
+    def feature_drafter(self) -> str | None:
+        """The checkpoint whose feature head the verifier runs: the served drafter's, else
+        ``client_drafter`` (None: no features at all)."""
+        return self.drafter_checkpoint or self.client_drafter
 
     @property
     def prompt_lookup(self) -> bool:
@@ -217,6 +228,26 @@ def backend_problems(cfg: AppConfig) -> list[str]:
         out.append(f"drafter_pool.max_sessions ({cfg.drafter_pool.max_sessions}) < verifier_pool.max_sessions "
                    f"({cfg.verifier_pool.max_sessions}): with backend vllm every running request of a verifier replica "
                    "drafts on one drafter replica, which must hold them all")
+    return out
+
+
+def client_problems(cfg: AppConfig) -> list[str]:
+    """What ``client_drafter`` cannot be: the verifier runs one drafter's feature head."""
+    from moa_serve.drafter.checkpoint import split_drafter_spec
+
+    if cfg.client_drafter is None:
+        return []
+    out = []
+    lookup, checkpoint = split_drafter_spec(cfg.client_drafter)
+    if lookup:
+        out.append(f"client_drafter {cfg.client_drafter!r}: name the trained checkpoint devices draft with (a device "
+                   "puts prompt lookup in front of it itself: moa client generate --drafter hybrid:<checkpoint>)")
+    if cfg.backend != "torch":
+        out.append("client_drafter: client-server mode needs backend torch")
+    if cfg.drafter_checkpoint is not None and checkpoint is not None and checkpoint != cfg.drafter_checkpoint:
+        out.append(f"client_drafter {cfg.client_drafter!r} is not the served drafter's checkpoint "
+                   f"{cfg.drafter_checkpoint!r}: the verifier computes one drafter's features; leave client_drafter "
+                   "unset (devices then read the served drafter's) or serve drafter: lookup")
     return out
 
 

@@ -134,13 +134,13 @@ class VerifierPool(_Pool):
         pool = self.cfg.verifier_pool
         _threads(pool)
         self.runner = TorchTargetRunner(self.cfg.target, self.cfg.dtype, self.cfg.device, pool.max_sessions,
-                                        self.cfg.max_model_len, load_feature_head(self.cfg.drafter),
+                                        self.cfg.max_model_len, load_feature_head(self.cfg.feature_drafter),
                                         max_num_batched_tokens=pool.max_num_batched_tokens,
                                         packed_weights=self.cfg.packed_weights, prefix_caching=pool.prefix_caching,
                                         matmul_precision=self.cfg.matmul_precision,
                                         kv_cache_dtype=self.cfg.kv_cache_dtype,
-                                        draft_vocab=load_draft_vocab(self.cfg.drafter_checkpoint)
-                                        if self.cfg.drafter_checkpoint else None)
+                                        draft_vocab=load_draft_vocab(self.cfg.feature_drafter)
+                                        if self.cfg.feature_drafter else None)
         self.target_fingerprint = model_fingerprint(self.runner.model)  # client-server handshake
         log.info("VerifierPool %s ready: %s", self._replica, self.cfg.target)
 

@@ -92,7 +92,7 @@ class Router:
         stops = stop_token_ids(path, tokenizer)
         # client-server mode: sessions drafted on the user's device, verified in the same rounds
         self._cs_identity_args = dict(model=self.cfg.model_name or self.cfg.target, tokenizer=tokenizer,
-                                      drafter=self.cfg.drafter, vocab_size=hf_config.vocab_size,
+                                      drafter=self.cfg.feature_drafter, vocab_size=hf_config.vocab_size,
                                       max_model_len=max_model_len, stop_token_ids=stops)
         self.cs = ClientSessions(self.service, self._cs_identity, ttl_s=r.cs_session_ttl_s) \
             if self.cfg.backend == "torch" else None
@@ -119,7 +119,9 @@ class Router:
             observer=PrometheusObserver(), decode_steps=r.decode_steps,
             multi_step_max_sessions=r.multi_step_max_sessions, lookahead=r.lookahead,
             # MoA features come from the verifier's K/V cache: skipped ones can be recomputed later
-            recompute_features=kind == "moa")
+            recompute_features=kind == "moa",
+            # devices of a client drafter the Router does not draft with get features all the same
+            remote_features=self.cfg.feature_drafter is not None)
 
     async def _cs_identity(self) -> ServerIdentity:
         """The handshake's identity; the target's fingerprint comes from a verifier replica (the

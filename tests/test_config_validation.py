@@ -224,3 +224,23 @@ def test_a_bf16_kv_cache_halves_the_verifiers_kv_in_the_memory_fit():
     assert fit.full_kv_bytes(bf16, shape) * 2 == fit.full_kv_bytes(f32, shape)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         AppConfig.model_validate({**a, "kv_cache_dtype": "fp8"})
+
+
+def test_client_drafter_serves_devices_beside_a_lookup_router():
+    """``client_drafter``: the checkpoint whose features devices read; with drafter lookup the
+    verifier runs its feature head (for device sessions) and no drafter pool is deployed."""
+    cfg = AppConfig.model_validate(args_of("local-cpu.yaml"))
+    assert cfg.drafter == "lookup" and cfg.client_drafter == "smollm2-135m-instruct-moa"
+    assert cfg.feature_drafter == "smollm2-135m-instruct-moa" and set(cfg.pools()) == {"verifier_pool"}
+    served = AppConfig.model_validate({**args_of("local-cpu-2x.yaml")})
+    assert served.client_drafter is None and served.feature_drafter == served.drafter_checkpoint
+    same = AppConfig.model_validate({**args_of("local-cpu-2x.yaml"), "drafter": "hybrid:smollm2-135m-instruct-moa",
+                                     "client_drafter": "smollm2-135m-instruct-moa"})
+    assert same.feature_drafter == "smollm2-135m-instruct-moa"
+    with pytest.raises(ValueError, match="client_drafter 'smollm2-135m-instruct-eagle' is not the served drafter"):
+        AppConfig.model_validate({**args_of("local-cpu-2x.yaml"), "client_drafter": "smollm2-135m-instruct-eagle"})
+    with pytest.raises(ValueError, match="client_drafter 'hybrid:smollm2-135m-instruct-moa': name the trained"):
+        AppConfig.model_validate({**args_of("local-cpu.yaml"), "client_drafter": "hybrid:smollm2-135m-instruct-moa"})
+    with pytest.raises(ValueError, match="client_drafter: client-server mode needs backend torch"):
+        AppConfig.model_validate({**args_of("local-cpu-vllm.yaml"), "drafter": None,
+                                  "client_drafter": "smollm2-135m-instruct-moa"})

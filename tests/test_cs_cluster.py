@@ -59,6 +59,29 @@ def test_router_on_ray_serves_device_sessions_beside_http_requests(stories_path,
         stats = httpx.get(f"{url}/v1/stats", timeout=30).json()
         assert stats["client_server"]["created"] == 1 and stats["client_server"]["rounds"] == res.rounds
         assert stats["completed"] >= 1
+
+        # a Router that drafts its own sessions by prompt lookup (no drafter pool) and serves
+        # devices the MoA checkpoint named by client_drafter; the device puts lookup in front of it
+        lookup_args = {**args, "drafter": "lookup", "client_drafter": str(stories_drafter)}
+        lookup_args.pop("drafter_pool")
+        serve.run(build_app(lookup_args), name="moa", route_prefix="/")
+        ident = httpx.get(f"{url}/v1/cs", timeout=30).json()
+        assert ident["drafter"] == device.fingerprints["drafter"] and ident["drafter_kind"] == "moa"
+        hybrid = DeviceDrafter.load(f"hybrid:{stories_drafter}", str(stories_path), "float32", 512)
+        assert RemoteGenerator(hybrid, Transport(url)).handshake()["drafter"] == ident["drafter"]
+        user = threading.Thread(target=http_user)
+        user.start()
+        run = RemoteGenerator(device, Transport(url), num_speculative_tokens=3).start(prompts[0], 32,
+                                                                                       ignore_eos=True)
+        for _ in run:
+            pass
+        res = run.result()
+        user.join(timeout=300)
+        assert res.token_ids == refs[0] and res.offline_tokens == 0
+        # the verifier computed the client drafter's features for the device: it holds them all
+        # but the last committed position's (whose feature comes with the next round)
+        assert run.features.end == len(prompts[0]) + 32 - 1
+        assert http_out["r"]["token_ids"] == refs[1]
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -220,7 +220,7 @@ class RoundService:
                  speculation_token_budget: int = 32, speculation_governor: bool = True,
                  observer: Observer | None = None, want_features: bool | None = None,
                  recompute_features: bool = False, decode_steps: int = 1, multi_step_max_sessions: int = 4,
-                 lookup: LookupTable | None = None, lookahead: bool = False):
+                 lookup: LookupTable | None = None, lookahead: bool = False, remote_features: bool = False):
         self._verify, self._draft, self._release = verify, draft, release
         # prompt lookup over the sessions' own tokens, here: a session it drafts for skips the
         # drafter call this round (``hybrid:``); with no drafter pool it is the only drafter
@@ -228,6 +228,9 @@ class RoundService:
         # ask the verifier for drafter features (default: when there is a drafter pool; remote
         # clients' drafters need them too)
         self.want_features = draft is not None if want_features is None else want_features
+        # ... or for remote sessions alone: a server that drafts its own sessions without features
+        # (prompt lookup, none) still serves the devices of its client drafter
+        self.remote_features = remote_features
         # the verifier can recompute skipped features from its cache (MoA's per-layer K/V): rounds
         # that will not draft soon skip them, so speculation turned off costs what plain decoding does
         self.recompute_features = recompute_features
@@ -617,15 +620,18 @@ class RoundService:
     def _features_wanted(self, g: Hashable, batch: list[_Tracked], cap: int | None) -> bool | set[str]:
         """Which sessions' verify asks for drafter features: all of them, unless the verifier can
         recompute skipped ones and neither this round nor (as far as the governor knows) the next
-        drafts; remote clients always get theirs."""
-        if not self.want_features or not self.recompute_features or cap != 0:
-            return self.want_features
+        drafts; remote clients always get theirs (with ``remote_features``, only they do)."""
+        remote = {t.session.id for t in batch if t.remote}
+        if not self.want_features:
+            return remote if self.remote_features else False
+        if not self.recompute_features or cap != 0:
+            return True
         n = len(batch)
         governor = self._governors.get(g)
         budget_allows = rounds.speculation_cap(self.speculation_token_budget, n) != 0
         if budget_allows and (governor is None or governor.next_speculates(n)):
             return True
-        return {t.session.id for t in batch if t.remote}
+        return remote
 
     async def _draft_round(self, g, by_id: dict[str, Session], sessions: list[Session], cap: int | None,
                            profile: RoundProfile, steps: int = 1,
