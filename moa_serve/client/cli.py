@@ -48,8 +48,8 @@ def register(sub) -> None:
     g.set_defaults(target=None)
     g.add_argument("--drafter", default=f"hybrid:{DEFAULT_DRAFTER}",
                    help="drafter checkpoint (the server's: the handshake checks), or hybrid:<checkpoint> (the "
-                        "default): prompt lookup drafts where the text repeats itself, greedy and online only; its "
-                        "target parts are read from --target (default: the checkpoint's target)")
+                        "default): prompt lookup drafts where the text repeats itself (greedy only, online and "
+                        "offline); its target parts are read from --target (default: the checkpoint's target)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)

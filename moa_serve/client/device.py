@@ -19,7 +19,7 @@ class DeviceDrafter:
     fingerprints: dict  # {"target", "tokenizer", "drafter"}
     name: str
     # the trained drafter alone (``proposer`` itself unless that is a prompt-lookup hybrid): it
-    # drafts while offline and when sampling, where copied text is no draft to trust or to send
+    # drafts when sampling, where a copied draft has no distribution to send
     model: object = None
 
     def __post_init__(self):

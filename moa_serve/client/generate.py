@@ -169,9 +169,10 @@ class GenerationRun:
     def __init__(self, gen: RemoteGenerator, ident: dict, prompt: list[int], max_new: int,
                  sampling: SamplingParams, ignore_eos: bool):
         self.g, self.t, self.proposer = gen, gen.transport, gen.device.proposer
-        # prompt lookup (a hybrid device) drafts only online and greedy: offline, copied text is
-        # no continuation to trust; sampling, a copied draft has no distribution to send
-        self.online_proposer = self.proposer if sampling.greedy else gen.device.model
+        # prompt lookup (a hybrid device) drafts only when greedy, online and offline alike (offline,
+        # copying the context the target copies keeps the tail on its path longer: README); when
+        # sampling, a copied draft has no distribution to send, so the trained drafter drafts alone
+        self.drafting = self.proposer if sampling.greedy else gen.device.model
         self.max_new, self.sampling, self.ignore_eos = max_new, sampling, ignore_eos
         self.stops = frozenset() if ignore_eos else frozenset(ident["stop_token_ids"])
         self.max_drafts = int(ident["max_drafts"])
@@ -261,7 +262,7 @@ class GenerationRun:
             done = self.room <= 0 or bool(self.tail and self.tail[-1] in self.stops)
             if not done:
                 pos = self.generated + len(self.tail)
-                drafts, probs = self._draft(min(self.g.offline_chunk, self.room), self.g.device.model)
+                drafts, probs = self._draft(min(self.g.offline_chunk, self.room))
                 for i, tok in enumerate(drafts):
                     if tok in self.stops:
                         drafts = drafts[:i + 1]
@@ -294,15 +295,13 @@ class GenerationRun:
             return
 
     # ------------------------------------------------------------------ the device's drafter
-    def _draft(self, k: int, proposer=None) -> tuple[list[int], torch.Tensor | None]:
-        """k drafts after the committed tokens and the offline tail, from the local proposer
-        (``proposer``, default: the one for online rounds)."""
-        proposer = proposer or self.online_proposer
+    def _draft(self, k: int) -> tuple[list[int], torch.Tensor | None]:
+        """k drafts after the committed tokens and the offline tail, from the local proposer."""
         for _ in range(2):
             start = self.fed_features
             req = DraftRequest(LOCAL_ID, self.verified + self.tail, k, start, self.features.since(start),
                                self.sampling, base=0)
-            r = proposer.propose([req])[0]
+            r = self.drafting.propose([req])[0]
             if r.needs_features_from is None:
                 self.fed_features = self.features.end
                 return list(r.drafts), r.probs
