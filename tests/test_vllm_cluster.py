@@ -26,6 +26,7 @@ from moa_serve.deployments.app import build_app  # noqa: E402
 MOA = str(REPO / "drafter" / "checkpoints" / "smollm2-135m-instruct-moa")
 QUESTIONS = ["Write a short poem about the sea.", "What is the capital of Australia? Answer briefly.",
              "List three prime numbers and explain why they are prime."]
+LONG = 160  # tokens of the generation a replica is killed in (long enough to outlast the kill)
 
 
 def app_args():
@@ -53,7 +54,9 @@ def reference():
     # what the chat route does (the template's default system prompt included)
     prompts = [list(engine.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                          tokenize=True, return_dict=False)) for q in QUESTIONS]
-    return {q: r.token_ids for q, r in zip(QUESTIONS, engine.generate(prompts, 48))}
+    out = {q: r.token_ids for q, r in zip(QUESTIONS, engine.generate(prompts, 48))}
+    out[(QUESTIONS[2], LONG)] = engine.generate(prompts[2:], LONG)[0].token_ids  # the replica-kill runs
+    return out
 
 
 def generate(base, question, max_tokens=48, **extra):
@@ -108,17 +111,25 @@ def test_killed_replica_mid_generation_changes_no_token(cluster, reference, depl
     result = {}
 
     def call():
-        result["r"] = generate(cluster, q)
+        result["r"] = generate(cluster, q, max_tokens=LONG)
+
+    def drafting_calls() -> int:
+        return httpx.get(cluster + "/v1/stats", timeout=30).json()["verifier_engine"]["drafting"]["calls"]
 
     before = httpx.get(cluster + "/v1/stats").json()
     t = threading.Thread(target=call)
     t.start()
-    time.sleep(1.5)
+    # kill once the generation is under way (its drafts are being asked for), not after a fixed
+    # sleep that a fast enough generation outlives
+    calls0, deadline = before["verifier_engine"]["drafting"]["calls"], time.monotonic() + 120
+    while drafting_calls() <= calls0 + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     _kill_replica(deployment)
     t.join(600)
     r = result["r"]
     assert r.status_code == 200, r.text
-    assert r.json()["token_ids"] == reference[q]
+    assert r.json()["token_ids"] == reference[(q, LONG)]
+    assert len(reference[(q, LONG)]) > 48  # the kill came before the end (the stats below say it came at all)
     stats = httpx.get(cluster + "/v1/stats", timeout=30).json()
     if deployment == "VllmVerifier":  # the session resumed on the replacement from its committed tokens
         assert stats["stream_retries"] > before["stream_retries"], stats
