@@ -24,7 +24,9 @@ class DeviceDrafter:
 
     def __post_init__(self):
         if self.model is None:
-            self.model = self.proposer.model if self.uses_lookup else self.proposer
+            from moa_serve.drafter.lookup import HybridProposer
+
+            self.model = self.proposer.model if isinstance(self.proposer, HybridProposer) else self.proposer
 
     @classmethod
     def load(cls, drafter: str, target: str | None = None, dtype: str = "float32",
@@ -47,11 +49,9 @@ class DeviceDrafter:
 
     @property
     def uses_lookup(self) -> bool:
-        """Prompt lookup drafts first (a ``hybrid:<checkpoint>`` spec), the trained drafter elsewhere."""
-        from moa_serve.drafter.lookup import HybridProposer
-
-        inner = getattr(self.proposer, "inner", self.proposer)  # through a benchmark's wrapper
-        return isinstance(inner, HybridProposer)
+        """Prompt lookup drafts first (a ``hybrid:<checkpoint>`` spec), the trained drafter elsewhere:
+        the proposer is not the trained drafter itself."""
+        return self.model is not self.proposer
 
     @property
     def needs_features(self) -> bool:

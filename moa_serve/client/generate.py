@@ -230,9 +230,7 @@ class GenerationRun:
             self.finish = self.finish or "length"
         finally:
             self._t1 = time.perf_counter()
-            self.proposer.release(LOCAL_ID)
-            if self.g.device.model is not self.proposer:  # a hybrid releases its model's session itself;
-                self.g.device.model.release(LOCAL_ID)     # a benchmark's wrapper of it may not
+            self.proposer.release(LOCAL_ID)  # a hybrid releases its model's session too
             if self.sid and not self.server_finished:
                 try:  # free the server's caches now rather than at its TTL
                     self.t.delete(self.sid)
