@@ -182,6 +182,15 @@ class HybridProposer:
         return self.model.sessions
 
     @property
+    def branching(self) -> tuple[int, ...]:
+        """The model's tree drafts (lookup drafts are chains)."""
+        return getattr(self.model, "branching", ())
+
+    @branching.setter
+    def branching(self, widths: tuple[int, ...]) -> None:
+        self.model.branching = widths
+
+    @property
     def max_sessions(self) -> int:
         return self.model.max_sessions
 
@@ -210,7 +219,7 @@ class HybridProposer:
                     self.lookup.release(res.session_id)
                 continue
             if drafts is not None:
-                res.drafts, res.probs = drafts, None  # one-hot: the verifier needs no q
+                res.drafts, res.probs, res.alternatives = drafts, None, []  # one-hot: the verifier needs no q
                 self.stats["lookup_drafts"] += len(drafts)
             else:
                 self.stats["model_drafts"] += len(res.drafts)

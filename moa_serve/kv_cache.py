@@ -114,25 +114,44 @@ class PackedBatch:
     over a *view* of the cache covering their slot range (no gather: slots are allocated lowest
     first, so live slots are dense; rows of slots in the range but not in the batch are padding);
     each long sequence (a prefill chunk) attends alone over its slot. The plan is built once per
-    forward and reused by every layer."""
+    forward and reused by every layer.
+
+    Tree drafts: a sequence may end with *alternatives* (``twins``): tokens verified beside the
+    draft at a given depth of its chain. Alternative j of sequence i has the position of the chain
+    token ``twins[i][j]`` (an index among the sequence's tokens before its alternatives) and sees
+    what that token sees but not the token itself; its K/V is stored after the chain
+    (``store_at``), and the runner moves it into place if the target accepts it."""
 
     SHORT = 16  # sequences with at most this many new tokens attend in the shared call
 
     def __init__(self, cache: SlotKVCache, slots: list[int], starts: list[int], lens: list[int],
-                 device: torch.device | str = "cpu", kernel: bool = False):
+                 device: torch.device | str = "cpu", kernel: bool = False,
+                 twins: list[list[int]] | None = None):
         """``kernel``: attend with ``moa_serve.kernels.attention`` (float32 or bfloat16 CPU caches):
         every token alone over its own slot, in a fixed order, so its output does not depend on the
-        batch."""
+        batch. ``twins``: per sequence, the chain index each of its trailing alternatives shares a
+        position with (empty or None: a plain chain)."""
         self.cache = cache
         self.kernel = kernel
         self.n = sum(lens)
         offsets = [0]
         for n in lens[:-1]:
             offsets.append(offsets[-1] + n)
-        self.positions = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lens)]).to(device)
+        twins = twins or [[] for _ in lens]
+        pos, store = [], []
+        for a, n, tw in zip(starts, lens, twins):
+            chain = n - len(tw)
+            if any(not 0 <= j < chain for j in tw):
+                raise ValueError(f"an alternative must share the position of a chain token (0..{chain - 1}); got {tw}")
+            pos.append(torch.cat((torch.arange(a, a + chain), a + torch.tensor(tw, dtype=torch.long))))
+            store.append(torch.arange(a, a + n))
+        self.positions = torch.cat(pos).to(device)  # rotary positions
         self.token_slots = torch.cat([torch.full((n,), s) for s, n in zip(slots, lens)]).to(device)
-        if int(self.positions.max()) >= cache.max_len:
-            raise ValueError(f"positions up to {int(self.positions.max())} exceed the cache ({cache.max_len})")
+        store_at = torch.cat(store).to(device)  # where each token's K/V is written
+        self.store_at = store_at if any(twins) else None
+        self.stored = store_at
+        if int(store_at.max()) >= cache.max_len:
+            raise ValueError(f"positions up to {int(store_at.max())} exceed the cache ({cache.max_len})")
         self.short, self.long = None, []
         if kernel:
             return
@@ -144,29 +163,31 @@ class PackedBatch:
             rows = hi - lo
             gather = torch.full((rows, width), self.n, dtype=torch.long)  # index n = a zero row
             q_pos = torch.zeros(rows, width, dtype=torch.long)  # padding queries see position 0 only
+            q_at = torch.zeros(rows, width, dtype=torch.long)
             for i in short:
                 r = slots[i] - lo
                 gather[r, :lens[i]] = torch.arange(offsets[i], offsets[i] + lens[i])
-                q_pos[r, :lens[i]] = torch.arange(starts[i], starts[i] + lens[i])
+                q_pos[r, :lens[i]] = pos[i]
+                q_at[r, :lens[i]] = store[i]
             flat = gather.flatten()
             real = (flat < self.n).nonzero().flatten()
-            mask = torch.arange(total)[None, None, :] <= q_pos[:, :, None]  # [rows, width, total]
+            mask = _sees(torch.arange(total)[None, None, :], q_pos[:, :, None], q_at[:, :, None])  # [rows, width, total]
             self.short = dict(lo=lo, hi=hi, width=width, total=total, gather=flat.to(device),
                               real=real.to(device), dest=flat[real].to(device), mask=mask.to(device))
         for i, n in enumerate(lens):
             if n > self.SHORT:
                 a = starts[i]
-                mask = torch.arange(a + n)[None, :] <= torch.arange(a, a + n)[:, None]  # [n, a+n]
+                mask = _sees(torch.arange(a + n)[None, :], pos[i][:, None], store[i][:, None])  # [n, a+n]
                 self.long.append(dict(slot=slots[i], offset=offsets[i], n=n, total=a + n, mask=mask.to(device)))
 
     def attention(self, layer: int):
         """The ``attention`` callable of ``DecoderLayer.forward_packed`` for cache layer ``layer``."""
         def attend_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             c = self.cache
-            c.k[layer, self.token_slots, :, self.positions] = k.to(c.k.dtype)  # a bf16 cache under a float32 model
-            c.v[layer, self.token_slots, :, self.positions] = v.to(c.v.dtype)
+            c.k[layer, self.token_slots, :, self.stored] = k.to(c.k.dtype)  # a bf16 cache under a float32 model
+            c.v[layer, self.token_slots, :, self.stored] = v.to(c.v.dtype)
             if self.kernel:
-                return kernels.attention(q, c.k[layer], c.v[layer], self.token_slots, self.positions)
+                return kernels.attention(q, c.k[layer], c.v[layer], self.token_slots, self.positions, self.store_at)
             n, heads, hd = q.shape
             kv_heads = k.shape[1]
             groups = heads // kv_heads
@@ -195,3 +216,9 @@ class PackedBatch:
                 out[a:a + m] = o.view(kv_heads, groups, m, hd).permute(2, 0, 1, 3).reshape(m, heads, hd)
             return out
         return attend_packed
+
+
+def _sees(k_pos: torch.Tensor, q_pos: torch.Tensor, q_at: torch.Tensor) -> torch.Tensor:
+    """Which cached positions a query at rotary position ``q_pos`` whose K/V is stored at ``q_at``
+    attends to: every position before its own, and itself (for a chain token q_at == q_pos)."""
+    return (k_pos < q_pos) | (k_pos == q_at)

@@ -1,6 +1,7 @@
 """Greedy speculative output must be token-for-token the target's own greedy output."""
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,3 +147,39 @@ def test_adaptive_speculation_shrinks_k_for_a_bad_drafter_and_keeps_identity(sto
     full = engine.generate(prompts[:4], NEW_TOKENS, num_speculative_tokens=5, adaptive_speculation=True)
     assert [o.token_ids for o in full] == ref[:4]
     assert min(o.mean_accepted_length for o in full) > 3.0  # a good drafter keeps its long drafts
+
+
+def test_tree_drafts_batched_keep_identity_and_accept_alternatives(stories_setup):
+    """Tree drafts (the drafter's runners-up verified beside its chain), ragged sessions in one
+    forward: the output is still the target's greedy one, and alternatives do get accepted."""
+    spec, prompts, ref = stories_setup
+    before = spec.verifier.stats["alternatives_accepted"]
+    spec.proposer.branching = (4, 2, 2)
+    try:
+        outs = spec.generate(prompts[:8], NEW_TOKENS, num_speculative_tokens=4)
+    finally:
+        spec.proposer.branching = ()
+    assert [o.token_ids for o in outs] == ref[:8]
+    assert spec.verifier.stats["alternatives_accepted"] > before
+
+
+def test_smollm2_tree_drafts_through_the_fused_packed_target_match_plain_decoding():
+    """SmolLM2 from its GGUF: the target runs as one fused kernel call per forward, alternatives
+    stored past the chain (``store_at``): the shipped MoA drafter's tree drafts give the tokens of
+    plain decoding, and accepting them raises tokens per round."""
+    name = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    ckpt = str(Path(__file__).resolve().parents[1] / "drafter" / "checkpoints" / "smollm2-135m-instruct-moa")
+    spec = SpeculativeEngine.load(name, ckpt, "float32", max_sessions=2)
+    if getattr(spec.verifier.model, "fused_stack", None) is None:
+        pytest.skip("the fused packed target is not available here")
+    texts = ["Explain photosynthesis in two sentences.", "List three uses of copper and say why."]
+    prompts = [spec.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False) for t in texts]
+    plain = SpeculativeEngine(spec.verifier, None, spec.tokenizer, spec.stop_ids, 2)
+    want = [o.token_ids for o in plain.generate(prompts, 40)]
+    chain = spec.generate(prompts, 40, num_speculative_tokens=5)
+    spec.proposer.branching = (4, 2)
+    tree = spec.generate(prompts, 40, num_speculative_tokens=5)
+    assert [o.token_ids for o in chain] == want and [o.token_ids for o in tree] == want
+    assert spec.verifier.stats["alternatives_accepted"] > 0
+    assert sum(o.rounds for o in tree) < sum(o.rounds for o in chain)

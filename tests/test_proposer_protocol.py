@@ -354,3 +354,29 @@ def test_a_latest_only_drafter_takes_the_newest_feature_past_a_gap(stories_path,
                                  target_model=stories_target, max_sessions=1, max_model_len=64)
     (c,) = reads_all.propose([DraftRequest("s", toks, 3, len(toks) - 2, feats[len(toks) - 2:len(toks) - 1])])
     assert c.drafts == [] and c.needs_features_from == 0
+
+
+# ----------------------------------------------------------------------------- tree drafts
+def test_tree_drafts_add_the_runners_up_of_greedy_sessions_only(stories_drafter, stories_target):
+    prop = MoAProposer.load(str(stories_drafter), target_model=stories_target, max_sessions=2, max_model_len=64)
+    toks = list(range(40, 52))
+    (chain,) = prop.propose([DraftRequest("a", toks, 4, 0, _feats(11, 64, 0))])
+    prop.branching = (3, 2)
+    greedy, sampled = prop.propose([DraftRequest("a", toks, 4, 0, _feats(11, 64, 0)),
+                                    DraftRequest("b", toks, 4, 0, _feats(11, 64, 0),
+                                                 sampling=SamplingParams(temperature=0.7, seed=1))])
+    assert greedy.drafts == chain.drafts and chain.alternatives == []  # the chain is the same one
+    assert [len(a) for a in greedy.alternatives] == [2, 1, 0, 0]
+    for depth, alts in enumerate(greedy.alternatives[:2]):
+        assert greedy.drafts[depth] not in alts and len(set(alts)) == len(alts)
+    assert sampled.alternatives == [] and len(sampled.drafts) == 4
+
+
+def test_branching_is_parsed_and_checked():
+    from moa_serve.drafter.proposer import parse_branching
+
+    assert parse_branching("4-2-2") == (4, 2, 2) and parse_branching("4-1-1") == (4,)
+    assert parse_branching("chain") == parse_branching("") == parse_branching("1") == ()
+    for bad in ("4,2", "0-2", "99", "x"):
+        with pytest.raises(ValueError, match="branching"):
+            parse_branching(bad)

@@ -28,6 +28,10 @@ class VerifyRequest:
     sampling: SamplingParams = GREEDY
     want_features: bool = True
     base: int = 0
+    # tree drafts (greedy only; ignored when sampling): alternatives[i] are tokens verified beside
+    # drafts[i], each as a leaf (the drafter's runners-up at that depth). When drafts[i] is rejected
+    # and the target's token is one of them, it is accepted and the target's token after it added
+    alternatives: list[list[int]] = field(default_factory=list)
     # the sender holds features only up to this position (it skipped them while not speculating):
     # features start here instead of at the first newly cached position, recomputed from the
     # K/V cache (MoA's per-layer K/V features; ignored for features the cache cannot give back)
@@ -44,7 +48,9 @@ class VerifyRequest:
 @dataclass
 class VerifyResult:
     session_id: str
-    tokens: list[int]  # accepted drafts followed by one token of the target's own
+    # accepted drafts followed by one token of the target's own; with tree drafts the last
+    # accepted one may be an alternative (then tokens[num_accepted - 1] is not that draft)
+    tokens: list[int]
     num_accepted: int
     feature_start: int  # position of features[0]
     features: torch.Tensor | None  # [n, F] MoA features of positions newly in the target cache

@@ -134,7 +134,7 @@ class TargetModel(nn.Module):
         fused = getattr(self, "fused_stack", None)
         if fused is not None and batch.kernel and fused.usable(x, batch.cache):
             # updates x in place: the embedding lookup's output is this forward's own tensor
-            x = fused(x, cos[0], sin[0], batch.cache, batch.token_slots, batch.positions)
+            x = fused(x, cos[0], sin[0], batch.cache, batch.token_slots, batch.positions, batch.store_at)
             return self.model.norm(x)
         cos, sin = cos[0][:, None], sin[0][:, None]  # [N, 1, hd]: broadcast over heads
         for i, layer in enumerate(self.model.layers):

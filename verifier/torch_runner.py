@@ -94,9 +94,23 @@ class _Work:
     req: VerifyRequest
     session: _Session
     start: int  # first position fed this call (= session.cached before the call)
-    fed: list[int]  # tokens fed: uncached committed tokens (maybe a chunk of them), then drafts
+    fed: list[int]  # tokens fed: uncached committed tokens (maybe a chunk of them), then drafts, then alternatives
     done: bool  # every committed token is in the cache after this call: the target answers
     remaining: int = 0  # committed tokens still uncached after this call
+    alt_depth: list[int] = field(default_factory=list)  # per alternative fed (the last ones): its draft's index
+    accepted_alt: int | None = None  # the alternative the target accepted (index among them)
+
+    @property
+    def chain(self) -> int:
+        """Tokens fed before the alternatives."""
+        return len(self.fed) - len(self.alt_depth)
+
+
+def _with_alternatives(req: VerifyRequest, tokens: list[int]) -> tuple[list[int], list[int]]:
+    """``tokens`` (uncached committed tokens + drafts) followed by the request's alternatives, and
+    each alternative's draft index."""
+    alts = [(i, a) for i, row in enumerate(req.alternatives[:len(req.drafts)]) for a in row]
+    return tokens + [a for _, a in alts], [i for i, _ in alts]
 
 
 class TorchTargetRunner(TargetBackend):
@@ -142,7 +156,7 @@ class TorchTargetRunner(TargetBackend):
         # slot -> the tokens whose K/V a released session left in it, least recently used first
         self.retained: OrderedDict[int, list[int]] = OrderedDict()
         self.stats = {"forwards": 0, "tokens": 0, "forward_s": 0.0, "evictions": 0, "resyncs": 0,
-                      "prefix_hits": 0, "prefix_tokens": 0}
+                      "prefix_hits": 0, "prefix_tokens": 0, "alternatives_accepted": 0}
 
     # ------------------------------------------------------------------ sessions
     def release(self, session_id: str) -> None:
@@ -245,24 +259,40 @@ class TorchTargetRunner(TargetBackend):
         return s
 
     # ------------------------------------------------------------------ planning
+    def _tree_ok(self, req: VerifyRequest, s: _Session) -> VerifyRequest:
+        """The request without its alternatives where they cannot be verified: when sampling
+        (acceptance over a tree is greedy here), or when the cache has no room to store them."""
+        if not req.alternatives:
+            return req
+        n_alt = sum(len(a) for a in req.alternatives[:len(req.drafts)])
+        if not req.sampling.greedy or len(s.committed) + len(req.drafts) + n_alt > self.max_model_len:
+            return dataclasses.replace(req, alternatives=[])
+        return req
+
     def _plan(self, pending: list[tuple[VerifyRequest, _Session]]) -> list[_Work]:
         """Decode steps always run; prefills share what is left of the token budget, in order."""
         decode, prefill = [], []
         for req, s in pending:
+            req = self._tree_ok(req, s)
             (decode if len(s.committed) - s.cached == 1 else prefill).append((req, s))
-        work = [_Work(r, s, s.cached, s.committed[s.cached:] + list(r.drafts), True) for r, s in decode]
+
+        def answering(r: VerifyRequest, s: _Session) -> _Work:
+            fed, depth = _with_alternatives(r, s.committed[s.cached:] + list(r.drafts))
+            return _Work(r, s, s.cached, fed, True, alt_depth=depth)
+
+        work = [answering(r, s) for r, s in decode]
         budget = self.max_num_batched_tokens - sum(len(w.fed) for w in work)
         for i, (r, s) in enumerate(prefill):
             uncached = len(s.committed) - s.cached
             room = max(budget, MIN_PREFILL_CHUNK if i == 0 else 0)
-            if uncached + len(r.drafts) <= room:
-                w = _Work(r, s, s.cached, s.committed[s.cached:] + list(r.drafts), True)
+            if uncached + len(r.drafts) + sum(len(a) for a in r.alternatives[:len(r.drafts)]) <= room:
+                w = answering(r, s)
             elif room > 0:
                 chunk = min(uncached, room)
                 w = _Work(r, s, s.cached, s.committed[s.cached:s.cached + chunk], chunk == uncached,
                           uncached - chunk)
                 if w.done:  # the prompt fits but its drafts do not: answer without drafts
-                    w.req = dataclasses.replace(r, drafts=[], draft_probs=None)
+                    w.req = dataclasses.replace(r, drafts=[], draft_probs=None, alternatives=[])
             else:
                 w = _Work(r, s, s.cached, [], False, uncached)
             budget -= len(w.fed)
@@ -341,17 +371,19 @@ class TorchTargetRunner(TargetBackend):
 
     def _forward(self, work: list[_Work]) -> list[VerifyResult]:
         t0 = time.perf_counter()
+        twins = [[w.chain - len(w.req.drafts) + d for d in w.alt_depth] for w in work]
         batch = PackedBatch(self.cache, [w.session.slot for w in work], [w.start for w in work],
-                            [len(w.fed) for w in work], self.device, kernel=self.attention_kernel)
+                            [len(w.fed) for w in work], self.device, kernel=self.attention_kernel, twins=twins)
         tokens = torch.tensor([t for w in work for t in w.fed], device=self.device)
         hidden = self.model.forward_packed(tokens, batch)  # [N, H]
-        # logits only where needed: the last committed token and each draft of answering sessions
+        # logits only where needed: the last committed token, each draft and each alternative of
+        # answering sessions
         rows, offset = [], 0
         for w in work:
             if w.done:
                 k = len(w.req.drafts)
-                first = offset + len(w.fed) - k - 1
-                rows.extend(range(first, first + k + 1))
+                first = offset + w.chain - k - 1
+                rows.extend(range(first, first + k + 1 + len(w.alt_depth)))
             offset += len(w.fed)
         logits = self.model.lm_head(hidden[rows]).float().cpu() if rows else None
         choice = logits.argmax(-1).tolist() if logits is not None else []  # one host sync for all greedy rows
@@ -367,12 +399,17 @@ class TorchTargetRunner(TargetBackend):
                 results.append(VerifyResult(w.req.session_id, [], 0, w.start, None, num_computed=len(w.fed),
                                             prefill_remaining=w.remaining))
                 continue
-            k = len(w.req.drafts)
+            k, n_alt = len(w.req.drafts), len(w.alt_depth)
             n_acc, nxt = self._accept(w.req, logits[row:row + k + 1], choice[row:row + k + 1])
-            row += k + 1
-            kept = len(w.fed) - k + n_acc  # uncached committed tokens + accepted drafts
-            s.cached = w.start + kept
             out = list(w.req.drafts[:n_acc]) + [nxt]
+            alt = self._accepted_alternative(w, n_acc, nxt) if n_alt else None
+            if alt is not None:  # the target's token at the first rejected depth was an alternative
+                out.append(choice[row + k + 1 + alt])  # the target's token after it
+                n_acc += 1
+                self._move_alternative(w, alt, n_acc)
+            row += k + 1 + n_alt
+            kept = w.chain - k + n_acc  # uncached committed tokens + accepted drafts
+            s.cached = w.start + kept
             s.committed.extend(out)  # the replica's copy: what it returned is committed next round
             results.append(VerifyResult(w.req.session_id, out, n_acc, feature_start=w.start, features=None,
                                         num_computed=len(w.fed)))
@@ -380,6 +417,26 @@ class TorchTargetRunner(TargetBackend):
             self.cache.lengths[w.session.slot] = w.session.cached
         self._attach_features(work, results, hidden)
         return results
+
+    def _accepted_alternative(self, w: _Work, n_acc: int, token: int) -> int | None:
+        """Index (among the work's alternatives) of the alternative at the first rejected draft's
+        depth that is the target's own token there, or None."""
+        if n_acc >= len(w.req.drafts):
+            return None
+        for j, depth in enumerate(w.alt_depth):
+            if depth == n_acc and w.fed[w.chain + j] == token:
+                return j
+        return None
+
+    def _move_alternative(self, w: _Work, alt: int, n_acc: int) -> None:
+        """An accepted alternative's K/V (every layer) from where it was stored to its position,
+        that of the draft it replaces (the ``n_acc``-th accepted)."""
+        slot, src = w.session.slot, w.start + w.chain + alt
+        dst = w.start + w.chain - len(w.req.drafts) + n_acc - 1
+        self.cache.k[:, slot, :, dst] = self.cache.k[:, slot, :, src]
+        self.cache.v[:, slot, :, dst] = self.cache.v[:, slot, :, src]
+        w.accepted_alt = alt
+        self.stats["alternatives_accepted"] += 1
 
     def _accept(self, req: VerifyRequest, logits: torch.Tensor, choice: list[int],
                 position: int | None = None) -> tuple[int, int]:
@@ -442,7 +499,12 @@ class TorchTargetRunner(TargetBackend):
             offset += len(w.fed)
         latest = self.latest_feature_only and self.feature_kind == "per_layer_kv"
         if self.feature_kind == "hidden":
-            kv = [hidden[o:o + (e - a)] for o, (a, e) in zip(rows, spans)]
+            kv = []
+            for w, o, (a, e) in zip(work, rows, spans):
+                idx = list(range(o, o + (e - a)))
+                if w.accepted_alt is not None and idx:  # the last position holds the accepted alternative
+                    idx[-1] = o + w.chain + w.accepted_alt
+                kv.append(hidden[idx])
         else:
             kv = [self.cache.per_layer_kv(w.session.slot, max(a, e - 1) if latest else a, e)
                   for w, (a, e) in zip(work, spans)]

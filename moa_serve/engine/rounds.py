@@ -102,7 +102,8 @@ def verify_requests(sessions: list[Session], drafts: dict[str, DraftResult],
                                  d.probs if d is not None else None, s.sampling, want,
                                  base=s.verifier_base, features_from=s.num_features if want else None,
                                  decode_steps=steps, max_tokens=room if steps > 1 else 0,
-                                 stop_token_ids=tuple(sorted(s.stop_token_ids))))
+                                 stop_token_ids=tuple(sorted(s.stop_token_ids)),
+                                 alternatives=list(d.alternatives) if d else []))
     return out
 
 

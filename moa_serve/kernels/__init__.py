@@ -110,11 +110,11 @@ def library() -> ctypes.CDLL | None:
                 lib.moa_bf16dot_compiled.restype = i32
                 lib.moa_q4_1_rows.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr]
                 lib.moa_q8_0_rows.argtypes = [ptr, ptr, i64, ptr, i64, ptr]
-                lib.moa_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr,
+                lib.moa_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr,
                                               ctypes.c_float, ptr, i64, i32]
                 lib.moa_attention_bf16.argtypes = lib.moa_attention.argtypes
                 lib.moa_decoder_layers.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, i64, i64, i64, i64,
-                                                   ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
+                                                   ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
                 for f in (lib.moa_packed_matmul, lib.moa_q4_1_rows, lib.moa_q8_0_rows, lib.moa_attention, lib.moa_attention_bf16, lib.moa_decoder_layers):
                     f.restype = None
                 _lib = lib
@@ -191,13 +191,26 @@ def dequantize_rows(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
     return out
 
 
+def _store_at(store_at: torch.Tensor | None, positions: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """``store_at`` as a contiguous int64 tensor and its address (None, 0: every token at its position)."""
+    if store_at is None:
+        return None, 0
+    store_at = store_at.to(torch.int64).contiguous()
+    if store_at.shape != positions.shape:
+        raise ValueError("store_at must give one cache position per token")
+    return store_at, _ptr(store_at)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              positions: torch.Tensor) -> torch.Tensor:
+              positions: torch.Tensor, store_at: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over one layer of a slot KV cache, batch-invariant:
     q [n, H, hd]; k/v [slots, KVH, max_len, hd] float32 or bfloat16 (a view of the cache, strided
     is fine as long as the last dim is contiguous); token i attends to keys 0..positions[i] of
-    slot slots[i] (its own K/V must already be written). Computed in float32 (a bf16 cache is
-    widened in registers); returns [n, H, hd] in q's dtype."""
+    slot slots[i] (its own K/V must already be written). ``store_at`` [n] (default: positions):
+    where each token's own K/V is stored; token i then attends to keys 0..positions[i]-1 and its
+    own at store_at[i], in the same order (a tree-draft alternative, stored past the chain it
+    branches from). Computed in float32 (a bf16 cache is widened in registers); returns [n, H, hd]
+    in q's dtype."""
     lib = library()
     n, heads, hd = q.shape
     kv_heads, max_len = k.shape[1], k.shape[2]
@@ -210,9 +223,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     q = q.to(torch.float32).contiguous()
     slots = slots.to(torch.int64).contiguous()
     positions = positions.to(torch.int64).contiguous()
+    store_at, at_ptr = _store_at(store_at, positions)
     out = torch.empty_like(q)
     ss, hs, ps, _ = k.stride()
-    kernel(_ptr(q), n, heads, kv_heads, hd, _ptr(k), _ptr(v), ss, hs, ps, _ptr(slots), _ptr(positions),
+    kernel(_ptr(q), n, heads, kv_heads, hd, _ptr(k), _ptr(v), ss, hs, ps, _ptr(slots), _ptr(positions), at_ptr,
            hd ** -0.5, _ptr(out), max_len, torch.get_num_threads())
     return out.to(dtype)
 
@@ -223,11 +237,11 @@ LAYER_PARAMS = 24  # int64 slots per layer in moa_decoder_layers' parameter bloc
 def decoder_layers(x: torch.Tensor, params: torch.Tensor, eps: float, heads: int, kv_heads: int, head_dim: int,
                    intermediate: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                    positions: torch.Tensor, cache_strides: tuple[int, int, int], max_len: int,
-                   kv_bf16: bool = False) -> torch.Tensor:
+                   kv_bf16: bool = False, store_at: torch.Tensor | None = None) -> torch.Tensor:
     """Runs ``params.shape[0]`` fused float32 decoder layers over x [n, hidden] (in place; see
     ``moa_decoder_layers`` in qmatmul.c): cos/sin [n, head_dim], slots/positions [n] int64, the
     layers' K/V caches named in ``params`` with element strides (slot, head, position), float32 or
-    (``kv_bf16``) bfloat16."""
+    (``kv_bf16``) bfloat16; ``store_at`` as in :func:`attention`."""
     lib = library()
     n, hidden = x.shape
     if not (x.dtype == cos.dtype == sin.dtype == torch.float32 and x.is_contiguous() and cos.is_contiguous()
@@ -235,8 +249,9 @@ def decoder_layers(x: torch.Tensor, params: torch.Tensor, eps: float, heads: int
         raise ValueError("decoder_layers: x, cos and sin must be contiguous float32")
     slots = slots.to(torch.int64).contiguous()
     positions = positions.to(torch.int64).contiguous()
+    store_at, at_ptr = _store_at(store_at, positions)
     ss, hs, ps = cache_strides
     lib.moa_decoder_layers(_ptr(x), n, hidden, params.shape[0], _ptr(params), eps, heads, kv_heads, head_dim,
-                           intermediate, _ptr(cos), _ptr(sin), _ptr(slots), _ptr(positions), ss, hs, ps, max_len,
+                           intermediate, _ptr(cos), _ptr(sin), _ptr(slots), _ptr(positions), at_ptr, ss, hs, ps, max_len,
                            int(kv_bf16), torch.get_num_threads())
     return x

@@ -438,12 +438,12 @@ class FusedStack:
                 and cache.v.dtype == cache.k.dtype and cache.k.is_contiguous() and cache.v.is_contiguous())
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, slots: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor:
+                 positions: torch.Tensor, store_at: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, hidden] through every layer (K/V of the n tokens written to ``cache`` at
-        ``slots``/``positions``); cos/sin [n, head_dim]."""
+        ``slots``/``positions``, or ``store_at``: see ``kernels.attention``); cos/sin [n, head_dim]."""
         a = self.shape
         _, ss, hs, ps, _ = cache.k.stride()
         return kernels.decoder_layers(x.contiguous(), self._params_for(cache), a.rms_norm_eps, a.num_heads,
                                       a.num_kv_heads, a.head_dim, a.intermediate_size, cos.contiguous(),
                                       sin.contiguous(), slots, positions, (ss, hs, ps), cache.k.shape[3],
-                                      kv_bf16=cache.k.dtype == torch.bfloat16)
+                                      kv_bf16=cache.k.dtype == torch.bfloat16, store_at=store_at)

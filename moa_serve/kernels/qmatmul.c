@@ -358,11 +358,17 @@ static inline __m256 exp8(__m256 x);
 
 #define TASK_HEADS 3 /* query heads of one KV group per attention task, at most */
 
+/* The cache offset of key/value j of a token attending to `len` keys: position j, except the last
+ * one (the token's own K/V), which sits `extra` elements further (a tree-draft alternative stored
+ * past the chain it branches from; 0 for every other token). The order of the arithmetic is the
+ * same either way, so an alternative's output is bitwise the one its token gets in a chain. */
+#define KEYROW(j) (base + (j) * ps + ((j) == len - 1 ? extra : 0))
+
 /* Softmax numerators of one (token, head): s[0..len) = exp(q.k_j * scale - max); returns their sum.
  * s has room for len rounded up to 8. */
 static inline __attribute__((always_inline)) float scores(int kv_bf16, const float *qv, int64_t hd, const void *k,
-                                                          int64_t base, int64_t ps, int64_t len, float scale,
-                                                          float *s) {
+                                                          int64_t base, int64_t ps, int64_t len, int64_t extra,
+                                                          float scale, float *s) {
     const __m256 vscale = _mm256_set1_ps(scale);
     __m256 vmax = _mm256_set1_ps(-INFINITY);
     int64_t j0 = 0;
@@ -372,7 +378,7 @@ static inline __attribute__((always_inline)) float scores(int kv_bf16, const flo
         for (int64_t d = 0; d < hd; d += 8) {
             const __m256 qd = _mm256_loadu_ps(qv + d);
             for (int r = 0; r < 8; r++)
-                acc[r] = _mm256_fmadd_ps(qd, load8(k, base + (j0 + r) * ps + d, kv_bf16), acc[r]);
+                acc[r] = _mm256_fmadd_ps(qd, load8(k, KEYROW(j0 + r) + d, kv_bf16), acc[r]);
         }
         const __m256 sc = _mm256_mul_ps(hsum8(acc), vscale);
         _mm256_storeu_ps(s + j0, sc);
@@ -383,7 +389,7 @@ static inline __attribute__((always_inline)) float scores(int kv_bf16, const flo
         for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
         for (int r = 0; r < len - j0; r++)
             for (int64_t d = 0; d < hd; d += 8)
-                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), load8(k, base + (j0 + r) * ps + d, kv_bf16), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), load8(k, KEYROW(j0 + r) + d, kv_bf16), acc[r]);
         _mm256_storeu_ps(s + j0, _mm256_mul_ps(hsum8(acc), vscale));
         for (int64_t j = j0; j < len; j++) vmax = _mm256_max_ps(vmax, _mm256_set1_ps(s[j]));
     }
@@ -405,7 +411,7 @@ static inline __attribute__((always_inline)) float scores(int kv_bf16, const flo
 /* out (HC heads, DV vectors of 8 dims from d0) = sum_j p[h][j] v_j / sum[h], j ascending */
 static inline __attribute__((always_inline)) void weigh_values(int HC, int DV, int kv_bf16, const float *p,
                                                                int64_t pstride, const void *v, int64_t base,
-                                                               int64_t ps, int64_t len, int64_t d0,
+                                                               int64_t ps, int64_t len, int64_t extra, int64_t d0,
                                                                const float *inv, float *out, int64_t ostride) {
     __m256 o[TASK_HEADS][4];
     for (int a = 0; a < HC; a++)
@@ -414,7 +420,7 @@ static inline __attribute__((always_inline)) void weigh_values(int HC, int DV, i
         __m256 pb[TASK_HEADS];
         for (int a = 0; a < HC; a++) pb[a] = _mm256_set1_ps(p[a * pstride + j]);
         for (int b = 0; b < DV; b++) {
-            const __m256 vv = load8(v, base + j * ps + d0 + 8 * b, kv_bf16);
+            const __m256 vv = load8(v, KEYROW(j) + d0 + 8 * b, kv_bf16);
             for (int a = 0; a < HC; a++) o[a][b] = _mm256_fmadd_ps(pb[a], vv, o[a][b]);
         }
     }
@@ -423,13 +429,13 @@ static inline __attribute__((always_inline)) void weigh_values(int HC, int DV, i
             _mm256_storeu_ps(out + a * ostride + d0 + 8 * b, _mm256_mul_ps(o[a][b], _mm256_set1_ps(inv[a])));
 }
 
-#define WEIGH(HC, DV) weigh_values(HC, DV, kv_bf16, s, sstride, v, base, ps, len, d0, inv, ov, hd)
+#define WEIGH(HC, DV) weigh_values(HC, DV, kv_bf16, s, sstride, v, base, ps, len, extra, d0, inv, ov, hd)
 
 static inline __attribute__((always_inline)) void attention(int kv_bf16, const float *q, int64_t n, int64_t H,
                                                             int64_t KVH, int64_t hd, const void *k, const void *v,
                                                             int64_t ss, int64_t hs, int64_t ps, const int64_t *slots,
-                                                            const int64_t *pos, float scale, float *out,
-                                                            int64_t max_len, int threads) {
+                                                            const int64_t *pos, const int64_t *store_at, float scale,
+                                                            float *out, int64_t max_len, int threads) {
     const int64_t groups = H / KVH, sstride = (max_len + 7) / 8 * 8;
     /* heads per task: up to 3 of one group; single heads when there are too few tasks to share */
     const int64_t per = n * KVH < 4 * threads ? 1 : (groups < TASK_HEADS ? groups : TASK_HEADS);
@@ -442,9 +448,11 @@ static inline __attribute__((always_inline)) void attention(int kv_bf16, const f
             const int64_t t = task / (KVH * chunks), g = task / chunks % KVH, c = task % chunks;
             const int64_t h0 = g * groups + c * per, hc = groups - c * per < per ? groups - c * per : per;
             const int64_t len = pos[t] + 1, base = slots[t] * ss + g * hs; /* (slot, kv head, 0, 0) */
+            const int64_t extra = store_at ? (store_at[t] - pos[t]) * ps : 0; /* where its own K/V is stored */
             float inv[TASK_HEADS];
             for (int64_t a = 0; a < hc; a++)
-                inv[a] = 1.0f / scores(kv_bf16, q + (t * H + h0 + a) * hd, hd, k, base, ps, len, scale, s + a * sstride);
+                inv[a] = 1.0f / scores(kv_bf16, q + (t * H + h0 + a) * hd, hd, k, base, ps, len, extra, scale,
+                                       s + a * sstride);
             float *ov = out + (t * H + h0) * hd;
             for (int64_t d0 = 0; d0 < hd; d0 += 32) {
                 const int64_t dv = (hd - d0) / 8 < 4 ? (hd - d0) / 8 : 4;
@@ -462,19 +470,20 @@ static inline __attribute__((always_inline)) void attention(int kv_bf16, const f
     }
 }
 #undef WEIGH
+#undef KEYROW
 #undef TASK_HEADS
 
 void moa_attention(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t hd, const float *k, const float *v,
-                   int64_t ss, int64_t hs, int64_t ps, const int64_t *slots, const int64_t *pos, float scale,
-                   float *out, int64_t max_len, int threads) {
-    attention(0, q, n, H, KVH, hd, k, v, ss, hs, ps, slots, pos, scale, out, max_len, threads);
+                   int64_t ss, int64_t hs, int64_t ps, const int64_t *slots, const int64_t *pos, const int64_t *store_at,
+                   float scale, float *out, int64_t max_len, int threads) {
+    attention(0, q, n, H, KVH, hd, k, v, ss, hs, ps, slots, pos, store_at, scale, out, max_len, threads);
 }
 
 /* The same over a bfloat16 cache (k, v uint16 bit patterns; q and out stay float32). */
 void moa_attention_bf16(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t hd, const uint16_t *k,
                         const uint16_t *v, int64_t ss, int64_t hs, int64_t ps, const int64_t *slots, const int64_t *pos,
-                        float scale, float *out, int64_t max_len, int threads) {
-    attention(1, q, n, H, KVH, hd, k, v, ss, hs, ps, slots, pos, scale, out, max_len, threads);
+                        const int64_t *store_at, float scale, float *out, int64_t max_len, int threads) {
+    attention(1, q, n, H, KVH, hd, k, v, ss, hs, ps, slots, pos, store_at, scale, out, max_len, threads);
 }
 
 /* ------------------------------------------------------------------ fused decoder layers
@@ -575,11 +584,13 @@ static inline void store_head(int kv_bf16, const float *row, void *cache, int64_
 /* x [n, H] float32, updated in place through `layers` layers; params [layers, LP_SIZE]; cos/sin
  * [n, hd]; slots/pos [n]: each token's cache slot and position; cache strides (elements) ss, hs,
  * ps and max_len (positions per slot) are those of every layer's K and V, float32 or, with
- * kv_bf16, bfloat16 (K/V rounded once when written; attention reads them widened). */
+ * kv_bf16, bfloat16 (K/V rounded once when written; attention reads them widened). store_at [n]
+ * (or NULL: pos): the cache position each token's K/V is written to, when it is not its own
+ * position (a tree-draft alternative: see KEYROW). */
 void moa_decoder_layers(float *x, int64_t n, int64_t H, int64_t layers, const int64_t *params, float eps,
                         int64_t heads, int64_t kv_heads, int64_t hd, int64_t inter, const float *cos,
-                        const float *sin, const int64_t *slots, const int64_t *pos, int64_t ss, int64_t hs,
-                        int64_t ps, int64_t max_len, int kv_bf16, int threads) {
+                        const float *sin, const int64_t *slots, const int64_t *pos, const int64_t *store_at, int64_t ss,
+                        int64_t hs, int64_t ps, int64_t max_len, int kv_bf16, int threads) {
     const int64_t nq = heads * hd, nkv = kv_heads * hd, wqkv = nq + 2 * nkv;
     float *h = aligned_alloc(32, sizeof(float) * n * H);
     float *qkv = aligned_alloc(32, sizeof(float) * n * wqkv);
@@ -599,13 +610,14 @@ void moa_decoder_layers(float *x, int64_t n, int64_t H, int64_t layers, const in
             const float *row = qkv + t * wqkv, *c = cos + t * hd, *s = sin + t * hd;
             for (int64_t a = 0; a < heads; a++) rope_head(row + a * hd, c, s, hd, q + (t * heads + a) * hd);
             for (int64_t g = 0; g < kv_heads; g++) {
-                const int64_t at = slots[t] * ss + g * hs + pos[t] * ps;
+                const int64_t at = slots[t] * ss + g * hs + (store_at ? store_at[t] : pos[t]) * ps;
                 rope_head(row + nq + g * hd, c, s, hd, kr);
                 store_head(kv_bf16, kr, kc, at, hd);
                 store_head(kv_bf16, row + nq + nkv + g * hd, vc, at, hd);
             }
         }
-        attention(kv_bf16, q, n, heads, kv_heads, hd, kc, vc, ss, hs, ps, slots, pos, scale, att, max_len, threads);
+        attention(kv_bf16, q, n, heads, kv_heads, hd, kc, vc, ss, hs, ps, slots, pos, store_at, scale, att, max_len,
+                  threads);
         layer_matmul(p + LP_O, att, n, nq, y, threads);
         add_rows(x, y, n * H);
         rmsnorm_rows(x, n, H, (const float *)p[LP_NORM2], eps, h);
