@@ -105,7 +105,7 @@ def install(api: FastAPI) -> None:
         cs = _sessions()
         body, tensors = await _read(request, VerifyRound)
         reply = await cs.verify(session_id, body.round, body.committed_length, body.draft_ids,
-                                tensors.get("draft_probs"), body.features_from)
+                                tensors.get("draft_probs"), body.features_from, body.alternatives)
         return _frame(reply, cs.feature_codec(session_id))
 
     @api.delete("/v1/cs/sessions/{session_id}")

@@ -60,4 +60,6 @@ class VerifyRound(_Body):
     round: int = Field(ge=1, description="1 for the first verify after create, then +1 per answered round")
     committed_length: int = Field(ge=1, description="tokens the client holds as committed (prompt included)")
     draft_ids: list[int] = Field(default_factory=list)
+    alternatives: list[list[int]] = Field(default_factory=list, description="tree drafts (greedy sessions): "
+                                          "alternatives[i] are token ids verified beside draft_ids[i], as leaves")
     features_from: int | None = Field(None, ge=0, description="resend features from this position (the client lost them)")

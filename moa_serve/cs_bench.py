@@ -61,6 +61,14 @@ class SlowedProposer:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    @property
+    def branching(self) -> tuple[int, ...]:
+        return self.inner.branching
+
+    @branching.setter
+    def branching(self, widths: tuple[int, ...]) -> None:
+        self.inner.branching = widths
+
     def propose(self, reqs):
         t0 = time.perf_counter()
         out = self.inner.propose(reqs)
@@ -105,8 +113,9 @@ def server_stack(path, tm, dtype, tokenizer, stops, drafter: str | None, max_mod
 
 # ---------------------------------------------------------------------- helpers
 class _Method:
-    def __init__(self, name: str, kind: str, checkpoint: str | None, device, server):
+    def __init__(self, name: str, kind: str, checkpoint: str | None, device, server, branching: tuple = ()):
         self.name, self.kind, self.checkpoint, self.device, self.server = name, kind, checkpoint, device, server
+        self.branching = branching  # tree drafts: candidates per depth (() = a chain)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -140,7 +149,7 @@ def _generator(method: _Method, url: str, args):
     gen = RemoteGenerator(method.device, t, num_speculative_tokens=args.num_speculative_tokens,
                           adaptive_k=not args.fixed_k, offline="degrade", feature_codec=args.feature_codec,
                           reconnect_backoff_s=0.05, max_backoff_s=0.2, final_reconnects=2,
-                          offline_chunk=args.offline_chunk)
+                          offline_chunk=args.offline_chunk, branching=method.branching)
     return gen, t
 
 
@@ -183,6 +192,7 @@ def run_cs_bench(args) -> dict:
     from moa_serve.client import DeviceDrafter, Transport
     from moa_serve.drafter.checkpoint import drafter_kind, model_checkpoint
     from moa_serve.drafter.data import prompt_ids
+    from moa_serve.drafter.proposer import branching_label, parse_branching
     from moa_serve.engine.engine import SpeculativeEngine, stop_token_ids
     from moa_serve.engine.sampling import GREEDY
     from moa_serve.kernels.packed import pack_target
@@ -228,7 +238,8 @@ def run_cs_bench(args) -> dict:
     methods: list[_Method] = []
     checkpoints = [d for d in (args.drafter or "").split(",") if d and d.lower() != "none"]
     stacks: dict[str, object] = {}  # one per feature head: a hybrid shares its checkpoint's
-    for ck in checkpoints:
+    shapes = list(dict.fromkeys(parse_branching(b) for b in (args.branching or "chain").split(",")))
+    for ck, shape in ((ck, shape) for ck in checkpoints for shape in shapes):
         kind = drafter_kind(ck)
         dev = DeviceDrafter.load(ck, args.target, dtype_name, args.max_model_len)
         model = SlowedProposer(dev.model, args.device_slowdown)
@@ -244,7 +255,9 @@ def run_cs_bench(args) -> dict:
             name = f"lookup + {name}"
         if any(m.name == name for m in methods):  # the same kind twice: say which checkpoint
             name = f"{name} ({'/'.join(Path(model_checkpoint(ck)).parts[-2:])})"
-        methods.append(_Method(name, kind, ck, dev, srv))
+        if shape:
+            name = f"{name}, tree {branching_label(shape)}"
+        methods.append(_Method(name, kind, ck, dev, srv, shape))
     if not args.no_api_only:
         ref_dev = methods[0].device if methods else None
         prints = dict(ref_dev.fingerprints) if ref_dev is not None else None
@@ -411,6 +424,7 @@ def _report(args, methods, profiles, prompts, plain_runs, per_run, cut_runs, par
         "profiles": profiles, "max_new_tokens": args.max_new_tokens, "num_speculative_tokens":
             args.num_speculative_tokens, "adaptive_k": not args.fixed_k, "feature_codec": args.feature_codec,
         "device_slowdown": args.device_slowdown, "threads": args.threads, "prompt_format": args.prompt_format,
+        "branching": getattr(args, "branching", "chain"),
         "server_packed_layers": (packing or {}).get("packed", 0),
         "prompts": [{"question_id": p["question_id"], "category": p["category"], "prompt_tokens": len(p["ids"]),
                      "target_tokens": len(p.get("target_ids", []))} for p in prompts],
@@ -432,15 +446,19 @@ def _targets(table: list[dict], disc: list[dict]) -> dict:
 
     out: dict = {}
     api = get("4g", "API-only")
-    for prefix, key in (("", "4g_moa"), ("lookup + ", "4g_lookup_moa")):  # the drafters alone, and hybrids
-        moa, eagle = get("4g", f"{prefix}MoA"), get("4g", f"{prefix}EAGLE-style")
-        if moa and api and api["tokens_per_s"]:
-            r = moa["tokens_per_s"] / api["tokens_per_s"]
-            out[f"{key}_vs_api_only"] = {"ratio": round(r, 3), "target": 1.5, "met": r >= 1.5}
-        if moa and eagle and eagle["tokens_per_s"]:
-            r = moa["tokens_per_s"] / eagle["tokens_per_s"]
-            out[f"{key}_vs_{'lookup_' if prefix else ''}eagle"] = {"ratio": round(r, 3), "target": 1.2,
-                                                                   "met": r >= 1.2}
+    # tree variants ("MoA, tree 4-2") are compared with API-only and with EAGLE-style of the same shape
+    suffixes = [""] + sorted({r["method"].partition(", tree ")[2] for r in table if ", tree " in r["method"]})
+    for tree in suffixes:
+        for prefix, key in (("", "4g_moa"), ("lookup + ", "4g_lookup_moa")):  # the drafters alone, and hybrids
+            sfx, ksfx = (f", tree {tree}", f"_tree{tree}") if tree else ("", "")
+            moa, eagle = get("4g", f"{prefix}MoA{sfx}"), get("4g", f"{prefix}EAGLE-style{sfx}")
+            if moa and api and api["tokens_per_s"]:
+                r = moa["tokens_per_s"] / api["tokens_per_s"]
+                out[f"{key}{ksfx}_vs_api_only"] = {"ratio": round(r, 3), "target": 1.5, "met": r >= 1.5}
+            if moa and eagle and eagle["tokens_per_s"]:
+                r = moa["tokens_per_s"] / eagle["tokens_per_s"]
+                out[f"{key}{ksfx}_vs_{'lookup_' if prefix else ''}eagle"] = {"ratio": round(r, 3), "target": 1.2,
+                                                                             "met": r >= 1.2}
     out["calls_per_token_le_inverse_tau"] = {
         f"{r['profile']}/{r['method']}": {"calls_per_token": r["calls_per_token"], "inverse_tau": r["inverse_tau"],
                                           "met": r["inverse_tau"] is not None
@@ -528,6 +546,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=8, help="the most drafts per round")
     p.add_argument("--fixed-k", action="store_true", help="always draft -k tokens (default: the client's adaptive K)")
+    p.add_argument("--branching", default="chain",
+                   help="tree drafts: candidates per draft depth (e.g. 4-2); comma-separated shapes run every "
+                        "drafter once per shape ('chain' = none)")
     p.add_argument("--feature-codec", choices=["float16", "int8"], default="float16")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="server and device (float32: greedy identity is exact)")

@@ -140,6 +140,9 @@ class OracleProposer(_Copies):
     def __init__(self, reference: list[int], vocab: int, wrong: set[int] = frozenset()):
         super().__init__()
         self.ref, self.vocab, self.wrong = list(reference), vocab, set(wrong)
+        # tree drafts: with a branching, the right token at a wrong position is sent as an
+        # alternative there (with a wrong one before it)
+        self.branching: tuple[int, ...] = ()
 
     def propose(self, reqs):
         from moa_serve.drafter.proposer import DraftResult
@@ -148,15 +151,18 @@ class OracleProposer(_Copies):
         for r in reqs:
             c = self._take(r)
             on_path = c == self.ref[:len(c)]
-            drafts = []
+            drafts, alternatives = [], []
             for p in range(len(c), len(c) + r.num_drafts):
+                alternatives.append([])
                 if on_path and p < len(self.ref) and p not in self.wrong:
                     drafts.append(self.ref[p])
                 else:
                     base = self.ref[p] if p < len(self.ref) else (drafts[-1] if drafts else c[-1])
                     drafts.append((base + 1) % self.vocab)
+                    if self.branching and on_path and p < len(self.ref):
+                        alternatives[-1] = [(base + 2) % self.vocab, self.ref[p]]
                     on_path = False
-            out.append(DraftResult(r.session_id, drafts))
+            out.append(DraftResult(r.session_id, drafts, alternatives=alternatives if self.branching else []))
         return out
 
 

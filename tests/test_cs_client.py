@@ -79,6 +79,31 @@ def test_greedy_is_token_identical_to_plain_target_decoding(server, device, plai
     assert all(held == length - 1 for held, length in dev.proposer.feature_log)
 
 
+def test_tree_drafts_through_the_link_stay_token_identical(server, device, plain):
+    """Greedy tree drafts: the device sends its runners-up beside its chain; accepted alternatives
+    commit the target's own tokens (the output is plain decoding's) in fewer rounds."""
+    srv, uv = server
+    ids = device.tokenizer.encode(PROMPTS[2])
+    ref = reference(plain, ids, 48)
+    wrong = {len(ids) + 3, len(ids) + 9, len(ids) + 15, len(ids) + 22}
+    rounds = {}
+    for shape in ((), (3,)):
+        dev = oracle_device(device, ids, ref, wrong=wrong)
+        before = srv.runner.stats["alternatives_accepted"]
+        gen, t = generator(dev, uv.url, num_speculative_tokens=4, adaptive_k=False, branching=shape)
+        res = gen.generate(ids, 48, ignore_eos=True)
+        assert res.token_ids == ref
+        rounds[shape] = res.rounds
+        # (a wrong position the target's own token of a round covers is never drafted)
+        assert (srv.runner.stats["alternatives_accepted"] - before >= len(wrong) - 1) == bool(shape)
+    assert rounds[(3,)] < rounds[()]
+    # the trained drafter's own runners-up
+    real = DeviceDrafter.load(device.name, None, "float32", 512)
+    gen, t = generator(real, uv.url, branching="4-2")
+    res = gen.generate(ids, 48, ignore_eos=True)
+    assert res.token_ids == ref and res.verified_tokens == 48
+
+
 def test_int8_features_and_a_stop_token_end_the_session(server, device, plain):
     srv, uv = server
     ids = device.tokenizer.encode(PROMPTS[0])

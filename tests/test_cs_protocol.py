@@ -330,6 +330,14 @@ def test_bad_verify_is_a_4xx_naming_the_field(api, server):
         (api.post(url, json={"round": 1, "committed_length": 4, "draft_ids": [600]}), 400, "draft_ids.0"),
         (api.post(url, json={"round": 1, "committed_length": 4, "draft_ids": [1] * 65}), 400, "draft_ids"),
         (api.post(url, json={"round": 1, "committed_length": 4, "draft_id": [1]}), 400, "draft_id"),
+        (api.post(url, json={"round": 1, "committed_length": 4, "draft_ids": [1], "alternatives": [[2], [3]]}), 400,
+         "alternatives"),
+        (api.post(url, json={"round": 1, "committed_length": 4, "draft_ids": [1], "alternatives": [[2, 600]]}),
+         400, "alternatives.0.1"),
+        (api.post(url, json={"round": 1, "committed_length": 4, "draft_ids": [1, 2],
+                             "alternatives": [[3] * 20, [4] * 5]}), 400, "alternatives"),
+        (api.post(url, json={"round": 1, "committed_length": 4, "draft_ids": [1], "alternatives": [["x"]]}),
+         400, "alternatives.0.0"),
         (api.post(url, content=b"\x05\x00", headers=frame), 400, "body"),
         (api.post(url, content=wire.pack({"round": 1, "committed_length": 4}, {"junk": torch.ones(1)}),
                   headers=frame), 400, "junk"),
@@ -344,3 +352,8 @@ def test_bad_verify_is_a_4xx_naming_the_field(api, server):
     assert cases[-1][0].json()["error"]["expected_length"] == 0
     r = api.post(url, json={"round": 1, "committed_length": 4})  # the session is still fine
     assert r.status_code == 200 and json.loads(r.content[4:4 + int.from_bytes(r.content[:4], "little")])["round"] == 1
+    # tree drafts are verified greedily: a sampling session is told to send a chain
+    r = api.post("/v1/cs/sessions", json=_create(server, max_tokens=8, temperature=0.8, seed=1))
+    url = f"/v1/cs/sessions/{wire.unpack(r.content)[0]['session_id']}/verify"
+    r = api.post(url, json={"round": 1, "committed_length": 4, "draft_ids": [1], "alternatives": [[2]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "alternatives"

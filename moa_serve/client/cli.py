@@ -11,12 +11,19 @@ def cmd_client_generate(args) -> int:
     from moa_serve.cli import CLIError, _sampling, check_generation_args, prompt_tokens
     from moa_serve.client import DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, ServerError, Transport
 
+    from moa_serve.drafter.proposer import parse_branching
+
     check_generation_args(args)
     sampling = _sampling(args)
+    try:
+        branching = parse_branching(args.branching)
+    except ValueError as exc:
+        raise CLIError(f"--branching: {exc}") from None
     device = DeviceDrafter.load(args.drafter, args.target, args.dtype, args.max_model_len, args.device)
     transport = Transport(args.server, timeout_s=args.timeout)
     gen = RemoteGenerator(device, transport, num_speculative_tokens=args.num_speculative_tokens,
-                          adaptive_k=not args.fixed_k, offline=args.offline, feature_codec=args.feature_codec)
+                          adaptive_k=not args.fixed_k, offline=args.offline, feature_codec=args.feature_codec,
+                          branching=branching)
     prompt = prompt_tokens(device.tokenizer, args.prompt, args.chat)
     try:
         res = gen.generate(prompt, args.max_new_tokens, sampling, ignore_eos=args.ignore_eos)
@@ -60,6 +67,9 @@ def register(sub) -> None:
                    help="when the server is unreachable: keep writing with the drafter (unverified, corrected on "
                         "reconnection) or fail")
     g.add_argument("--feature-codec", choices=["float16", "int8"], default="float16")
+    g.add_argument("--branching", default="chain",
+                   help="tree drafts (greedy): candidates per draft depth, e.g. 4-2 (the drafter's runners-up go "
+                        "with its chain and are verified beside it); 'chain' = none")
     g.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP call")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

@@ -27,7 +27,7 @@ from moa_serve.client.adaptive import KController
 from moa_serve.client.device import DeviceDrafter
 from moa_serve.client.transport import ResyncError, ServerError, Transport, Unreachable
 from moa_serve.cs import wire
-from moa_serve.drafter.proposer import DraftRequest
+from moa_serve.drafter.proposer import DraftRequest, parse_branching
 from moa_serve.engine.sampling import GREEDY, SamplingParams
 from moa_serve.engine.session import FeatureStore
 
@@ -107,7 +107,7 @@ class RemoteGenerator:
     def __init__(self, device: DeviceDrafter, transport: Transport, *, num_speculative_tokens: int = 4,
                  adaptive_k: bool = True, offline: str = "degrade", feature_codec: str = "float16",
                  reconnect_backoff_s: float = 0.25, max_backoff_s: float = 4.0, final_reconnects: int = 8,
-                 offline_chunk: int = 4):
+                 offline_chunk: int = 4, branching: tuple[int, ...] | str = ()):
         if offline not in OFFLINE_MODES:
             raise ValueError(f"offline must be one of {OFFLINE_MODES}, got {offline!r}")
         if feature_codec not in wire.FEATURE_CODECS:
@@ -119,6 +119,12 @@ class RemoteGenerator:
         self.offline, self.feature_codec = offline, feature_codec
         self.reconnect_backoff_s, self.max_backoff_s = reconnect_backoff_s, max_backoff_s
         self.final_reconnects, self.offline_chunk = final_reconnects, offline_chunk
+        # tree drafts (greedy): the drafter's runners-up per depth go with the chain, verified beside it
+        self.branching = parse_branching(branching)
+        if self.branching:
+            if not hasattr(device.proposer, "branching"):
+                raise ValueError(f"drafter {device.name}: tree drafts need a trained drafter")
+            device.proposer.branching = self.branching
         self.identity: dict | None = None
 
     def handshake(self) -> dict:
@@ -176,6 +182,7 @@ class GenerationRun:
         self.max_new, self.sampling, self.ignore_eos = max_new, sampling, ignore_eos
         self.stops = frozenset() if ignore_eos else frozenset(ident["stop_token_ids"])
         self.max_drafts = int(ident["max_drafts"])
+        self.max_alternatives = int(ident.get("max_alternatives", 0))  # 0: a server without tree drafts
         self.prompt_len = len(prompt)
         self.verified = list(prompt)  # committed: prompt + verified output
         self.tail: list[int] = []  # offline tokens, not verified yet
@@ -244,9 +251,9 @@ class GenerationRun:
             return
         k = min(self.k.k(), self.room - 1)
         t0 = time.perf_counter()
-        drafts, probs = self._draft(k) if k > 0 else ([], None)
+        drafts, probs, alternatives = self._draft(k) if k > 0 else ([], None, [])
         draft_s = time.perf_counter() - t0
-        header, tensors = self._verify(drafts, probs)
+        header, tensors = self._verify(drafts, probs, alternatives=alternatives)
         self.k.observe(len(drafts), int(header["accepted"]), draft_s, self.t.last_round_trip_s)
         yield from self._apply(header, tensors, drafts)
 
@@ -260,7 +267,7 @@ class GenerationRun:
             done = self.room <= 0 or bool(self.tail and self.tail[-1] in self.stops)
             if not done:
                 pos = self.generated + len(self.tail)
-                drafts, probs = self._draft(min(self.g.offline_chunk, self.room))
+                drafts, probs, _ = self._draft(min(self.g.offline_chunk, self.room))
                 for i, tok in enumerate(drafts):
                     if tok in self.stops:
                         drafts = drafts[:i + 1]
@@ -293,8 +300,9 @@ class GenerationRun:
             return
 
     # ------------------------------------------------------------------ the device's drafter
-    def _draft(self, k: int) -> tuple[list[int], torch.Tensor | None]:
-        """k drafts after the committed tokens and the offline tail, from the local proposer."""
+    def _draft(self, k: int) -> tuple[list[int], torch.Tensor | None, list[list[int]]]:
+        """k drafts after the committed tokens and the offline tail, from the local proposer, their
+        distributions (sampling) and their alternatives (tree drafts)."""
         for _ in range(2):
             start = self.fed_features
             req = DraftRequest(LOCAL_ID, self.verified + self.tail, k, start, self.features.since(start),
@@ -302,9 +310,19 @@ class GenerationRun:
             r = self.drafting.propose([req])[0]
             if r.needs_features_from is None:
                 self.fed_features = self.features.end
-                return list(r.drafts), r.probs
+                return list(r.drafts), r.probs, self._alternatives(r.alternatives)
             self.fed_features = min(r.needs_features_from, self.features.end)  # resend from there
-        return [], None
+        return [], None, []
+
+    def _alternatives(self, alternatives: list[list[int]]) -> list[list[int]]:
+        """As many of the drafter's alternatives as the server verifies per round, shallowest first."""
+        out, room = [], self.max_alternatives
+        for row in alternatives:
+            out.append(list(row[:room]))
+            room -= len(out[-1])
+        while out and not out[-1]:
+            out.pop()
+        return out
 
     def _tail_drafts(self) -> tuple[list[int], torch.Tensor | None]:
         drafts = self.tail[:self.max_drafts]
@@ -312,8 +330,11 @@ class GenerationRun:
         return drafts, probs
 
     # ------------------------------------------------------------------ the server
-    def _verify(self, drafts: list[int], probs, attempts: int | None = None):
+    def _verify(self, drafts: list[int], probs, attempts: int | None = None,
+                alternatives: list[list[int]] | None = None):
         body = {"round": self.round, "committed_length": len(self.verified), "draft_ids": drafts}
+        if alternatives:
+            body["alternatives"] = alternatives
         if self.features_from is not None:
             body["features_from"] = self.features_from
         try:

@@ -35,6 +35,7 @@ from moa_serve.engine.session import Session
 log = logging.getLogger(__name__)
 
 MAX_DRAFTS = 64  # per verify call: K, or an offline tail verified on reconnection
+MAX_ALTERNATIVES = 24  # tree drafts: alternatives per verify call, all depths together
 
 
 class CSError(Exception):
@@ -66,6 +67,7 @@ class ServerIdentity:
     max_model_len: int
     stop_token_ids: list[int]
     max_drafts: int = MAX_DRAFTS
+    max_alternatives: int = MAX_ALTERNATIVES  # tree drafts, greedy sessions only
     session_ttl_s: float = 300.0
     feature_codecs: tuple[str, ...] = ("float16", "int8")
     # "latest": the drafter reads only the freshest verified feature (MoA with
@@ -196,7 +198,8 @@ class ClientSessions:
 
     # ------------------------------------------------------------------ verify
     async def verify(self, session_id: str, round: int, committed_length: int, drafts: list[int],
-                     probs: torch.Tensor | None = None, features_from: int | None = None) -> Reply:
+                     probs: torch.Tensor | None = None, features_from: int | None = None,
+                     alternatives: list[list[int]] | None = None) -> Reply:
         self._sweep()
         e = self.entries.get(session_id)
         if e is None:
@@ -222,10 +225,28 @@ class ClientSessions:
         if len(drafts) > ident.max_drafts:
             raise CSError(400, f"draft_ids: at most {ident.max_drafts} drafts per round", "draft_ids")
         self._check_ids(ident, drafts, "draft_ids")
+        alternatives = self._check_alternatives(ident, s, drafts, alternatives or [])
         probs = self._check_probs(ident, s, drafts, probs)
         if features_from is not None:  # the client lost some: they come again from there
             e.features_sent = min(e.features_sent, features_from)
-        return await self._start_round(e, key, drafts, probs)
+        return await self._start_round(e, key, drafts, probs, alternatives)
+
+    @classmethod
+    def _check_alternatives(cls, ident: ServerIdentity, s: Session, drafts: list[int],
+                            alternatives: list[list[int]]) -> list[list[int]]:
+        if not alternatives:
+            return []
+        if not s.sampling.greedy:
+            raise CSError(400, "alternatives: tree drafts are verified greedily; this session samples "
+                          "(send a chain of draft_ids)", "alternatives")
+        if len(alternatives) > len(drafts):
+            raise CSError(400, f"alternatives: {len(alternatives)} depths for {len(drafts)} draft_ids "
+                          "(alternatives[i] are verified beside draft_ids[i])", "alternatives")
+        if sum(len(a) for a in alternatives) > ident.max_alternatives:
+            raise CSError(400, f"alternatives: at most {ident.max_alternatives} per round", "alternatives")
+        for i, row in enumerate(alternatives):
+            cls._check_ids(ident, row, f"alternatives.{i}")
+        return [list(row) for row in alternatives]
 
     @staticmethod
     def _check_probs(ident: ServerIdentity, s: Session, drafts: list[int], probs) -> torch.Tensor | None:
@@ -244,9 +265,10 @@ class ClientSessions:
         return probs
 
     # ------------------------------------------------------------------ rounds
-    async def _start_round(self, e: _Entry, key: tuple[int, int], drafts: list[int], probs) -> Reply:
+    async def _start_round(self, e: _Entry, key: tuple[int, int], drafts: list[int], probs,
+                           alternatives: list[list[int]] | None = None) -> Reply:
         e.inflight_key = key
-        e.inflight = asyncio.ensure_future(self._round(e, key, drafts, probs))
+        e.inflight = asyncio.ensure_future(self._round(e, key, drafts, probs, alternatives or []))
         return await self._answer(e, key)
 
     async def _answer(self, e: _Entry, key: tuple[int, int]) -> Reply:
@@ -259,11 +281,12 @@ class ClientSessions:
             return e.last
         raise CSError(409, "that round is neither running nor the last one answered", "round", "conflict")
 
-    async def _round(self, e: _Entry, key: tuple[int, int], drafts: list[int], probs) -> Reply:
+    async def _round(self, e: _Entry, key: tuple[int, int], drafts: list[int], probs,
+                     alternatives: list[list[int]]) -> Reply:
         s = e.tracked.session
         accepted_before = s.accepted
         try:
-            ev = await self.service.verify_remote(e.tracked, drafts, probs)
+            ev = await self.service.verify_remote(e.tracked, drafts, probs, alternatives)
             if ev.finish_reason is not None and ev.finish_reason.startswith("error"):
                 self.entries.pop(s.id, None)  # the client's retry resyncs
                 raise CSError(503, f"verification failed: {ev.finish_reason}", None, "server_error")

@@ -335,12 +335,13 @@ class RoundService:
         """Yields TokenEvents until the session finishes; aborting the consumer frees it."""
         return stream_events(tracked, self.abort)
 
-    async def verify_remote(self, tracked: _Tracked, drafts: list[int],
-                            probs: torch.Tensor | None = None) -> TokenEvent:
+    async def verify_remote(self, tracked: _Tracked, drafts: list[int], probs: torch.Tensor | None = None,
+                            alternatives: list[list[int]] | None = None) -> TokenEvent:
         """One round of a remote session: the client's drafts (none: the target's next token,
         e.g. the first round, which prefills the prompt) are verified in its group's next verify
-        call, beside the other sessions'. Returns the round's event (tokens committed and the
-        finish reason). Drafts past the room left in the output or the context are dropped."""
+        call, beside the other sessions', with their ``alternatives`` (tree drafts, greedy).
+        Returns the round's event (tokens committed and the finish reason). Drafts past the room
+        left in the output or the context are dropped."""
         if not tracked.remote:
             raise ValueError("verify_remote needs a session submitted with remote=True")
         if tracked.pending is not None:
@@ -351,8 +352,9 @@ class RoundService:
         room = max(0, min(s.max_new_tokens - len(s.generated), s.max_model_len - len(s.tokens)) - 1)
         drafts = list(drafts)[:room]
         probs = probs[:len(drafts)] if probs is not None and drafts else None
+        alternatives = [list(a) for a in (alternatives or [])[:len(drafts)]]
         done = asyncio.get_running_loop().create_future()
-        tracked.pending = RemoteRound(DraftResult(s.id, drafts, probs), done)
+        tracked.pending = RemoteRound(DraftResult(s.id, drafts, probs, alternatives), done)
         if tracked.group is not None:
             self._wake[tracked.group].set()
         return await done
