@@ -149,6 +149,11 @@ class AppConfig(_Strict):
         "rounded once when written, still batch-invariant (lossless against that target)")
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     adaptive_speculation: bool = Field(True, description="per session, draft about as many tokens as recently accepted (at most num_speculative_tokens)")
+    branching: str = Field("chain", description="tree drafts (backend torch, greedy sessions): candidates per "
+                           "draft depth, e.g. '4-2' = the drafter's top 4 at the first depth and top 2 at the second "
+                           "are verified (the runners-up as leaves beside the drafted chain); alternatives are "
+                           "dropped, deepest first, where a round would exceed router.speculation_token_budget. "
+                           "'chain' = none")
     max_model_len: int = Field(2048, ge=16)
     model_name: str | None = Field(None, description="name served by /v1/models; default: the target")
     router: RouterConfig = RouterConfig()
@@ -211,10 +216,18 @@ def session_problems(cfg: AppConfig) -> list[str]:
 
 
 def backend_problems(cfg: AppConfig) -> list[str]:
-    """What the vLLM backend cannot serve."""
+    """What the vLLM backend cannot serve (and a tree shape that does not parse)."""
+    from moa_serve.drafter.proposer import parse_branching
+
+    try:
+        tree = parse_branching(cfg.branching)
+    except ValueError as exc:
+        return [f"branching: {exc}"]
     if cfg.backend != "vllm":
         return []
     out = []
+    if tree:
+        out.append(f"branching {cfg.branching!r}: tree drafts need backend torch (vLLM verifies chains)")
     if cfg.matmul_precision != "highest":
         out.append(f"matmul_precision {cfg.matmul_precision!r} is a torch-backend setting; with backend vllm set "
                    "dtype (bfloat16 multiplies in bf16)")

@@ -146,6 +146,15 @@ def test_vllm_backend_rules(llama3_dir):
         AppConfig.model_validate({**args_of("gpu.yaml"), "kv_cache_dtype": "bfloat16"})
     lookup = AppConfig.model_validate({**args_of("gpu.yaml"), "drafter": "lookup"})  # vLLM's n-gram: no pool
     assert set(lookup.pools()) == {"verifier_pool"}
+    with pytest.raises(ValueError, match="tree drafts need backend torch"):
+        AppConfig.model_validate({**args_of("gpu.yaml"), "branching": "4-2"})
+
+
+def test_branching_is_a_tree_shape():
+    a = args_of("local-cpu.yaml")
+    assert AppConfig.model_validate({**a, "branching": "4-2"}).branching == "4-2"
+    with pytest.raises(ValueError, match="branching: branching widths must be between 1 and 16"):
+        AppConfig.model_validate({**a, "branching": "4-40"})
 
 
 def test_cpu_memory_option_is_the_limit(stories_path, monkeypatch):

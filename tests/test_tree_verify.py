@@ -141,3 +141,22 @@ def test_alternatives_without_room_in_the_context_are_dropped(target):
     prompt = list(range(5, 34))  # 29 tokens + 2 drafts fit; 3 alternatives more do not
     (r,) = runner.verify([VerifyRequest("s", prompt, [7, 8], want_features=False, alternatives=[[9, 10], [11]])])
     assert 1 <= len(r.tokens) <= 3
+
+
+def test_a_rounds_alternatives_are_trimmed_deepest_first_to_its_budget():
+    from moa_serve.drafter.proposer import DraftResult
+    from moa_serve.engine.rounds import trim_alternatives
+
+    def round_():
+        return {"a": DraftResult("a", [1, 2, 3], alternatives=[[4, 5, 6], [7], [8, 9]]),
+                "b": DraftResult("b", [1, 2], alternatives=[[4, 5], [6]])}
+
+    d = round_()  # 2 sessions: 2 + 5 drafts + 9 alternatives = 16 tokens
+    assert trim_alternatives(d, 2, 0) == 0 and trim_alternatives(d, 2, 16) == 0
+    assert d["a"].alternatives == [[4, 5, 6], [7], [8, 9]]
+    d = round_()
+    assert trim_alternatives(d, 2, 12) == 4  # the depth-3 pair, then depth 2's from a and b
+    assert d["a"].alternatives == [[4, 5, 6], [], []] and d["b"].alternatives == [[4, 5], []]
+    d = round_()
+    assert trim_alternatives(d, 2, 5) == 9  # nothing left to drop but chains, which stay
+    assert d["a"].drafts == [1, 2, 3] and all(not a for r in d.values() for a in r.alternatives)

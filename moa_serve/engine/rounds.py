@@ -82,6 +82,28 @@ def drafts_failed(sessions: dict[str, Session], requests: list[DraftRequest]) ->
         s.features_sent = 0
 
 
+def trim_alternatives(drafts: dict[str, DraftResult], sessions: int, budget: int) -> int:
+    """Keeps a round's tree drafts within its verify budget: ``sessions`` each feed their drafts + 1
+    tokens, and alternatives are dropped, deepest first, while the round would exceed ``budget``
+    tokens (0: no budget). The chains are never cut (``speculation_cap`` sized them). Returns how
+    many alternatives were dropped."""
+    alts = sum(len(a) for d in drafts.values() for a in d.alternatives)
+    if budget <= 0 or not alts:
+        return 0
+    over = sessions + sum(len(d.drafts) for d in drafts.values()) + alts - budget
+    dropped = 0
+    for depth in range(max(len(d.alternatives) for d in drafts.values()) - 1, -1, -1):
+        for d in drafts.values():
+            if over <= 0:
+                return dropped
+            if depth < len(d.alternatives) and d.alternatives[depth]:
+                cut = min(over, len(d.alternatives[depth]))
+                d.alternatives[depth] = d.alternatives[depth][:len(d.alternatives[depth]) - cut]
+                over -= cut
+                dropped += cut
+    return dropped
+
+
 # ---------------------------------------------------------------------- verify
 def verify_requests(sessions: list[Session], drafts: dict[str, DraftResult],
                     want_features: bool | set[str] = True, decode_steps: int = 1) -> list[VerifyRequest]:

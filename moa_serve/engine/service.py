@@ -494,6 +494,7 @@ class RoundService:
         local = [t.session for t in batch if not t.remote]
         drafts = await self._draft_round(g, by_id, local, cap, profile, self._decode_steps(batch, {}, False), matches)
         drafts.update(remote)  # drafted on the clients' devices
+        rounds.trim_alternatives(drafts, len(sessions), self.speculation_token_budget)
         want = self._features_wanted(g, batch, cap)
         steps = self._decode_steps(batch, drafts, want)
         t1 = time.perf_counter()
