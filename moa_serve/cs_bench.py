@@ -227,7 +227,7 @@ def run_cs_bench(args) -> dict:
     dt = parse_dtype(args.dtype, "cpu", path)
     tm = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, "cpu")
     # the server's target as a verifier replica runs it (packed GGUF / bf16 kernels); every stack shares it
-    packing = (pack_target(tm, path) if args.packed_weights == "auto"
+    packing = (pack_target(tm, path, args.matmul_precision) if args.packed_weights == "auto"
                else {"packed": 0, "reason": "--packed-weights off"})
     tok = load_tokenizer(path)
     stops = stop_token_ids(path, tok)
@@ -253,7 +253,7 @@ def run_cs_bench(args) -> dict:
         name = {"moa": "MoA", "eagle": "EAGLE-style", "independent": "independent"}.get(kind, kind)
         if dev.uses_lookup:
             name = f"lookup + {name}"
-        if any(m.name == name for m in methods):  # the same kind twice: say which checkpoint
+        if any(m.name == name and m.branching == shape for m in methods):  # the same kind twice: say which checkpoint
             name = f"{name} ({'/'.join(Path(model_checkpoint(ck)).parts[-2:])})"
         if shape:
             name = f"{name}, tree {branching_label(shape)}"
@@ -426,6 +426,7 @@ def _report(args, methods, profiles, prompts, plain_runs, per_run, cut_runs, par
         "device_slowdown": args.device_slowdown, "threads": args.threads, "prompt_format": args.prompt_format,
         "branching": getattr(args, "branching", "chain"),
         "server_packed_layers": (packing or {}).get("packed", 0),
+        "server_matmul_precision": (packing or {}).get("matmul_precision", "highest"),
         "prompts": [{"question_id": p["question_id"], "category": p["category"], "prompt_tokens": len(p["ids"]),
                      "target_tokens": len(p.get("target_ids", []))} for p in prompts],
         "plain_target": {"tokens": ptok, "elapsed_s": round(pel, 3),
@@ -484,7 +485,8 @@ def markdown(result: dict) -> str:
              f"features {result['feature_codec']}, device slowdown {result['device_slowdown']:g}× "
              f"(server/device compute ratio), plain target decoding in-process: "
              f"{result['plain_target']['tokens_per_s']:.2f} tok/s"
-             + (f" (packed kernels, {result['server_packed_layers']} layers)" if result.get("server_packed_layers")
+             + (f" (packed kernels, {result['server_packed_layers']} layers, matmul precision "
+                f"{result.get('server_matmul_precision', 'highest')})" if result.get("server_packed_layers")
                 else "") + ".", "",
              "| profile | method | tok/s | ms/token | calls/100 tok | B up/tok | B down/tok | τ | "
              "identical to target |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -555,6 +557,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--packed-weights", choices=["auto", "off"], default="auto",
                    help="auto: the server's target runs on the packed kernels, as a verifier replica does")
+    p.add_argument("--matmul-precision", choices=["highest", "medium"], default="highest",
+                   help="the server's packed matmuls (the config's matmul_precision): medium multiplies bf16-rounded "
+                        "values with float32 sums on AVX512-BF16 CPUs; plain decoding, the reference, runs the same")
     p.add_argument("--device-slowdown", type=float, default=3.0,
                    help="the device's drafting takes this many times its measured time (the server has this many "
                         "times the device's compute; the paper: 3)")

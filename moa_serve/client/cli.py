@@ -11,7 +11,7 @@ def cmd_client_generate(args) -> int:
     from moa_serve.cli import CLIError, _sampling, check_generation_args, prompt_tokens
     from moa_serve.client import DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, ServerError, Transport
 
-    from moa_serve.drafter.proposer import parse_branching
+    from moa_serve.drafter.proposer import branching_label, parse_branching
 
     check_generation_args(args)
     sampling = _sampling(args)
@@ -34,6 +34,7 @@ def cmd_client_generate(args) -> int:
     if args.json:
         print(json.dumps({**res.as_dict(), "server": args.server, "drafter": args.drafter,
                           "dtype": str(device.dtype).removeprefix("torch."), "feature_codec": args.feature_codec,
+                          "branching": branching_label(branching),
                           "device_weights_mib": round(device.weight_bytes() / 2**20, 1)}))
     else:
         print(res.text)
