@@ -26,13 +26,14 @@ def test_cs_bench_local_one_prompt(tmp_path, stories_path, stories_drafter):
                "--profiles", "local",
                "--questions", str(q), "--categories", "", "--prompt-format", "plain", "--max-new-tokens", "40",
                "--cut-profile", "local", "--cut-after-tokens", "4", "--max-model-len", "256", "-k", "4",
-               "--out", str(out)])
+               "--branching", "chain,3-2", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert (out / "results.md").read_text().startswith("# moa cs-bench")
     assert res["partial"] is False and res["profiles"] == ["local"] and len(res["prompts"]) == 1
     runs = {r["method"]: r for r in res["runs"]}
-    assert set(runs) == {"MoA", "lookup + MoA", "API-only"}
+    assert set(runs) == {"MoA", "lookup + MoA", "MoA, tree 3-2", "lookup + MoA, tree 3-2", "API-only"}
+    assert res["branching"] == "chain,3-2"
     for r in runs.values():
         for f in ("tokens_per_s", "ms_per_token", "calls_per_100_tokens", "bytes_up_per_token",
                   "bytes_down_per_token", "mean_accepted_length", "identical_all"):
@@ -45,7 +46,7 @@ def test_cs_bench_local_one_prompt(tmp_path, stories_path, stories_drafter):
     assert api["mean_accepted_length"] == 1.0 and api["draft_acceptance"] is None
     assert runs["MoA"]["bytes_down_per_token"] > api["bytes_down_per_token"]  # features travel down
     disc = {d["method"]: d for d in res["disconnection"]}
-    assert set(disc) == {"MoA", "lookup + MoA", "API-only"}
+    assert set(disc) == set(runs)
     assert all(d["cut"] == 1 and d["verified_identical"] for d in disc.values())
     assert disc["API-only"]["offline_tokens"] == 0 and disc["API-only"]["mean_tokens_until_divergence"] == 0
     assert disc["MoA"]["offline_tokens"] > 0 and disc["MoA"]["math_prompts"] == 1
