@@ -149,7 +149,7 @@ class PackedBatch:
         self.token_slots = torch.cat([torch.full((n,), s) for s, n in zip(slots, lens)]).to(device)
         store_at = torch.cat(store).to(device)  # where each token's K/V is written
         self.store_at = store_at if any(twins) else None
-        self.stored = store_at
+        self._write_at = store_at  # every token's (the kernels take None for a plain batch)
         if int(store_at.max()) >= cache.max_len:
             raise ValueError(f"positions up to {int(store_at.max())} exceed the cache ({cache.max_len})")
         self.short, self.long = None, []
@@ -184,8 +184,8 @@ class PackedBatch:
         """The ``attention`` callable of ``DecoderLayer.forward_packed`` for cache layer ``layer``."""
         def attend_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             c = self.cache
-            c.k[layer, self.token_slots, :, self.stored] = k.to(c.k.dtype)  # a bf16 cache under a float32 model
-            c.v[layer, self.token_slots, :, self.stored] = v.to(c.v.dtype)
+            c.k[layer, self.token_slots, :, self._write_at] = k.to(c.k.dtype)  # a bf16 cache under a float32 model
+            c.v[layer, self.token_slots, :, self._write_at] = v.to(c.v.dtype)
             if self.kernel:
                 return kernels.attention(q, c.k[layer], c.v[layer], self.token_slots, self.positions, self.store_at)
             n, heads, hd = q.shape

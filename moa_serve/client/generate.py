@@ -121,10 +121,10 @@ class RemoteGenerator:
         self.final_reconnects, self.offline_chunk = final_reconnects, offline_chunk
         # tree drafts (greedy): the drafter's runners-up per depth go with the chain, verified beside it
         self.branching = parse_branching(branching)
-        if self.branching:
-            if not hasattr(device.proposer, "branching"):
-                raise ValueError(f"drafter {device.name}: tree drafts need a trained drafter")
-            device.proposer.branching = self.branching
+        if hasattr(device.proposer, "branching"):
+            device.proposer.branching = self.branching  # (a device reused by another generator included)
+        elif self.branching:
+            raise ValueError(f"drafter {device.name}: tree drafts need a trained drafter")
         self.identity: dict | None = None
 
     def handshake(self) -> dict:
