@@ -45,10 +45,11 @@ class _Method:
 def drafter_labels(drafters: list[str]) -> dict[str, str]:
     """A distinct short label per drafter argument: the folder name, or as many trailing path parts
     as it takes to tell apart checkpoints of the same name (``A/drafter-moa`` vs ``B/drafter-moa``)."""
-    parts = {d: Path(d).parts or (d,) for d in drafters}
+    hybrid = "hybrid:"  # prompt lookup in front of a checkpoint: the label keeps saying so
+    parts = {d: Path(d.removeprefix(hybrid)).parts or (d,) for d in drafters}
     if len(parts) < len(drafters):
         raise ValueError(f"--drafter: a drafter is given twice ({','.join(drafters)})")
-    suffix = lambda d, n: "/".join(parts[d][-n:])  # noqa: E731
+    suffix = lambda d, n: (hybrid if d.startswith(hybrid) else "") + "/".join(parts[d][-n:])  # noqa: E731
     labels = {}
     for d in drafters:
         n = 1
