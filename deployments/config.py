@@ -151,7 +151,8 @@ class AppConfig(_Strict):
     adaptive_speculation: bool = Field(True, description="per session, draft about as many tokens as recently accepted (at most num_speculative_tokens)")
     branching: str = Field("chain", description="tree drafts (backend torch, greedy sessions): candidates per "
                            "draft depth, e.g. '4-2' = the drafter's top 4 at the first depth and top 2 at the second "
-                           "are verified (the runners-up as leaves beside the drafted chain); alternatives are "
+                           "are verified (the runners-up as leaves beside the drafted chain); '8-3-2@0.05': only "
+                           "candidates the drafter rates at least 0.05 (dynamic); alternatives are "
                            "dropped, deepest first, where a round would exceed router.speculation_token_budget. "
                            "'chain' = none")
     max_model_len: int = Field(2048, ge=16)

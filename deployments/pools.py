@@ -175,7 +175,7 @@ class DrafterPool(_Pool):
         self.proposer = load_proposer(self.cfg.drafter_checkpoint, target=self.cfg.target, dtype=self.cfg.dtype,
                                       device=self.cfg.device, max_sessions=pool.max_sessions,
                                       max_model_len=self.cfg.max_model_len)
-        self.proposer.branching = parse_branching(self.cfg.branching)  # tree drafts for greedy sessions
+        self.proposer.set_tree(parse_branching(self.cfg.branching))  # tree drafts for greedy sessions
         log.info("DrafterPool %s ready: %s", self._replica, self.cfg.drafter_checkpoint)
 
     async def propose(self, requests, group=None) -> PoolReply:

@@ -181,14 +181,9 @@ class HybridProposer:
     def sessions(self):
         return self.model.sessions
 
-    @property
-    def branching(self) -> tuple[int, ...]:
-        """The model's tree drafts (lookup drafts are chains)."""
-        return getattr(self.model, "branching", ())
-
-    @branching.setter
-    def branching(self, widths: tuple[int, ...]) -> None:
-        self.model.branching = widths
+    def set_tree(self, shape) -> None:
+        """Tree drafts where the model drafts (lookup drafts stay chains)."""
+        self.model.set_tree(shape)
 
     @property
     def max_sessions(self) -> int:

@@ -104,30 +104,54 @@ def _check_target(cfg: DrafterConfig, arch: TargetArch) -> None:
 MAX_BRANCHING = 16
 
 
-def parse_branching(text: str | tuple | list | None) -> tuple[int, ...]:
-    """Tree-draft widths: ``"4-2-2"`` = the top 4 candidates at the first draft depth, the top 2 at
-    the next two, 1 beyond; ``""``, ``"1"`` or ``"chain"`` = a plain chain (``()``)."""
+@dataclass(frozen=True)
+class TreeShape:
+    """Tree drafts: ``widths`` = candidates per draft depth (``(4, 2)``: the drafter's top 4 at the
+    first depth, its top 2 at the second, the top 1 beyond; the top one is drafted on, the others
+    are verified beside it as leaves); ``min_value`` > 0 makes the tree dynamic (EAGLE-2's idea): a
+    candidate goes only if the drafter's own estimate that it is the target's token there (the
+    product of the chain's top-1 probabilities before its depth, times its probability) reaches it."""
+    widths: tuple[int, ...] = ()
+    min_value: float = 0.0
+
+    def __bool__(self) -> bool:
+        return bool(self.widths)
+
+    @property
+    def label(self) -> str:
+        if not self.widths:
+            return "chain"
+        return "-".join(map(str, self.widths)) + (f"@{self.min_value:g}" if self.min_value > 0 else "")
+
+
+def parse_branching(text: "str | TreeShape | tuple | list | None") -> TreeShape:
+    """``"4-2-2"`` (fixed widths per depth), ``"8-3-2@0.05"`` (the same, candidates worth less than
+    0.05 dropped: ``TreeShape.min_value``); ``""``, ``"1"`` or ``"chain"``: a plain chain."""
+    if isinstance(text, TreeShape):
+        return text
     if text is None:
-        return ()
+        return TreeShape()
+    min_value = 0.0
     if isinstance(text, (tuple, list)):
         widths = [int(w) for w in text]
     else:
         text = str(text).strip()
         if text in ("", "chain"):
-            return ()
+            return TreeShape()
+        shape, _, value = text.partition("@")
         try:
-            widths = [int(w) for w in text.split("-")]
+            widths = [int(w) for w in shape.split("-")]
+            min_value = float(value) if value else 0.0
         except ValueError:
-            raise ValueError(f"branching must look like 4-2-2 (candidates per draft depth); got {text!r}") from None
+            raise ValueError(f"branching must look like 4-2-2 or 8-3-2@0.05 (candidates per draft depth, "
+                             f"optionally the least worth of a candidate); got {text!r}") from None
     if any(not 1 <= w <= MAX_BRANCHING for w in widths):
         raise ValueError(f"branching widths must be between 1 and {MAX_BRANCHING}; got {widths}")
+    if not 0.0 <= min_value < 1.0:
+        raise ValueError(f"branching: a candidate's least worth (after @) must be in [0, 1); got {min_value}")
     while widths and widths[-1] == 1:
         widths.pop()
-    return tuple(widths)
-
-
-def branching_label(widths: tuple[int, ...]) -> str:
-    return "-".join(map(str, widths)) if widths else "chain"
+    return TreeShape(tuple(widths), min_value if widths else 0.0)
 
 
 def rollback_point(fed: list[int], committed: list[int]) -> int:
@@ -162,9 +186,14 @@ class ProposerBase:
     # the first depth, the top 2 at the second, the top 1 beyond). The top one is drafted on;
     # the others are its alternatives, verified beside it as leaves. () = a plain chain.
     branching: tuple[int, ...] = ()
+    tree_min_value: float = 0.0  # TreeShape.min_value: 0 = every candidate of ``branching``
     vocab_size: int
     draft_vocab: torch.Tensor | None
     stats: dict
+
+    def set_tree(self, shape: TreeShape) -> None:
+        """Tree drafts for greedy sessions from now on (``TreeShape()``: chains)."""
+        self.branching, self.tree_min_value = shape.widths, shape.min_value
 
     def _init_lm_head(self, cfg: DrafterConfig, draft_vocab: torch.Tensor | None) -> None:
         """The borrowed LM head, restricted to the draft vocabulary when the checkpoint has one, and
@@ -308,6 +337,9 @@ class ProposerBase:
         rows = list(range(len(live)))  # the sessions (indices into live) of the current step
         ctx = self._start(live, slots)
         picked, probs, runners_up = [], [[] for _ in live], []
+        # the drafter's own estimate that the chain is still accepted before each depth (the product
+        # of its top-1 probabilities), for tree_min_value
+        reach = torch.ones(len(live), device=self.device)
         for step in range(max(want)):
             if step:
                 keep = [b for b, i in enumerate(rows) if want[i] > step]
@@ -325,8 +357,9 @@ class ProposerBase:
                 probs[rows[b]].append(q)
             picked.append((rows, tok))
             width = self.branching[step] if step < len(self.branching) else 1
-            if width > 1 and any(r.sampling.greedy for r, _, _ in batch):
-                runners_up.append((step, rows, self._runners_up(logits, width)))
+            pruning = self.tree_min_value > 0 and step < len(self.branching)  # reach needs every depth
+            if (width > 1 or pruning) and any(r.sampling.greedy for r, _, _ in batch):
+                runners_up.append((step, rows, self._runners_up(logits, width, reach, rows)))
             tokens = tok[:, None]
             self.stats["steps"] += 1
         drafts = [[] for _ in live]
@@ -338,7 +371,7 @@ class ProposerBase:
         for step, step_rows, alt in runners_up:
             for i, row in zip(step_rows, alt.tolist()):
                 if live[i][0].sampling.greedy:
-                    alternatives[i][step] = row
+                    alternatives[i][step] = [a for a in row if a >= 0]
         for i, (r, s, _) in enumerate(live):
             s.fed.extend(feed[i])
             if self.keeps_drafts:
@@ -351,10 +384,20 @@ class ProposerBase:
                 res.probs = torch.stack(probs[i])
         self._set_lengths(torch.tensor([s.slot for _, s, _ in live]), torch.tensor([len(s.fed) for _, s, _ in live]))
 
-    def _runners_up(self, logits: torch.Tensor, width: int) -> torch.Tensor:
-        """The tokens ranked 2nd..``width``-th by the drafter, [B, width - 1] target ids (on the device)."""
-        ids = logits.topk(min(width, logits.shape[-1]), dim=-1).indices[:, 1:]
-        return self.draft_vocab[ids] if self.draft_vocab is not None else ids
+    def _runners_up(self, logits: torch.Tensor, width: int, reach: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The tokens ranked 2nd..``width``-th by the drafter, [B, width - 1] target ids (on the device);
+        with ``tree_min_value``, -1 for those whose estimated worth (the chain's reach x the token's
+        probability) is below it. Updates ``reach`` of the step's ``rows`` (sessions in ``live``)."""
+        top = logits.topk(min(width, logits.shape[-1]), dim=-1)
+        ids = top.indices[:, 1:]
+        ids = self.draft_vocab[ids] if self.draft_vocab is not None else ids
+        if self.tree_min_value <= 0:
+            return ids
+        p = torch.softmax(logits.float(), dim=-1).gather(-1, top.indices)  # [B, width]
+        idx = torch.tensor(rows, device=reach.device)
+        worth = reach[idx][:, None] * p[:, 1:]
+        reach[idx] = reach[idx] * p[:, 0]
+        return ids.masked_fill(worth < self.tree_min_value, -1)
 
     def _pick(self, logits: torch.Tensor, batch, step: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Draft tokens of one step from logits [B, V'] over the draft vocabulary: the argmax for

@@ -88,7 +88,7 @@ def _build_engines(args):
     import torch
 
     from moa_serve.drafter.baselines import load_proposer
-    from moa_serve.drafter.proposer import branching_label, parse_branching
+    from moa_serve.drafter.proposer import parse_branching
     from moa_serve.engine.engine import SpeculativeEngine, load_feature_head, stop_token_ids
     from moa_serve.models import load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path
     from moa_serve.verifier.target_model import TargetModel
@@ -118,11 +118,11 @@ def _build_engines(args):
                 verifier = mk(load_feature_head(d))
                 proposer = load_proposer(d, dtype=dt, device=args.device, max_sessions=1,
                                          max_model_len=verifier.max_model_len, target_model=tm)
-                if shape and not hasattr(proposer, "branching"):
+                if shape and not hasattr(proposer, "set_tree"):
                     continue  # prompt lookup drafts chains only
                 if shape:
-                    proposer.branching = shape
-                name = f"{labels[d]}@k{k}" + (f"/tree{branching_label(shape)}" if shape else "")
+                    proposer.set_tree(shape)
+                name = f"{labels[d]}@k{k}" + (f"/tree{shape.label}" if shape else "")
                 methods.append(_Method(name, SpeculativeEngine(verifier, proposer, tok, stops, 1), k))
     return tok, methods
 
@@ -313,7 +313,8 @@ def register(sub) -> None:
     p.add_argument("--branching", default="",
                    help="tree drafts (greedy, torch backend): candidates per draft depth, e.g. 4-2-2 (the top 4 at "
                         "the first depth, the top 2 at the next two, verified as leaves beside the drafted chain); "
-                        "comma-separated for several ('chain' = none)")
+                        "8-3-2@0.05: only candidates the drafter rates at least 0.05 (dynamic); comma-separated for "
+                        "several ('chain' = none)")
     p.add_argument("--system-prompt", choices=["none", "default"], default="none",
                    help="none: prompts without a system prompt (the paper's evaluation); default: with the "
                         "system prompt the chat template inserts, as a served chat request gets it")

@@ -58,16 +58,8 @@ class SlowedProposer:
         self.inner, self.factor = inner, float(factor)
         self.busy_s = 0.0  # drafting compute, before the stretch
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # set_tree, stats, sessions...: the inner proposer's
         return getattr(self.inner, name)
-
-    @property
-    def branching(self) -> tuple[int, ...]:
-        return self.inner.branching
-
-    @branching.setter
-    def branching(self, widths: tuple[int, ...]) -> None:
-        self.inner.branching = widths
 
     def propose(self, reqs):
         t0 = time.perf_counter()
@@ -113,9 +105,9 @@ def server_stack(path, tm, dtype, tokenizer, stops, drafter: str | None, max_mod
 
 # ---------------------------------------------------------------------- helpers
 class _Method:
-    def __init__(self, name: str, kind: str, checkpoint: str | None, device, server, branching: tuple = ()):
+    def __init__(self, name: str, kind: str, checkpoint: str | None, device, server, branching=None):
         self.name, self.kind, self.checkpoint, self.device, self.server = name, kind, checkpoint, device, server
-        self.branching = branching  # tree drafts: candidates per depth (() = a chain)
+        self.branching = branching  # tree drafts: a TreeShape (None or empty: chains)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -192,7 +184,7 @@ def run_cs_bench(args) -> dict:
     from moa_serve.client import DeviceDrafter, Transport
     from moa_serve.drafter.checkpoint import drafter_kind, model_checkpoint
     from moa_serve.drafter.data import prompt_ids
-    from moa_serve.drafter.proposer import branching_label, parse_branching
+    from moa_serve.drafter.proposer import parse_branching
     from moa_serve.engine.engine import SpeculativeEngine, stop_token_ids
     from moa_serve.engine.sampling import GREEDY
     from moa_serve.kernels.packed import pack_target
@@ -256,7 +248,7 @@ def run_cs_bench(args) -> dict:
         if any(m.name == name and m.branching == shape for m in methods):  # the same kind twice: say which checkpoint
             name = f"{name} ({'/'.join(Path(model_checkpoint(ck)).parts[-2:])})"
         if shape:
-            name = f"{name}, tree {branching_label(shape)}"
+            name = f"{name}, tree {shape.label}"
         methods.append(_Method(name, kind, ck, dev, srv, shape))
     if not args.no_api_only:
         ref_dev = methods[0].device if methods else None
@@ -549,8 +541,8 @@ def add_arguments(p) -> None:
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=8, help="the most drafts per round")
     p.add_argument("--fixed-k", action="store_true", help="always draft -k tokens (default: the client's adaptive K)")
     p.add_argument("--branching", default="chain",
-                   help="tree drafts: candidates per draft depth (e.g. 4-2); comma-separated shapes run every "
-                        "drafter once per shape ('chain' = none)")
+                   help="tree drafts: candidates per draft depth (e.g. 4-2, or 8-3-2@0.05: dynamic); "
+                        "comma-separated shapes run every drafter once per shape ('chain' = none)")
     p.add_argument("--feature-codec", choices=["float16", "int8"], default="float16")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="server and device (float32: greedy identity is exact)")

@@ -144,6 +144,9 @@ class OracleProposer(_Copies):
         # alternative there (with a wrong one before it)
         self.branching: tuple[int, ...] = ()
 
+    def set_tree(self, shape) -> None:
+        self.branching = shape.widths
+
     def propose(self, reqs):
         from moa_serve.drafter.proposer import DraftResult
 

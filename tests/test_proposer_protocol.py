@@ -370,13 +370,28 @@ def test_tree_drafts_add_the_runners_up_of_greedy_sessions_only(stories_drafter,
     for depth, alts in enumerate(greedy.alternatives[:2]):
         assert greedy.drafts[depth] not in alts and len(set(alts)) == len(alts)
     assert sampled.alternatives == [] and len(sampled.drafts) == 4
+    # a dynamic tree keeps a subset of those: the candidates the drafter rates highly enough
+    from moa_serve.drafter.proposer import TreeShape
+
+    kept = {}
+    for least in (1e-9, 0.01, 0.999):
+        prop.set_tree(TreeShape((3, 2), least))
+        (res,) = prop.propose([DraftRequest("a", toks, 4, 0, _feats(11, 64, 0))])
+        assert res.drafts == chain.drafts
+        assert all(set(a) <= set(b) for a, b in zip(res.alternatives, greedy.alternatives))
+        kept[least] = sum(map(len, res.alternatives))
+    assert kept[1e-9] == 3 and kept[0.999] == 0 and kept[0.01] <= 3
 
 
 def test_branching_is_parsed_and_checked():
     from moa_serve.drafter.proposer import parse_branching
 
-    assert parse_branching("4-2-2") == (4, 2, 2) and parse_branching("4-1-1") == (4,)
-    assert parse_branching("chain") == parse_branching("") == parse_branching("1") == ()
-    for bad in ("4,2", "0-2", "99", "x"):
+    assert parse_branching("4-2-2").widths == (4, 2, 2) and parse_branching("4-1-1").widths == (4,)
+    assert parse_branching("chain") == parse_branching("") == parse_branching("1") == parse_branching(None)
+    assert not parse_branching("chain") and parse_branching("chain").label == "chain"
+    dyn = parse_branching("8-3-2@0.05")
+    assert dyn.widths == (8, 3, 2) and dyn.min_value == 0.05 and dyn.label == "8-3-2@0.05"
+    assert parse_branching(dyn) is dyn and parse_branching((4, 2)).label == "4-2"
+    for bad in ("4,2", "0-2", "99", "x", "4-2@x", "4-2@1.5"):
         with pytest.raises(ValueError, match="branching"):
             parse_branching(bad)

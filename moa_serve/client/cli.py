@@ -11,7 +11,7 @@ def cmd_client_generate(args) -> int:
     from moa_serve.cli import CLIError, _sampling, check_generation_args, prompt_tokens
     from moa_serve.client import DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, ServerError, Transport
 
-    from moa_serve.drafter.proposer import branching_label, parse_branching
+    from moa_serve.drafter.proposer import parse_branching
 
     check_generation_args(args)
     sampling = _sampling(args)
@@ -34,7 +34,7 @@ def cmd_client_generate(args) -> int:
     if args.json:
         print(json.dumps({**res.as_dict(), "server": args.server, "drafter": args.drafter,
                           "dtype": str(device.dtype).removeprefix("torch."), "feature_codec": args.feature_codec,
-                          "branching": branching_label(branching),
+                          "branching": branching.label,
                           "device_weights_mib": round(device.weight_bytes() / 2**20, 1)}))
     else:
         print(res.text)
@@ -70,7 +70,8 @@ def register(sub) -> None:
     g.add_argument("--feature-codec", choices=["float16", "int8"], default="float16")
     g.add_argument("--branching", default="chain",
                    help="tree drafts (greedy): candidates per draft depth, e.g. 4-2 (the drafter's runners-up go "
-                        "with its chain and are verified beside it); 'chain' = none")
+                        "with its chain and are verified beside it), 8-3-2@0.05 (only those it rates >= 0.05); "
+                        "'chain' = none")
     g.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP call")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

@@ -27,7 +27,7 @@ from moa_serve.client.adaptive import KController
 from moa_serve.client.device import DeviceDrafter
 from moa_serve.client.transport import ResyncError, ServerError, Transport, Unreachable
 from moa_serve.cs import wire
-from moa_serve.drafter.proposer import DraftRequest, parse_branching
+from moa_serve.drafter.proposer import DraftRequest, TreeShape, parse_branching
 from moa_serve.engine.sampling import GREEDY, SamplingParams
 from moa_serve.engine.session import FeatureStore
 
@@ -107,7 +107,7 @@ class RemoteGenerator:
     def __init__(self, device: DeviceDrafter, transport: Transport, *, num_speculative_tokens: int = 4,
                  adaptive_k: bool = True, offline: str = "degrade", feature_codec: str = "float16",
                  reconnect_backoff_s: float = 0.25, max_backoff_s: float = 4.0, final_reconnects: int = 8,
-                 offline_chunk: int = 4, branching: tuple[int, ...] | str = ()):
+                 offline_chunk: int = 4, branching: "TreeShape | str | tuple | None" = None):
         if offline not in OFFLINE_MODES:
             raise ValueError(f"offline must be one of {OFFLINE_MODES}, got {offline!r}")
         if feature_codec not in wire.FEATURE_CODECS:
@@ -121,8 +121,8 @@ class RemoteGenerator:
         self.final_reconnects, self.offline_chunk = final_reconnects, offline_chunk
         # tree drafts (greedy): the drafter's runners-up per depth go with the chain, verified beside it
         self.branching = parse_branching(branching)
-        if hasattr(device.proposer, "branching"):
-            device.proposer.branching = self.branching  # (a device reused by another generator included)
+        if hasattr(device.proposer, "set_tree"):
+            device.proposer.set_tree(self.branching)  # (a device reused by another generator included)
         elif self.branching:
             raise ValueError(f"drafter {device.name}: tree drafts need a trained drafter")
         self.identity: dict | None = None
