@@ -462,10 +462,10 @@ def _targets(table: list[dict], disc: list[dict]) -> dict:
                                       for r in table}
     d = {x["method"]: x["mean_tokens_until_divergence"] for x in disc}
     for prefix, key in (("", "disconnection_moa_longest"), ("lookup + ", "disconnection_lookup_moa_longest")):
-        if f"{prefix}MoA" in d:
+        others = [f"{prefix}{o}" for o in ("EAGLE-style", "independent") if f"{prefix}{o}" in d]
+        if f"{prefix}MoA" in d and others:  # (with nothing to compare against, nothing is claimed)
             out[key] = {"mean_tokens_until_divergence": d,
-                        "met": all(d[f"{prefix}MoA"] > d[f"{prefix}{o}"] for o in ("EAGLE-style", "independent")
-                                   if f"{prefix}{o}" in d)}
+                        "met": all(d[f"{prefix}MoA"] > d[o] for o in others)}
     return out
 
 

@@ -54,3 +54,12 @@ def test_cs_bench_local_one_prompt(tmp_path, stories_path, stories_drafter):
     assert cut["verified_tokens"] >= 4 and cut["finish_reason"] == "offline"
     assert {"answer", "target_answer", "reference_answer", "answer_matches_target"} <= set(cut)
     assert "targets" in res and "calls_per_token_le_inverse_tau" in res["targets"]
+
+
+def test_disconnection_target_needs_something_to_compare_against():
+    from moa_serve.cs_bench import _targets
+
+    moa = {"method": "MoA", "mean_tokens_until_divergence": 1.0}
+    assert "disconnection_moa_longest" not in _targets([], [moa])  # nothing to be longer than
+    eagle = {"method": "EAGLE-style", "mean_tokens_until_divergence": 2.0}
+    assert _targets([], [moa, eagle])["disconnection_moa_longest"]["met"] is False
