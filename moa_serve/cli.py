@@ -86,10 +86,29 @@ def _load_engine(args):
                                   kv_cache_dtype=args.kv_cache_dtype)
 
 
+def _tree(args):
+    """``--branching`` as a TreeShape (a CLIError naming the option when it does not parse or cannot run)."""
+    from moa_serve.drafter.proposer import parse_branching
+
+    try:
+        shape = parse_branching(args.branching)
+    except ValueError as exc:
+        raise CLIError(f"--branching: {exc}") from None
+    if shape and args.backend == "vllm":
+        raise CLIError("--branching: tree drafts run on --backend torch (vLLM verifies chains)")
+    return shape
+
+
 def cmd_generate(args) -> int:
     check_generation_args(args)
     sampling = _sampling(args)
+    shape = _tree(args)
     engine = _load_engine(args)
+    if shape:
+        if not hasattr(engine.proposer, "set_tree"):
+            raise CLIError(f"--branching: the drafter {_drafter_arg(args.drafter)!r} drafts chains only "
+                           "(tree drafts need a trained drafter, or hybrid:<checkpoint>)")
+        engine.proposer.set_tree(shape)
     prompt = prompt_tokens(engine.tokenizer, args.prompt, args.chat)
     if len(prompt) >= engine.max_model_len:
         raise CLIError(f"--prompt: {len(prompt)} tokens do not fit the context of {engine.max_model_len} tokens")
@@ -104,7 +123,7 @@ def cmd_generate(args) -> int:
             "elapsed_s": round(res.elapsed_s, 4), "tokens_per_s": round(res.tokens_per_s, 2),
             "target": args.target, "drafter": _drafter_arg(args.drafter),
             "dtype": str(engine.dtype if args.backend == "vllm" else engine.verifier.dtype).removeprefix("torch."),
-            "backend": args.backend,
+            "backend": args.backend, "branching": shape.label,
             **({} if args.backend == "vllm" else
                {"matmul_precision": engine.verifier.packing.get("matmul_precision", "highest"),
                 "kv_cache_dtype": str(engine.verifier.cache.k.dtype).removeprefix("torch.")}),
@@ -147,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
     g.add_argument("--adaptive-k", action="store_true",
                    help="draft about as many tokens as recent rounds accepted (at most -k)")
+    g.add_argument("--branching", default="chain",
+                   help="tree drafts (greedy, torch backend): candidates per draft depth, e.g. 4-2, or 8-3-2@0.05 "
+                        "(only those the drafter rates >= 0.05); 'chain' = none")
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
 

@@ -34,12 +34,27 @@ def test_generate_json_identical_with_and_without_drafter(capsys, stories_path, 
     assert results[0]["rounds"] == results[0]["num_tokens"]  # plain decoding: one token per round
 
 
+def test_generate_with_tree_drafts_gives_the_same_tokens(capsys, stories_path, drafter_dir):
+    outs = []
+    for shape in ("chain", "4-2", "8-3-2@0.01"):
+        code, out, _ = run(capsys, "generate", "--target", str(stories_path), "--drafter", str(drafter_dir),
+                           "--prompt", "Once upon a time", "--max-new-tokens", "24", "--json", "--branching", shape)
+        assert code == 0
+        outs.append(json.loads(out))
+    assert [o["branching"] for o in outs] == ["chain", "4-2", "8-3-2@0.01"]
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] == outs[2]["token_ids"]
+    code, _, err = run(capsys, "generate", "--target", str(stories_path), "--drafter", "lookup",
+                       "--prompt", "hi", "--branching", "4-2")
+    assert code == 2 and "--branching" in err and "chains only" in err
+
+
 @pytest.mark.parametrize("args, field", [
     (["-k", "0"], "--num-speculative-tokens"),
     (["--temperature", "-0.5"], "--temperature"),
     (["--top-p", "0"], "--top-p"),
     (["--top-p", "1.5"], "--top-p"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--branching", "4-0"], "--branching"),
 ])
 def test_bad_arguments_name_the_field(capsys, stories_path, args, field):
     code, _, err = run(capsys, "generate", "--target", str(stories_path), "--drafter", "none",
