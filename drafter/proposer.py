@@ -154,6 +154,11 @@ def parse_branching(text: "str | TreeShape | tuple | list | None") -> TreeShape:
     return TreeShape(tuple(widths), min_value if widths else 0.0)
 
 
+def parse_branchings(text: str | None) -> list[TreeShape]:
+    """Comma-separated shapes (``"chain,4-2,8-3-2@0.05"``), each once, in order; empty: a chain."""
+    return list(dict.fromkeys(parse_branching(b) for b in (text or "chain").split(",")))
+
+
 def rollback_point(fed: list[int], committed: list[int]) -> int:
     """Length of the longest prefix of the fed tokens that is still committed, never covering the
     last committed token (it is always fed again: drafting starts from its output)."""
@@ -370,8 +375,7 @@ class ProposerBase:
         alternatives = [[[] for _ in range(k)] for _, _, k in live]
         for step, step_rows, alt in runners_up:
             for i, row in zip(step_rows, alt.tolist()):
-                if live[i][0].sampling.greedy:
-                    alternatives[i][step] = [a for a in row if a >= 0]
+                alternatives[i][step] = [a for a in row if a >= 0]  # (kept for greedy sessions below)
         for i, (r, s, _) in enumerate(live):
             s.fed.extend(feed[i])
             if self.keeps_drafts:

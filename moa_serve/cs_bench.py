@@ -184,7 +184,7 @@ def run_cs_bench(args) -> dict:
     from moa_serve.client import DeviceDrafter, Transport
     from moa_serve.drafter.checkpoint import drafter_kind, model_checkpoint
     from moa_serve.drafter.data import prompt_ids
-    from moa_serve.drafter.proposer import parse_branching
+    from moa_serve.drafter.proposer import parse_branchings
     from moa_serve.engine.engine import SpeculativeEngine, stop_token_ids
     from moa_serve.engine.sampling import GREEDY
     from moa_serve.kernels.packed import pack_target
@@ -230,7 +230,7 @@ def run_cs_bench(args) -> dict:
     methods: list[_Method] = []
     checkpoints = [d for d in (args.drafter or "").split(",") if d and d.lower() != "none"]
     stacks: dict[str, object] = {}  # one per feature head: a hybrid shares its checkpoint's
-    shapes = list(dict.fromkeys(parse_branching(b) for b in (args.branching or "chain").split(",")))
+    shapes = parse_branchings(args.branching)
     for ck, shape in ((ck, shape) for ck in checkpoints for shape in shapes):
         kind = drafter_kind(ck)
         dev = DeviceDrafter.load(ck, args.target, dtype_name, args.max_model_len)

@@ -106,10 +106,15 @@ class _Work:
         return len(self.fed) - len(self.alt_depth)
 
 
+def _alternatives(req: VerifyRequest) -> list[tuple[int, int]]:
+    """The request's alternatives as (draft index, token), shallowest first."""
+    return [(i, a) for i, row in enumerate(req.alternatives[:len(req.drafts)]) for a in row]
+
+
 def _with_alternatives(req: VerifyRequest, tokens: list[int]) -> tuple[list[int], list[int]]:
     """``tokens`` (uncached committed tokens + drafts) followed by the request's alternatives, and
     each alternative's draft index."""
-    alts = [(i, a) for i, row in enumerate(req.alternatives[:len(req.drafts)]) for a in row]
+    alts = _alternatives(req)
     return tokens + [a for _, a in alts], [i for i, _ in alts]
 
 
@@ -264,7 +269,7 @@ class TorchTargetRunner(TargetBackend):
         (acceptance over a tree is greedy here), or when the cache has no room to store them."""
         if not req.alternatives:
             return req
-        n_alt = sum(len(a) for a in req.alternatives[:len(req.drafts)])
+        n_alt = len(_alternatives(req))
         if not req.sampling.greedy or len(s.committed) + len(req.drafts) + n_alt > self.max_model_len:
             return dataclasses.replace(req, alternatives=[])
         return req
@@ -285,7 +290,7 @@ class TorchTargetRunner(TargetBackend):
         for i, (r, s) in enumerate(prefill):
             uncached = len(s.committed) - s.cached
             room = max(budget, MIN_PREFILL_CHUNK if i == 0 else 0)
-            if uncached + len(r.drafts) + sum(len(a) for a in r.alternatives[:len(r.drafts)]) <= room:
+            if uncached + len(r.drafts) + len(_alternatives(r)) <= room:
                 w = answering(r, s)
             elif room > 0:
                 chunk = min(uncached, room)
@@ -501,10 +506,10 @@ class TorchTargetRunner(TargetBackend):
         if self.feature_kind == "hidden":
             kv = []
             for w, o, (a, e) in zip(work, rows, spans):
-                idx = list(range(o, o + (e - a)))
-                if w.accepted_alt is not None and idx:  # the last position holds the accepted alternative
-                    idx[-1] = o + w.chain + w.accepted_alt
-                kv.append(hidden[idx])
+                chunk = hidden[o:o + (e - a)]
+                if w.accepted_alt is not None and e > a:  # the last position holds the accepted alternative
+                    chunk = torch.cat((chunk[:-1], hidden[o + w.chain + w.accepted_alt][None]))
+                kv.append(chunk)
         else:
             kv = [self.cache.per_layer_kv(w.session.slot, max(a, e - 1) if latest else a, e)
                   for w, (a, e) in zip(work, spans)]

@@ -8,17 +8,12 @@ import sys
 
 
 def cmd_client_generate(args) -> int:
-    from moa_serve.cli import CLIError, _sampling, check_generation_args, prompt_tokens
+    from moa_serve.cli import CLIError, _sampling, _tree, check_generation_args, prompt_tokens
     from moa_serve.client import DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, ServerError, Transport
-
-    from moa_serve.drafter.proposer import parse_branching
 
     check_generation_args(args)
     sampling = _sampling(args)
-    try:
-        branching = parse_branching(args.branching)
-    except ValueError as exc:
-        raise CLIError(f"--branching: {exc}") from None
+    branching = _tree(args)
     device = DeviceDrafter.load(args.drafter, args.target, args.dtype, args.max_model_len, args.device)
     transport = Transport(args.server, timeout_s=args.timeout)
     gen = RemoteGenerator(device, transport, num_speculative_tokens=args.num_speculative_tokens,
