@@ -121,7 +121,9 @@ class AppConfig(_Strict):
     target: str = Field(description="Hugging Face id or local path of the target LLM")
     drafter: str | None = Field(None, description="drafter checkpoint folder (MoA, EAGLE-style or independent), "
                                 "'lookup' (prompt lookup, no model) or 'hybrid:<checkpoint>' (lookup where the "
-                                "text repeats, the checkpoint's drafts elsewhere); null = no speculation")
+                                "text repeats, the checkpoint's drafts elsewhere); 'lookup+outputs' / "
+                                "'hybrid+outputs:<checkpoint>' look the target's earlier replies up too (the packs "
+                                "shipped for the target, or $MOA_OUTPUTS); null = no speculation")
     client_drafter: str | None = Field(
         None, description="client-server mode (backend torch): the drafter checkpoint whose features devices read "
         "(a device runs it, or hybrid:<it>); default: the served drafter's checkpoint. Set it beside drafter: lookup "
@@ -184,7 +186,7 @@ class AppConfig(_Strict):
 
     @property
     def prompt_lookup(self) -> bool:
-        """The Router drafts by prompt lookup (``lookup`` / ``hybrid:<checkpoint>``)."""
+        """The Router drafts by prompt lookup (``lookup`` / ``hybrid:<checkpoint>``, ``+outputs`` too)."""
         from moa_serve.drafter.checkpoint import split_drafter_spec
 
         return self.drafter is not None and split_drafter_spec(self.drafter)[0]
@@ -235,6 +237,11 @@ def backend_problems(cfg: AppConfig) -> list[str]:
     if cfg.kv_cache_dtype != "auto":
         out.append(f"kv_cache_dtype {cfg.kv_cache_dtype!r} is a torch-backend setting; with backend vllm the KV cache "
                    "follows dtype")
+    from moa_serve.drafter.checkpoint import uses_output_store
+
+    if uses_output_store(cfg.drafter) and cfg.drafter_checkpoint is None:
+        out.append(f"drafter {cfg.drafter!r}: the output store is looked up in the Router's rounds (backend torch); "
+                   "with backend vllm use 'lookup' (vLLM's n-gram proposer)")
     if cfg.drafter is not None and cfg.prompt_lookup and cfg.drafter_checkpoint is not None:
         out.append(f"drafter {cfg.drafter!r}: the hybrid drafter needs backend torch (its lookup runs in the Router's "
                    "rounds); with backend vllm use 'lookup' (vLLM's n-gram proposer) or the checkpoint alone")

@@ -110,8 +110,14 @@ class Router:
     def _round_service(self, kind: str | None, max_model_len: int) -> RoundService:
         r = self.cfg.router
         # prompt lookup runs here, on the tokens the Router holds: no call, no replica
-        lookup = LookupTable(max_sessions=2 * r.session_groups * r.max_sessions_per_round, max_model_len=max_model_len) \
-            if self.cfg.prompt_lookup else None
+        lookup = None
+        if self.cfg.prompt_lookup:
+            from moa_serve.drafter.checkpoint import uses_output_store
+            from moa_serve.drafter.outputs import output_store_for
+
+            store = output_store_for(self.cfg.target) if uses_output_store(self.cfg.drafter) else None
+            lookup = LookupTable(max_sessions=2 * r.session_groups * r.max_sessions_per_round,
+                                 max_model_len=max_model_len, store=store)
         return RoundService(
             self._verify, self._draft if self.drafter is not None else None, self._release, lookup=lookup,
             groups=self.groups, max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,

@@ -219,17 +219,23 @@ class HiddenFeatures(nn.Module):
 def load_proposer(drafter: str, target: str | None = None, dtype="float32", device="cpu", max_sessions: int = 16,
                   max_model_len: int = 2048, target_model=None) -> ProposerBase:
     """The proposer of a drafter spec: a checkpoint by its config's ``kind`` (MoA, EAGLE-style or
-    independent), ``lookup`` (prompt lookup) or ``hybrid:<checkpoint>`` (both). With ``target_model`` (the in-process engine) it shares that model's
+    independent), ``lookup`` (prompt lookup) or ``hybrid:<checkpoint>`` (both); ``lookup+outputs`` /
+    ``hybrid+outputs:<checkpoint>`` add the target's earlier replies to the lookup. With ``target_model`` (the in-process engine) it shares that model's
     embeddings / LM head / layers; without (a drafter replica) it reads only those tensors from
     ``target`` (default: the checkpoint's ``target_name_or_path``), never the whole target."""
-    from moa_serve.drafter.checkpoint import drafter_kind, split_drafter_spec
+    from moa_serve.drafter.checkpoint import drafter_kind, split_drafter_spec, uses_output_store
     from moa_serve.drafter.lookup import HybridProposer, PromptLookupProposer
     from moa_serve.drafter.proposer import MoAProposer
 
     lookup, ckpt = split_drafter_spec(drafter)
     if lookup:
+        store = None
+        if uses_output_store(drafter):
+            from moa_serve.drafter.outputs import output_store_for
+
+            store = output_store_for(target, ckpt)
         # the lookup copy never evicts before the model's (it would force needless resyncs)
-        lk = PromptLookupProposer(max_sessions=4 * max_sessions, max_model_len=max_model_len)
+        lk = PromptLookupProposer(max_sessions=4 * max_sessions, max_model_len=max_model_len, store=store)
         if ckpt is None:
             return lk
         return HybridProposer(lk, load_proposer(ckpt, target, dtype, device, max_sessions, max_model_len,

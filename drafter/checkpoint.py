@@ -96,23 +96,34 @@ def load_drafter(name_or_path: str) -> tuple[DrafterConfig, dict[str, torch.Tens
 
 
 # drafter specs beside checkpoint names: "lookup" (prompt lookup, no model) and
-# "hybrid:<checkpoint>" (prompt lookup where the text repeats, the checkpoint's drafts elsewhere)
+# "hybrid:<checkpoint>" (prompt lookup where the text repeats, the checkpoint's drafts elsewhere);
+# "+outputs" after either ("lookup+outputs", "hybrid+outputs:<checkpoint>") looks the target's
+# earlier replies up too where the context has no match (drafter/outputs.py)
 LOOKUP = "lookup"
 HYBRID_PREFIX = "hybrid:"
+OUTPUTS = "+outputs"
+LOOKUP_OUTPUTS = LOOKUP + OUTPUTS
+HYBRID_OUTPUTS_PREFIX = "hybrid" + OUTPUTS + ":"
 
 
 def split_drafter_spec(spec: str) -> tuple[bool, str | None]:
     """(uses prompt lookup, the model checkpoint or None) of a drafter spec."""
     spec = str(spec)
-    if spec == LOOKUP:
+    if spec in (LOOKUP, LOOKUP_OUTPUTS):
         return True, None
-    if spec.startswith(HYBRID_PREFIX):
-        ckpt = spec[len(HYBRID_PREFIX):]
-        if not ckpt:
-            raise DrafterNotFoundError(f"drafter {spec!r}: name a checkpoint after {HYBRID_PREFIX!r}, "
-                                       f"e.g. {HYBRID_PREFIX}smollm2-135m-instruct-moa")
-        return True, ckpt
+    for prefix in (HYBRID_PREFIX, HYBRID_OUTPUTS_PREFIX):
+        if spec.startswith(prefix):
+            ckpt = spec[len(prefix):]
+            if not ckpt:
+                raise DrafterNotFoundError(f"drafter {spec!r}: name a checkpoint after {prefix!r}, "
+                                           f"e.g. {prefix}smollm2-135m-instruct-moa")
+            return True, ckpt
     return False, spec
+
+
+def uses_output_store(spec: str | None) -> bool:
+    """Whether a drafter spec's lookup reads the target's earlier replies too (``+outputs``)."""
+    return spec is not None and (str(spec) == LOOKUP_OUTPUTS or str(spec).startswith(HYBRID_OUTPUTS_PREFIX))
 
 
 def model_checkpoint(spec: str | None) -> str | None:

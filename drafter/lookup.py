@@ -7,6 +7,11 @@ tokens that followed there. Text that copies its context (extraction, summarisat
 RAG answers quoting their sources) is drafted for free. An index per session, updated as tokens
 are committed, makes a lookup a few dictionary reads whatever the context length.
 
+Where the session's own tokens have no match, an optional :class:`~moa_serve.drafter.outputs.OutputStore`
+(the target's earlier replies) is looked up the same way (specs ``lookup+outputs`` and
+``hybrid+outputs:<checkpoint>``); its matches are reported as the negative suffix length, so the
+draft gate keeps their acceptance apart from the context's.
+
 Both speak the proposer protocol of :mod:`moa_serve.drafter.proposer` (token deltas, ``resync``,
 ``release``). Lookup drafts are deterministic: when sampling they carry no distribution and the
 verifier treats them as one-hot (q = 1 at the draft), which keeps rejection sampling exact: a
@@ -61,14 +66,16 @@ class LookupTable:
     ``draft(session_id, tokens, k)`` is all a caller holding the tokens needs (the Router does
     this for its own sessions: no drafter replica, no call)."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 4, max_sessions: int = 1024, max_model_len: int = 2048):
+    def __init__(self, min_n: int = 2, max_n: int = 4, max_sessions: int = 1024, max_model_len: int = 2048,
+                 store=None):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"prompt lookup needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.max_sessions = max_sessions
         self.max_model_len = max_model_len
+        self.store = store  # an OutputStore: the target's earlier replies, where the context has no match
         self.sessions: OrderedDict[str, NgramIndex] = OrderedDict()  # least recently used first
-        self.stats = {"evicted": 0, "matched": 0, "unmatched": 0, "drafts": 0}
+        self.stats = {"evicted": 0, "matched": 0, "unmatched": 0, "drafts": 0, "from_outputs": 0}
 
     def get(self, session_id: str, create: bool, keep: set[str] = frozenset()) -> NgramIndex | None:
         idx = self.sessions.get(session_id)
@@ -88,11 +95,16 @@ class LookupTable:
 
     def propose_match(self, idx: NgramIndex, num_drafts: int) -> tuple[list[int], int]:
         """Up to ``num_drafts`` lookup drafts for an up-to-date index (never past the context), and
-        the length of the n-gram they continue (0: none)."""
+        the length of the n-gram they continue (0: none; negative: a suffix found in the output
+        store, the context having none)."""
         k = min(num_drafts, self.max_model_len + 1 - len(idx.tokens))
         if k <= 0 or not idx.tokens:
             return [], 0
         drafts, n = idx.propose(k)
+        if not drafts and self.store is not None:
+            drafts, n = self.store.propose(idx.tokens, k)
+            n = -n
+            self.stats["from_outputs"] += len(drafts)
         self.stats["matched" if drafts else "unmatched"] += 1
         self.stats["drafts"] += len(drafts)
         return drafts, n if drafts else 0
@@ -121,8 +133,9 @@ class PromptLookupProposer:
     needs_features = False
     draft_vocab = None
 
-    def __init__(self, min_n: int = 2, max_n: int = 4, max_sessions: int = 1024, max_model_len: int = 2048):
-        self.table = LookupTable(min_n, max_n, max_sessions, max_model_len)
+    def __init__(self, min_n: int = 2, max_n: int = 4, max_sessions: int = 1024, max_model_len: int = 2048,
+                 store=None):
+        self.table = LookupTable(min_n, max_n, max_sessions, max_model_len, store)
         self.stats = {"steps": 0, "draft_s": 0.0, "resync": 0}
 
     @property

@@ -45,11 +45,17 @@ class _Method:
 def drafter_labels(drafters: list[str]) -> dict[str, str]:
     """A distinct short label per drafter argument: the folder name, or as many trailing path parts
     as it takes to tell apart checkpoints of the same name (``A/drafter-moa`` vs ``B/drafter-moa``)."""
-    hybrid = "hybrid:"  # prompt lookup in front of a checkpoint: the label keeps saying so
-    parts = {d: Path(d.removeprefix(hybrid)).parts or (d,) for d in drafters}
+    from moa_serve.drafter.checkpoint import split_drafter_spec
+
+    # prompt lookup in front of a checkpoint ("hybrid:", "hybrid+outputs:"): the label keeps saying so
+    prefix = {}
+    for d in drafters:
+        lookup, ckpt = split_drafter_spec(d)
+        prefix[d] = d[:len(d) - len(ckpt)] if lookup and ckpt else ""
+    parts = {d: Path(d[len(prefix[d]):]).parts or (d,) for d in drafters}
     if len(parts) < len(drafters):
         raise ValueError(f"--drafter: a drafter is given twice ({','.join(drafters)})")
-    suffix = lambda d, n: (hybrid if d.startswith(hybrid) else "") + "/".join(parts[d][-n:])  # noqa: E731
+    suffix = lambda d, n: prefix[d] + "/".join(parts[d][-n:])  # noqa: E731
     labels = {}
     for d in drafters:
         n = 1
@@ -71,6 +77,11 @@ def _build_vllm_engines(args):
     vanilla = VllmEngine(args.target, None, **common)
     methods = [_Method("vanilla", vanilla, 0)]
     drafters = [d for d in (args.drafter or "none").split(",") if d and d.lower() != "none"]
+    from moa_serve.drafter.checkpoint import uses_output_store
+
+    if any(uses_output_store(d) for d in drafters):
+        raise ValueError("--drafter: '+outputs' (the target's earlier replies) runs on the torch backend only; "
+                         "with --backend vllm use 'lookup' (vLLM's n-gram proposer)")
     drafters.sort(key=lambda d: d == "lookup")
     ks = [int(k) for k in str(args.num_speculative_tokens).split(",")]
     labels = drafter_labels(drafters)
@@ -116,7 +127,7 @@ def _build_engines(args):
         for k in ks:
             for shape in shapes:
                 verifier = mk(load_feature_head(d))
-                proposer = load_proposer(d, dtype=dt, device=args.device, max_sessions=1,
+                proposer = load_proposer(d, target=args.target, dtype=dt, device=args.device, max_sessions=1,
                                          max_model_len=verifier.max_model_len, target_model=tm)
                 if shape and not hasattr(proposer, "set_tree"):
                     continue  # prompt lookup drafts chains only

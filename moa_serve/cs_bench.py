@@ -45,6 +45,8 @@ DEFAULT_DRAFTERS = ",".join(f"{CKPT}-{k}" for k in ("moa", "eagle", "independent
 DEFAULT_PROFILES = "local,wan,5g,4g"
 DEFAULT_CATEGORIES = "writing,math_reasoning,coding,qa"
 API_ONLY = "api-only"
+# the method-name prefix of a drafter alone and of its hybrids, and the key of their targets
+HYBRID_KEYS = (("", "4g_moa"), ("lookup + ", "4g_lookup_moa"), ("lookup + outputs + ", "4g_outputs_moa"))
 MATH_CATEGORIES = ("math", "math_reasoning")
 PORTS = (8300, 8400)
 
@@ -182,7 +184,7 @@ def run_cs_bench(args) -> dict:
     from tqdm import tqdm
 
     from moa_serve.client import DeviceDrafter, Transport
-    from moa_serve.drafter.checkpoint import drafter_kind, model_checkpoint
+    from moa_serve.drafter.checkpoint import drafter_kind, model_checkpoint, uses_output_store
     from moa_serve.drafter.data import prompt_ids
     from moa_serve.drafter.proposer import parse_branchings
     from moa_serve.engine.engine import SpeculativeEngine, stop_token_ids
@@ -244,7 +246,7 @@ def run_cs_bench(args) -> dict:
         srv = stacks[fp] if dev.needs_features else no_features
         name = {"moa": "MoA", "eagle": "EAGLE-style", "independent": "independent"}.get(kind, kind)
         if dev.uses_lookup:
-            name = f"lookup + {name}"
+            name = f"lookup + {'outputs + ' if uses_output_store(ck) else ''}{name}"
         if any(m.name == name and m.branching == shape for m in methods):  # the same kind twice: say which checkpoint
             name = f"{name} ({'/'.join(Path(model_checkpoint(ck)).parts[-2:])})"
         if shape:
@@ -442,7 +444,7 @@ def _targets(table: list[dict], disc: list[dict]) -> dict:
     # tree variants ("MoA, tree 4-2") are compared with API-only and with EAGLE-style of the same shape
     suffixes = [""] + sorted({r["method"].partition(", tree ")[2] for r in table if ", tree " in r["method"]})
     for tree in suffixes:
-        for prefix, key in (("", "4g_moa"), ("lookup + ", "4g_lookup_moa")):  # the drafters alone, and hybrids
+        for prefix, key in HYBRID_KEYS:  # the drafters alone, and hybrids
             sfx, ksfx = (f", tree {tree}", f"_tree{tree}") if tree else ("", "")
             moa, eagle = get("4g", f"{prefix}MoA{sfx}"), get("4g", f"{prefix}EAGLE-style{sfx}")
             if moa and api and api["tokens_per_s"]:
@@ -450,7 +452,7 @@ def _targets(table: list[dict], disc: list[dict]) -> dict:
                 out[f"{key}{ksfx}_vs_api_only"] = {"ratio": round(r, 3), "target": 1.5, "met": r >= 1.5}
             if moa and eagle and eagle["tokens_per_s"]:
                 r = moa["tokens_per_s"] / eagle["tokens_per_s"]
-                out[f"{key}{ksfx}_vs_{'lookup_' if prefix else ''}eagle"] = {"ratio": round(r, 3), "target": 1.2,
+                out[f"{key}{ksfx}_vs_{key[3:].removesuffix('moa')}eagle"] = {"ratio": round(r, 3), "target": 1.2,
                                                                              "met": r >= 1.2}
     out["calls_per_token_le_inverse_tau"] = {
         f"{r['profile']}/{r['method']}": {"calls_per_token": r["calls_per_token"], "inverse_tau": r["inverse_tau"],
@@ -461,7 +463,7 @@ def _targets(table: list[dict], disc: list[dict]) -> dict:
                                                                         "met": r["bytes_per_token"] <= 2048}
                                       for r in table}
     d = {x["method"]: x["mean_tokens_until_divergence"] for x in disc}
-    for prefix, key in (("", "disconnection_moa_longest"), ("lookup + ", "disconnection_lookup_moa_longest")):
+    for prefix, key in ((p, k.replace("4g_", "disconnection_") + "_longest") for p, k in HYBRID_KEYS):
         others = [f"{prefix}{o}" for o in ("EAGLE-style", "independent") if f"{prefix}{o}" in d]
         if f"{prefix}MoA" in d and others:  # (with nothing to compare against, nothing is claimed)
             out[key] = {"mean_tokens_until_divergence": d,
@@ -514,7 +516,7 @@ def markdown(result: dict) -> str:
         lines.append(f"- server calls per token ≤ 1/τ: {sum(v['met'] for v in c.values())}/{len(c)} rows")
         b = t["bytes_per_token_le_2KiB"]
         lines.append(f"- ≤ 2 KiB per token: {sum(v['met'] for v in b.values())}/{len(b)} rows")
-        for key, who in (("disconnection_moa_longest", "MoA"), ("disconnection_lookup_moa_longest", "lookup + MoA")):
+        for key, who in ((k.replace("4g_", "disconnection_") + "_longest", p + "MoA") for p, k in HYBRID_KEYS):
             if key in t:
                 lines.append(f"- on disconnection {who} matches the target longest: "
                              f"{'met' if t[key]['met'] else 'NOT met'}")

@@ -46,6 +46,8 @@ def test_drafter_labels_tell_same_named_checkpoints_apart():
     # a hybrid of a path keeps its prefix in front of the checkpoint's short name
     assert drafter_labels(["drafter/checkpoints/x-moa", "hybrid:drafter/checkpoints/x-moa"]) == {
         "drafter/checkpoints/x-moa": "x-moa", "hybrid:drafter/checkpoints/x-moa": "hybrid:x-moa"}
+    assert drafter_labels(["lookup+outputs", "hybrid+outputs:drafter/checkpoints/x-moa"]) == {
+        "lookup+outputs": "lookup+outputs", "hybrid+outputs:drafter/checkpoints/x-moa": "hybrid+outputs:x-moa"}
 
 
 def test_bench_system_prompt_default_needs_a_template_that_has_one(tmp_path, stories_path, capsys):

@@ -146,6 +146,8 @@ def test_vllm_backend_rules(llama3_dir):
         AppConfig.model_validate({**args_of("gpu.yaml"), "kv_cache_dtype": "bfloat16"})
     lookup = AppConfig.model_validate({**args_of("gpu.yaml"), "drafter": "lookup"})  # vLLM's n-gram: no pool
     assert set(lookup.pools()) == {"verifier_pool"}
+    with pytest.raises(ValueError, match=r"drafter 'lookup\+outputs': the output store is looked up in the Router"):
+        AppConfig.model_validate({**args_of("gpu.yaml"), "drafter": "lookup+outputs"})
     with pytest.raises(ValueError, match="tree drafts need backend torch"):
         AppConfig.model_validate({**args_of("gpu.yaml"), "branching": "4-2"})
 
@@ -222,6 +224,12 @@ def test_prompt_lookup_specs_size_the_drafter_pool():
     hybrid = AppConfig.model_validate({**args_of("local-cpu-2x.yaml"), "drafter": "hybrid:smollm2-135m-instruct-moa"})
     assert hybrid.drafter_checkpoint == "smollm2-135m-instruct-moa" and hybrid.prompt_lookup
     assert {f.pool for f in validate(hybrid)} == {"verifier_pool", "drafter_pool"}
+    # the target's earlier replies beside prompt lookup: still the Router's lookup, the same pools
+    store = AppConfig.model_validate({**args_of("local-cpu-2x.yaml"), "drafter": "lookup+outputs"})
+    assert store.prompt_lookup and store.drafter_checkpoint is None and set(store.pools()) == {"verifier_pool"}
+    both = AppConfig.model_validate({**args_of("local-cpu-2x.yaml"),
+                                     "drafter": "hybrid+outputs:smollm2-135m-instruct-moa"})
+    assert both.drafter_checkpoint == "smollm2-135m-instruct-moa" and both.prompt_lookup
 
 
 def test_a_bf16_kv_cache_halves_the_verifiers_kv_in_the_memory_fit():

@@ -3,6 +3,8 @@ drafter and API-only, the disconnection run; the report's fields and the identit
 
 import json
 
+import pytest
+
 from moa_serve.cli import main
 from moa_serve.cs_bench import final_number
 
@@ -63,3 +65,22 @@ def test_disconnection_target_needs_something_to_compare_against():
     assert "disconnection_moa_longest" not in _targets([], [moa])  # nothing to be longer than
     eagle = {"method": "EAGLE-style", "mean_tokens_until_divergence": 2.0}
     assert _targets([], [moa, eagle])["disconnection_moa_longest"]["met"] is False
+
+
+def test_targets_are_checked_for_each_hybrid_of_moa():
+    """The drafters alone, with prompt lookup, and with the output store too: each MoA variant is
+    compared with API-only and with the EAGLE-style client of the same variant."""
+    from moa_serve.cs_bench import _targets
+
+    def row(method, tps):
+        return {"profile": "4g", "method": method, "tokens_per_s": tps, "calls_per_token": 0.5,
+                "inverse_tau": 0.5, "bytes_per_token": 900}
+
+    table = [row("API-only", 10.0), row("lookup + outputs + MoA", 16.0), row("lookup + outputs + EAGLE-style", 12.0),
+             row("lookup + MoA", 14.0)]
+    t = _targets(table, [{"method": "lookup + outputs + MoA", "mean_tokens_until_divergence": 3.0},
+                         {"method": "lookup + outputs + EAGLE-style", "mean_tokens_until_divergence": 2.0}])
+    assert t["4g_outputs_moa_vs_api_only"] == {"ratio": 1.6, "target": 1.5, "met": True}
+    assert t["4g_outputs_moa_vs_outputs_eagle"]["ratio"] == pytest.approx(1.333, abs=1e-3)
+    assert t["4g_lookup_moa_vs_api_only"]["met"] is False and "4g_lookup_moa_vs_lookup_eagle" not in t
+    assert t["disconnection_outputs_moa_longest"]["met"] is True

@@ -99,7 +99,7 @@ class SpeculativeEngine:
         if drafter is not None:
             from moa_serve.drafter.baselines import load_proposer  # picks MoA / EAGLE / independent by kind
 
-            proposer = load_proposer(drafter, dtype=dtype, device=device, max_sessions=max_sessions,
+            proposer = load_proposer(drafter, target=target, dtype=dtype, device=device, max_sessions=max_sessions,
                                         max_model_len=verifier.max_model_len, target_model=verifier.model)
         tok = load_tokenizer(path)
         return cls(verifier, proposer, tok, stop_token_ids(path, tok), max_sessions)

@@ -1,0 +1,207 @@
+"""Drafting from the target's earlier outputs (no model): an index of replies the target wrote
+before, looked up by the context's last tokens — the idea of REST (He et al. 2023, a datastore of
+text) and SuffixDecoding (Oliaro et al. 2024, the deployment's own previous outputs).
+
+A small instruction-tuned model answers in set phrases ("Here's a ...", "In conclusion, ...",
+"Let's break it down step by step"), and those phrases continue the same way in its other
+answers. ``OutputStore`` holds token sequences (the packed self-distilled replies of
+``drafter/selfdistill/``: the target's greedy answers to training prompts, never to a benchmark's)
+and, for each n in [min_n, max_n], every n-gram that has a following token. A lookup takes the
+longest suffix of the context found at least ``min_support`` times, then walks the continuations
+of all its occurrences one token at a time, proposing the most frequent next token while at least
+``min_confidence`` of the occurrences still agree (and keeping only the occurrences that took it).
+
+The index is numpy arrays — per n, the sorted 64-bit hashes of the n-grams and where each ends —
+so a million tokens take ~1.5 s to index and ~60 MB, and a lookup is a few binary searches. A hash
+collision can only propose a wrong draft, which verification rejects: drafts never change output.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+
+_MULT = 1_000_003
+_MASK = (1 << 64) - 1
+_SEP = -1  # between sequences: no n-gram spans it, no continuation crosses it
+PACKED = Path(__file__).resolve().parent / "selfdistill"
+
+
+def _signed(v: int) -> int:
+    v &= _MASK
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _hash(tokens) -> int:
+    v = 0
+    for t in tokens:
+        v = (v * _MULT + int(t) + 2) & _MASK
+    return _signed(v)
+
+
+class OutputStore:
+    def __init__(self, sequences, min_n: int = 2, max_n: int = 6, min_support: int = 1,
+                 min_confidence: float = 0.0, max_candidates: int = 4096):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"an output store needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if min_support < 1 or not 0.0 <= min_confidence <= 1.0:
+            raise ValueError("an output store needs min_support >= 1 and 0 <= min_confidence <= 1")
+        self.min_n, self.max_n = min_n, max_n
+        self.min_support, self.min_confidence = min_support, min_confidence
+        self.max_candidates = max_candidates
+        flat: list[int] = []
+        self.num_sequences = 0
+        for seq in sequences:
+            if len(seq):
+                flat.extend(int(t) for t in seq)
+                flat.append(_SEP)
+                self.num_sequences += 1
+        self.data = np.asarray(flat, dtype=np.int64)
+        self._index = {n: self._build(n) for n in range(min_n, max_n + 1)}
+
+    def _build(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        d = self.data
+        count = len(d) - n  # n-grams [i, i + n) with a token at i + n after them
+        if count <= 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        h = np.zeros(count, dtype=np.uint64)
+        ok = d[n:n + count] != _SEP  # a continuation, not the separator
+        for j in range(n):
+            part = d[j:j + count]
+            ok &= part != _SEP
+            h = h * np.uint64(_MULT) + (part + 2).astype(np.uint64)  # wraps mod 2**64, as _hash
+        h = h.view(np.int64)[ok]
+        ends = np.nonzero(ok)[0] + n  # where each n-gram's continuation starts
+        order = np.argsort(h, kind="stable")
+        return h[order], ends[order]
+
+    def __len__(self) -> int:
+        """Tokens held (separators excluded)."""
+        return len(self.data) - self.num_sequences
+
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """Up to ``k`` drafts continuing ``tokens``, and the length of the suffix they continue
+        (0: no suffix of at least ``min_n`` tokens found ``min_support`` times, no drafts)."""
+        if k <= 0:
+            return [], 0
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            hashes, ends = self._index[n]
+            v = _hash(tokens[-n:])
+            lo, hi = np.searchsorted(hashes, v, "left"), np.searchsorted(hashes, v, "right")
+            if hi - lo < self.min_support:
+                continue
+            # the latest occurrences when there are very many (a common bigram)
+            starts = np.sort(ends[lo:hi])[-self.max_candidates:]
+            drafts = self._walk(starts, k)
+            if drafts:
+                return drafts, n
+            return [], 0  # the longest suffix found disagrees on what follows: no guess
+        return [], 0
+
+    def _walk(self, starts: np.ndarray, k: int) -> list[int]:
+        drafts: list[int] = []
+        for j in range(k):
+            nxt = self.data[starts + j]
+            keep = nxt != _SEP
+            starts, nxt = starts[keep], nxt[keep]
+            if not len(nxt):
+                break
+            values, counts = np.unique(nxt, return_counts=True)
+            best = int(counts.argmax())
+            if counts[best] < self.min_support or counts[best] < self.min_confidence * len(nxt):
+                break
+            drafts.append(int(values[best]))
+            starts = starts[nxt == values[best]]
+        return drafts
+
+    # ------------------------------------------------------------------ building one
+    @classmethod
+    def from_texts(cls, texts: list[str], tokenizer, **kw) -> "OutputStore":
+        ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
+        return cls(ids, **kw)
+
+    @classmethod
+    def load(cls, source: str | Path, tokenizer, **kw) -> "OutputStore":
+        """From replies in ``.jsonl`` / ``.jsonl.gz`` files (or a folder of them): lines with
+        ``reply`` or ``replies`` (``moa regenerate --pack``) or chat ``messages`` (its unpacked
+        output: the assistant turns)."""
+        return cls.from_texts(read_replies(source), tokenizer, **kw)
+
+
+def reply_files(source: str | Path) -> list[Path]:
+    p = Path(source).expanduser()
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.name.endswith((".jsonl", ".jsonl.gz")))
+    else:
+        files = [p] if p.is_file() else []
+    if not files:
+        raise FileNotFoundError(f"output store {str(source)!r}: no .jsonl or .jsonl.gz files of replies there")
+    return files
+
+
+def read_replies(source: str | Path) -> list[str]:
+    texts: list[str] = []
+    for f in reply_files(source):
+        opener = gzip.open if f.name.endswith(".gz") else open
+        with opener(f, "rt", encoding="utf-8") as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if "reply" in row:
+                    texts.append(row["reply"])
+                elif "replies" in row:
+                    texts.extend(row["replies"])
+                else:
+                    texts.extend(m["content"] for m in row.get("messages", []) if m.get("role") == "assistant")
+    return texts
+
+
+def packed_outputs(target: str) -> list[Path]:
+    """The packs of the target's self-distilled replies shipped in ``drafter/selfdistill/``
+    (named after the target's last path part, lower case)."""
+    stem = Path(str(target).rstrip("/")).name.lower()
+    return sorted(PACKED.glob(f"{stem}*.jsonl.gz"))
+
+
+def load_output_store(target: str, tokenizer, source: str | Path | None = None, **kw) -> OutputStore:
+    """The output store of ``source`` (files or a folder of replies), by default the packs shipped
+    for ``target``."""
+    if source is not None:
+        return OutputStore.load(source, tokenizer, **kw)
+    packs = packed_outputs(target)
+    if not packs:
+        raise FileNotFoundError(
+            f"no packed outputs of {target!r} in {PACKED} (files named {Path(str(target)).name.lower()}*.jsonl.gz): "
+            "an output store needs the target's own earlier replies (moa regenerate, then --pack)")
+    texts = [t for p in packs for t in read_replies(p)]
+    return OutputStore.from_texts(texts, tokenizer, **kw)
+
+
+_CACHE: dict[tuple, OutputStore] = {}
+
+
+def output_store_for(target: str | None, checkpoint: str | None = None) -> OutputStore:
+    """The output store a ``+outputs`` drafter spec reads, for the target named by ``target`` (else
+    the checkpoint's target): the files or folder in ``$MOA_OUTPUTS`` if set, else the packs
+    shipped for that target. Built once per process (every session and proposer shares it)."""
+    import os
+
+    from moa_serve.models import load_tokenizer, resolve_model_path
+
+    if target is None and checkpoint is not None:
+        from moa_serve.drafter.checkpoint import _raw_config
+
+        raw = _raw_config(checkpoint) or {}
+        target = raw.get("target_name_or_path") or raw.get("base_model_name_or_path")
+    if target is None:
+        raise ValueError("an output store needs the target's name (its tokenizer and its packed replies)")
+    source = os.environ.get("MOA_OUTPUTS") or None
+    key = (str(target), source)
+    if key not in _CACHE:
+        tokenizer = load_tokenizer(resolve_model_path(str(target), weights=False))
+        _CACHE[key] = load_output_store(str(target), tokenizer, source)
+    return _CACHE[key]
