@@ -113,11 +113,12 @@ class Router:
         lookup = None
         if self.cfg.prompt_lookup:
             from moa_serve.drafter.checkpoint import uses_output_store
-            from moa_serve.drafter.outputs import output_store_for
+            from moa_serve.drafter.outputs import GATE_ALONE, GATE_BEFORE_MODEL, output_store_for
 
             store = output_store_for(self.cfg.target) if uses_output_store(self.cfg.drafter) else None
             lookup = LookupTable(max_sessions=2 * r.session_groups * r.max_sessions_per_round,
-                                 max_model_len=max_model_len, store=store)
+                                 max_model_len=max_model_len, store=store,
+                                 store_gate=GATE_ALONE if self.cfg.drafter_checkpoint is None else GATE_BEFORE_MODEL)
         return RoundService(
             self._verify, self._draft if self.drafter is not None else None, self._release, lookup=lookup,
             groups=self.groups, max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,

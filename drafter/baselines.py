@@ -229,13 +229,14 @@ def load_proposer(drafter: str, target: str | None = None, dtype="float32", devi
 
     lookup, ckpt = split_drafter_spec(drafter)
     if lookup:
-        store = None
+        store, gate = None, None
         if uses_output_store(drafter):
-            from moa_serve.drafter.outputs import output_store_for
+            from moa_serve.drafter.outputs import GATE_ALONE, GATE_BEFORE_MODEL, output_store_for
 
-            store = output_store_for(target, ckpt)
+            store, gate = output_store_for(target, ckpt), GATE_ALONE if ckpt is None else GATE_BEFORE_MODEL
         # the lookup copy never evicts before the model's (it would force needless resyncs)
-        lk = PromptLookupProposer(max_sessions=4 * max_sessions, max_model_len=max_model_len, store=store)
+        lk = PromptLookupProposer(max_sessions=4 * max_sessions, max_model_len=max_model_len, store=store,
+                                  store_gate=gate)
         if ckpt is None:
             return lk
         return HybridProposer(lk, load_proposer(ckpt, target, dtype, device, max_sessions, max_model_len,

@@ -67,13 +67,16 @@ class LookupTable:
     this for its own sessions: no drafter replica, no call)."""
 
     def __init__(self, min_n: int = 2, max_n: int = 4, max_sessions: int = 1024, max_model_len: int = 2048,
-                 store=None):
+                 store=None, store_gate: tuple[int, float] | None = None):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"prompt lookup needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.max_sessions = max_sessions
         self.max_model_len = max_model_len
         self.store = store  # an OutputStore: the target's earlier replies, where the context has no match
+        # (shortest suffix, share of its occurrences that must agree on each draft) for the store's
+        # drafts; None: the store's own settings
+        self.store_gate = store_gate
         self.sessions: OrderedDict[str, NgramIndex] = OrderedDict()  # least recently used first
         self.stats = {"evicted": 0, "matched": 0, "unmatched": 0, "drafts": 0, "from_outputs": 0}
 
@@ -102,7 +105,7 @@ class LookupTable:
             return [], 0
         drafts, n = idx.propose(k)
         if not drafts and self.store is not None:
-            drafts, n = self.store.propose(idx.tokens, k)
+            drafts, n = self.store.propose(idx.tokens, k, *(self.store_gate or ()))
             n = -n
             self.stats["from_outputs"] += len(drafts)
         self.stats["matched" if drafts else "unmatched"] += 1
@@ -134,8 +137,8 @@ class PromptLookupProposer:
     draft_vocab = None
 
     def __init__(self, min_n: int = 2, max_n: int = 4, max_sessions: int = 1024, max_model_len: int = 2048,
-                 store=None):
-        self.table = LookupTable(min_n, max_n, max_sessions, max_model_len, store)
+                 store=None, store_gate: tuple[int, float] | None = None):
+        self.table = LookupTable(min_n, max_n, max_sessions, max_model_len, store, store_gate)
         self.stats = {"steps": 0, "draft_s": 0.0, "resync": 0}
 
     @property

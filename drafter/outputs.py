@@ -24,6 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
+# How sure the store must be, by what stands behind it (tuned on Spec-Bench, README "Output store"):
+# with no model (``lookup+outputs``) any suffix of 2+ tokens and its most frequent continuation
+# beat no draft; in front of a trained drafter (``hybrid+outputs:``) the store drafts only from a
+# suffix of 3+ tokens and while most of its occurrences agree, and the model drafts elsewhere.
+GATE_ALONE = (2, 0.0)
+GATE_BEFORE_MODEL = (3, 0.5)
+
 _MULT = 1_000_003
 _MASK = (1 << 64) - 1
 _SEP = -1  # between sequences: no n-gram spans it, no continuation crosses it
@@ -82,12 +89,16 @@ class OutputStore:
         """Tokens held (separators excluded)."""
         return len(self.data) - self.num_sequences
 
-    def propose(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+    def propose(self, tokens: list[int], k: int, min_n: int | None = None,
+                min_confidence: float | None = None) -> tuple[list[int], int]:
         """Up to ``k`` drafts continuing ``tokens``, and the length of the suffix they continue
-        (0: no suffix of at least ``min_n`` tokens found ``min_support`` times, no drafts)."""
+        (0: no suffix of at least ``min_n`` tokens found ``min_support`` times, no drafts).
+        ``min_n`` (at least the index's) and ``min_confidence`` override the store's own."""
         if k <= 0:
             return [], 0
-        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+        lowest = self.min_n if min_n is None else max(self.min_n, min_n)
+        conf = self.min_confidence if min_confidence is None else min_confidence
+        for n in range(min(self.max_n, len(tokens)), lowest - 1, -1):
             hashes, ends = self._index[n]
             v = _hash(tokens[-n:])
             lo, hi = np.searchsorted(hashes, v, "left"), np.searchsorted(hashes, v, "right")
@@ -95,13 +106,13 @@ class OutputStore:
                 continue
             # the latest occurrences when there are very many (a common bigram)
             starts = np.sort(ends[lo:hi])[-self.max_candidates:]
-            drafts = self._walk(starts, k)
+            drafts = self._walk(starts, k, conf)
             if drafts:
                 return drafts, n
             return [], 0  # the longest suffix found disagrees on what follows: no guess
         return [], 0
 
-    def _walk(self, starts: np.ndarray, k: int) -> list[int]:
+    def _walk(self, starts: np.ndarray, k: int, min_confidence: float) -> list[int]:
         drafts: list[int] = []
         for j in range(k):
             nxt = self.data[starts + j]
@@ -111,7 +122,7 @@ class OutputStore:
                 break
             values, counts = np.unique(nxt, return_counts=True)
             best = int(counts.argmax())
-            if counts[best] < self.min_support or counts[best] < self.min_confidence * len(nxt):
+            if counts[best] < self.min_support or counts[best] < min_confidence * len(nxt):
                 break
             drafts.append(int(values[best]))
             starts = starts[nxt == values[best]]

@@ -155,3 +155,18 @@ def test_lookup_with_outputs_is_lossless(stories_path, stories_drafter, stories_
         assert table.stats["from_outputs"] > 0  # the store drafted
         if contents == "the target's own":
             assert min(o.mean_accepted_length for o in outs) > 1.5
+
+
+def test_a_store_in_front_of_a_model_drafts_only_where_it_is_sure():
+    """``lookup+outputs`` takes any suffix of 2+ tokens; ``hybrid+outputs:`` leaves to the model
+    what a 2-token suffix or a split vote would guess."""
+    from moa_serve.drafter.outputs import GATE_ALONE, GATE_BEFORE_MODEL
+
+    store = OutputStore([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 6], [9, 2, 3, 5], [7, 8, 6, 6]], min_n=2, max_n=4)
+    alone = LookupTable(store=store, store_gate=GATE_ALONE)
+    before = LookupTable(store=store, store_gate=GATE_BEFORE_MODEL)
+    assert alone.draft_match("a", [0, 7, 8], 3) == ([6, 6], -2)
+    assert before.draft_match("a", [0, 7, 8], 3) == ([], 0)  # a 2-token suffix: the model's turn
+    assert alone.draft_match("b", [0, 2, 3], 2) == ([5], -2)  # after "2 3": 5 in 2 of 4
+    assert before.draft_match("b", [1, 2, 3], 2) == ([], 0)  # after "1 2 3": 4, 5, 6 once each
+    assert before.draft_match("c", [9, 2, 3], 2) == ([5], -3)
