@@ -60,6 +60,19 @@ def detached(call):
     return contextvars.copy_context().run(run)
 
 
+def router_lookup(cfg: AppConfig, max_sessions: int, max_model_len: int) -> LookupTable | None:
+    """The prompt-lookup table a Router drafts with (``lookup`` / ``hybrid:``; ``+outputs``: with
+    the target's earlier replies behind it), None when its drafter does not look up."""
+    if not cfg.prompt_lookup:
+        return None
+    from moa_serve.drafter.checkpoint import uses_output_store
+    from moa_serve.drafter.outputs import GATE_ALONE, GATE_BEFORE_MODEL, output_store_for
+
+    store = output_store_for(cfg.target) if uses_output_store(cfg.drafter) else None
+    return LookupTable(max_sessions=max_sessions, max_model_len=max_model_len, store=store,
+                       store_gate=GATE_ALONE if cfg.drafter_checkpoint is None else GATE_BEFORE_MODEL)
+
+
 def group_keys(replica_id: str, n: int) -> list[str]:
     return [f"{replica_id}/{i}" for i in range(n)]
 
@@ -110,15 +123,7 @@ class Router:
     def _round_service(self, kind: str | None, max_model_len: int) -> RoundService:
         r = self.cfg.router
         # prompt lookup runs here, on the tokens the Router holds: no call, no replica
-        lookup = None
-        if self.cfg.prompt_lookup:
-            from moa_serve.drafter.checkpoint import uses_output_store
-            from moa_serve.drafter.outputs import GATE_ALONE, GATE_BEFORE_MODEL, output_store_for
-
-            store = output_store_for(self.cfg.target) if uses_output_store(self.cfg.drafter) else None
-            lookup = LookupTable(max_sessions=2 * r.session_groups * r.max_sessions_per_round,
-                                 max_model_len=max_model_len, store=store,
-                                 store_gate=GATE_ALONE if self.cfg.drafter_checkpoint is None else GATE_BEFORE_MODEL)
+        lookup = router_lookup(self.cfg, 2 * r.session_groups * r.max_sessions_per_round, max_model_len)
         return RoundService(
             self._verify, self._draft if self.drafter is not None else None, self._release, lookup=lookup,
             groups=self.groups, max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,

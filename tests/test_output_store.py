@@ -170,3 +170,21 @@ def test_a_store_in_front_of_a_model_drafts_only_where_it_is_sure():
     assert alone.draft_match("b", [0, 2, 3], 2) == ([5], -2)  # after "2 3": 5 in 2 of 4
     assert before.draft_match("b", [1, 2, 3], 2) == ([], 0)  # after "1 2 3": 4, 5, 6 once each
     assert before.draft_match("c", [9, 2, 3], 2) == ([5], -3)
+
+
+def test_the_router_looks_the_store_up_only_for_outputs_specs():
+    import yaml
+
+    from moa_serve.deployments.config import AppConfig
+    from moa_serve.deployments.router import router_lookup
+    from moa_serve.drafter.outputs import GATE_ALONE, GATE_BEFORE_MODEL
+    from tests.conftest import REPO
+
+    args = yaml.safe_load((REPO / "deployments/configs/local-cpu.yaml").read_text())["applications"][0]["args"]
+    table = lambda drafter: router_lookup(AppConfig.model_validate({**args, "drafter": drafter}), 8, 2048)  # noqa: E731
+    assert table("lookup").store is None
+    alone = table("lookup+outputs")
+    assert alone.store is not None and alone.store_gate == GATE_ALONE and len(alone.store) > 900_000
+    both = table("hybrid+outputs:smollm2-135m-instruct-moa")
+    assert both.store is alone.store and both.store_gate == GATE_BEFORE_MODEL  # built once per process
+    assert table("smollm2-135m-instruct-moa") is None
