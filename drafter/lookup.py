@@ -100,17 +100,27 @@ class LookupTable:
         """Up to ``num_drafts`` lookup drafts for an up-to-date index (never past the context), and
         the length of the n-gram they continue (0: none; negative: a suffix found in the output
         store, the context having none)."""
+        drafts, n, _ = self.propose_tree(idx, num_drafts)
+        return drafts, n
+
+    def propose_tree(self, idx: NgramIndex, num_drafts: int, tree=None) -> tuple[list[int], int, list[list[int]]]:
+        """``propose_match`` and, for drafts from the output store under a ``TreeShape``, their
+        runners-up per depth (verified beside them: greedy sessions only). A session's own n-gram
+        drafts stay chains."""
         k = min(num_drafts, self.max_model_len + 1 - len(idx.tokens))
         if k <= 0 or not idx.tokens:
-            return [], 0
+            return [], 0, []
         drafts, n = idx.propose(k)
+        alternatives: list[list[int]] = []
         if not drafts and self.store is not None:
-            drafts, n = self.store.propose(idx.tokens, k, *(self.store_gate or ()))
+            min_n, min_conf = self.store_gate or (None, None)
+            widths, min_value = (tree.widths, tree.min_value) if tree else ((), 0.0)
+            drafts, n, alternatives = self.store.propose_tree(idx.tokens, k, widths, min_value, min_n, min_conf)
             n = -n
             self.stats["from_outputs"] += len(drafts)
         self.stats["matched" if drafts else "unmatched"] += 1
         self.stats["drafts"] += len(drafts)
-        return drafts, n if drafts else 0
+        return drafts, n if drafts else 0, alternatives if any(alternatives) else []
 
     def propose(self, idx: NgramIndex, num_drafts: int) -> list[int]:
         return self.propose_match(idx, num_drafts)[0]
@@ -139,7 +149,20 @@ class PromptLookupProposer:
     def __init__(self, min_n: int = 2, max_n: int = 4, max_sessions: int = 1024, max_model_len: int = 2048,
                  store=None, store_gate: tuple[int, float] | None = None):
         self.table = LookupTable(min_n, max_n, max_sessions, max_model_len, store, store_gate)
+        self.tree = None  # a TreeShape: the output store's drafts go with their runners-up
         self.stats = {"steps": 0, "draft_s": 0.0, "resync": 0}
+
+    @property
+    def branches(self) -> bool:
+        """Tree drafts need candidates beside the drafts: the output store has them (how often
+        each continuation followed), a session's own n-gram match does not."""
+        return self.table.store is not None
+
+    def set_tree(self, shape) -> None:
+        if shape and not self.branches:
+            raise ValueError("prompt lookup drafts chains only: tree drafts need a trained drafter, "
+                             "hybrid:<checkpoint>, or the output store (lookup+outputs)")
+        self.tree = shape or None
 
     @property
     def sessions(self) -> OrderedDict[str, NgramIndex]:
@@ -158,8 +181,10 @@ class PromptLookupProposer:
         idx.set_tokens(idx.tokens[:r.base] + list(r.tokens))
         return idx
 
-    def lookup(self, idx: NgramIndex, num_drafts: int) -> list[int]:
-        return self.table.propose(idx, num_drafts)
+    def lookup(self, idx: NgramIndex, r: DraftRequest) -> tuple[list[int], list[list[int]]]:
+        """A request's drafts and, under a tree shape and greedy, their alternatives."""
+        drafts, _, alternatives = self.table.propose_tree(idx, r.num_drafts, self.tree if r.sampling.greedy else None)
+        return drafts, alternatives
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
         t0 = time.perf_counter()
@@ -171,7 +196,8 @@ class PromptLookupProposer:
                 self.stats["resync"] += 1
                 out.append(DraftResult(r.session_id, [], resync=True))
             else:
-                out.append(DraftResult(r.session_id, self.lookup(idx, r.num_drafts)))
+                drafts, alternatives = self.lookup(idx, r)
+                out.append(DraftResult(r.session_id, drafts, alternatives=alternatives))
         self.stats["steps"] += 1
         self.stats["draft_s"] += time.perf_counter() - t0
         return out
@@ -197,9 +223,14 @@ class HybridProposer:
     def sessions(self):
         return self.model.sessions
 
+    branches = True
+
     def set_tree(self, shape) -> None:
-        """Tree drafts where the model drafts (lookup drafts stay chains)."""
+        """Tree drafts where the model drafts and where the output store does (a session's own
+        n-gram drafts stay chains)."""
         self.model.set_tree(shape)
+        if self.lookup.branches:
+            self.lookup.set_tree(shape)
 
     @property
     def max_sessions(self) -> int:
@@ -208,21 +239,21 @@ class HybridProposer:
     def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
         t0 = time.perf_counter()
         in_call = {r.session_id for r in requests}
-        from_lookup: dict[str, list[int]] = {}
+        from_lookup: dict[str, tuple[list[int], list[list[int]]]] = {}
         lost = set()  # sessions the lookup copy lacks (evicted): both copies start over
         for r in requests:
             idx = self.lookup.sync(r, in_call)
             if idx is None:
                 lost.add(r.session_id)
             else:
-                drafts = self.lookup.lookup(idx, r.num_drafts)
+                drafts, alternatives = self.lookup.lookup(idx, r)
                 if drafts:
-                    from_lookup[r.session_id] = drafts
+                    from_lookup[r.session_id] = drafts, alternatives
         asked = [DraftRequest(r.session_id, r.tokens, 0, r.feature_start, r.features, r.sampling, r.base)
                  if r.session_id in from_lookup else r for r in requests]
         results = self.model.propose(asked)
         for res in results:
-            drafts = from_lookup.get(res.session_id)
+            drafts, alternatives = from_lookup.get(res.session_id, (None, []))
             if res.session_id in lost and not res.resync:
                 res.resync, res.drafts, res.probs = True, [], None
             if res.resync or res.needs_features_from is not None:
@@ -230,7 +261,7 @@ class HybridProposer:
                     self.lookup.release(res.session_id)
                 continue
             if drafts is not None:
-                res.drafts, res.probs, res.alternatives = drafts, None, []  # one-hot: the verifier needs no q
+                res.drafts, res.probs, res.alternatives = drafts, None, alternatives  # one-hot: no q needed
                 self.stats["lookup_drafts"] += len(drafts)
             else:
                 self.stats["model_drafts"] += len(res.drafts)

@@ -94,8 +94,18 @@ class OutputStore:
         """Up to ``k`` drafts continuing ``tokens``, and the length of the suffix they continue
         (0: no suffix of at least ``min_n`` tokens found ``min_support`` times, no drafts).
         ``min_n`` (at least the index's) and ``min_confidence`` override the store's own."""
+        drafts, n, _ = self.propose_tree(tokens, k, (), 0.0, min_n, min_confidence)
+        return drafts, n
+
+    def propose_tree(self, tokens: list[int], k: int, widths: tuple[int, ...], min_value: float = 0.0,
+                     min_n: int | None = None, min_confidence: float | None = None
+                     ) -> tuple[list[int], int, list[list[int]]]:
+        """``propose`` plus, per draft depth i < len(widths), up to ``widths[i] - 1`` runners-up: the
+        next most frequent continuations there, verified beside draft i (tree drafts); with
+        ``min_value`` > 0 only those whose estimate (the shares of the drafts before times their
+        own share) reaches it (``TreeShape``'s meaning)."""
         if k <= 0:
-            return [], 0
+            return [], 0, []
         lowest = self.min_n if min_n is None else max(self.min_n, min_n)
         conf = self.min_confidence if min_confidence is None else min_confidence
         for n in range(min(self.max_n, len(tokens)), lowest - 1, -1):
@@ -106,14 +116,17 @@ class OutputStore:
                 continue
             # the latest occurrences when there are very many (a common bigram)
             starts = np.sort(ends[lo:hi])[-self.max_candidates:]
-            drafts = self._walk(starts, k, conf)
+            drafts, alternatives = self._walk(starts, k, conf, widths, min_value)
             if drafts:
-                return drafts, n
-            return [], 0  # the longest suffix found disagrees on what follows: no guess
-        return [], 0
+                return drafts, n, alternatives
+            return [], 0, []  # the longest suffix found disagrees on what follows: no guess
+        return [], 0, []
 
-    def _walk(self, starts: np.ndarray, k: int, min_confidence: float) -> list[int]:
+    def _walk(self, starts: np.ndarray, k: int, min_confidence: float, widths: tuple[int, ...] = (),
+              min_value: float = 0.0) -> tuple[list[int], list[list[int]]]:
         drafts: list[int] = []
+        alternatives: list[list[int]] = []
+        reach = 1.0
         for j in range(k):
             nxt = self.data[starts + j]
             keep = nxt != _SEP
@@ -121,12 +134,18 @@ class OutputStore:
             if not len(nxt):
                 break
             values, counts = np.unique(nxt, return_counts=True)
-            best = int(counts.argmax())
+            order = np.argsort(-counts, kind="stable")  # most frequent first, the smaller id on ties
+            best = int(order[0])
             if counts[best] < self.min_support or counts[best] < min_confidence * len(nxt):
                 break
             drafts.append(int(values[best]))
+            width = widths[j] if j < len(widths) else 1
+            share = counts / len(nxt)
+            alternatives.append([int(values[i]) for i in order[1:width]
+                                 if counts[i] >= self.min_support and reach * share[i] >= min_value])
+            reach *= float(share[best])
             starts = starts[nxt == values[best]]
-        return drafts
+        return drafts, alternatives
 
     # ------------------------------------------------------------------ building one
     @classmethod

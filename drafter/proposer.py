@@ -196,6 +196,8 @@ class ProposerBase:
     draft_vocab: torch.Tensor | None
     stats: dict
 
+    branches = True  # it can draft trees (set_tree)
+
     def set_tree(self, shape: TreeShape) -> None:
         """Tree drafts for greedy sessions from now on (``TreeShape()``: chains)."""
         self.branching, self.tree_min_value = shape.widths, shape.min_value

@@ -129,8 +129,8 @@ def _build_engines(args):
                 verifier = mk(load_feature_head(d))
                 proposer = load_proposer(d, target=args.target, dtype=dt, device=args.device, max_sessions=1,
                                          max_model_len=verifier.max_model_len, target_model=tm)
-                if shape and not hasattr(proposer, "set_tree"):
-                    continue  # prompt lookup drafts chains only
+                if shape and not getattr(proposer, "branches", False):
+                    continue  # prompt lookup alone drafts chains only
                 if shape:
                     proposer.set_tree(shape)
                 name = f"{labels[d]}@k{k}" + (f"/tree{shape.label}" if shape else "")

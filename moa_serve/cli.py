@@ -105,9 +105,9 @@ def cmd_generate(args) -> int:
     shape = _tree(args)
     engine = _load_engine(args)
     if shape:
-        if not hasattr(engine.proposer, "set_tree"):
+        if not getattr(engine.proposer, "branches", False):
             raise CLIError(f"--branching: the drafter {_drafter_arg(args.drafter)!r} drafts chains only "
-                           "(tree drafts need a trained drafter, or hybrid:<checkpoint>)")
+                           "(tree drafts need a trained drafter, hybrid:<checkpoint>, or lookup+outputs)")
         engine.proposer.set_tree(shape)
     prompt = prompt_tokens(engine.tokenizer, args.prompt, args.chat)
     if len(prompt) >= engine.max_model_len:

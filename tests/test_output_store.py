@@ -188,3 +188,69 @@ def test_the_router_looks_the_store_up_only_for_outputs_specs():
     both = table("hybrid+outputs:smollm2-135m-instruct-moa")
     assert both.store is alone.store and both.store_gate == GATE_BEFORE_MODEL  # built once per process
     assert table("smollm2-135m-instruct-moa") is None
+
+
+# ---------------------------------------------------------------------- tree drafts from the store
+def test_the_store_offers_its_runners_up_as_alternatives():
+    from moa_serve.drafter.proposer import TreeShape
+
+    store = OutputStore([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 5], [1, 2, 7, 8], [1, 2, 6]], min_n=2, max_n=2)
+    # after "1 2": 3 (3 of 5), then 6 and 7 once each (ties: the smaller id first); after "1 2 3": 5, then 4
+    assert store.propose_tree([1, 2], 3, (3, 2)) == ([3, 5], 2, [[6, 7], [4]])
+    assert store.propose_tree([1, 2], 3, (2,)) == ([3, 5], 2, [[6], []])
+    # dynamic: 6 and 7 are worth 0.2, 4 is worth 0.6 x 1/3 = 0.2; 0.25 keeps none, 0.15 all
+    assert store.propose_tree([1, 2], 3, (3, 2), min_value=0.25) == ([3, 5], 2, [[], []])
+    assert store.propose_tree([1, 2], 3, (3, 2), min_value=0.15) == ([3, 5], 2, [[6, 7], [4]])
+    assert store.propose_tree([1, 2], 3, ()) == ([3, 5], 2, [[], []])
+    table = LookupTable(min_n=2, max_n=3, store=store)
+    idx = table.get("s", create=True)
+    idx.set_tokens([9, 1, 2])
+    assert table.propose_tree(idx, 3, TreeShape((3, 2))) == ([3, 5], -2, [[6, 7], [4]])
+    idx.set_tokens([9, 8, 7])  # no match anywhere: nothing at all
+    assert table.propose_tree(idx, 3, TreeShape((3, 2))) == ([], 0, [])
+
+
+def test_lookup_proposers_send_store_alternatives_for_greedy_sessions_only():
+    from moa_serve.drafter.lookup import HybridProposer
+    from moa_serve.drafter.proposer import TreeShape
+    from moa_serve.engine.sampling import SamplingParams
+    from tests.test_lookup import RecordingModel
+
+    store = OutputStore([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 5], [1, 2, 6]], min_n=2, max_n=2)
+    p = PromptLookupProposer(min_n=2, max_n=3, store=store)
+    p.set_tree(TreeShape((2, 2)))
+    greedy, sampled = p.propose([DraftRequest("g", [8, 1, 2], 3),
+                                 DraftRequest("s", [8, 1, 2], 3, sampling=SamplingParams(temperature=0.7, seed=1))])
+    assert greedy.drafts == [3, 5] and greedy.alternatives == [[6], [4]]
+    assert sampled.drafts == [3, 5] and sampled.alternatives == []
+    (own,) = p.propose([DraftRequest("o", [1, 2, 9, 1, 2], 3)])  # the session's own n-gram: a chain
+    assert own.drafts == [9, 1, 2] and own.alternatives == []
+    with pytest.raises(ValueError, match="chains only"):
+        PromptLookupProposer().set_tree(TreeShape((2,)))
+    PromptLookupProposer().set_tree(TreeShape())  # a chain is always fine
+    model = RecordingModel()
+    model.set_tree = lambda shape: setattr(model, "shape", shape)
+    h = HybridProposer(PromptLookupProposer(min_n=2, max_n=3, store=store), model)
+    h.set_tree(TreeShape((2, 2)))
+    assert model.shape == TreeShape((2, 2))
+    (r,) = h.propose([DraftRequest("h", [8, 1, 2], 3)])
+    assert r.drafts == [3, 5] and r.alternatives == [[6], [4]] and r.probs is None
+
+
+def test_tree_drafts_from_the_store_are_lossless_and_rescue_rounds(stories_path, stories_ref, monkeypatch):
+    """A store whose majority is wrong every third token and whose runner-up is the target's: the
+    alternatives are accepted, and greedy output stays the target's."""
+    import moa_serve.drafter.outputs as outputs
+    from moa_serve.drafter.proposer import TreeShape
+
+    tok, prompts, ref = stories_ref
+    vocab = 512  # stories260k
+    wrong = [[(t + 1) % vocab if i % 3 == 2 else t for i, t in enumerate(r)] for r in ref]
+    store = OutputStore([list(p) + r for p, r in zip(prompts, ref)] + [list(p) + w for p, w in zip(prompts, wrong)] * 2,
+                        min_n=2, max_n=6)
+    monkeypatch.setattr(outputs, "output_store_for", lambda target, checkpoint=None: store)
+    engine = SpeculativeEngine.load(str(stories_path), "lookup+outputs", "float32", max_sessions=8)
+    engine.proposer.set_tree(TreeShape((2, 2, 2, 2)))
+    outs = engine.generate(prompts, 2 * NEW_TOKENS, num_speculative_tokens=4)
+    assert [o.token_ids for o in outs] == ref
+    assert engine.verifier.stats["alternatives_accepted"] > 0

@@ -121,7 +121,7 @@ class RemoteGenerator:
         self.final_reconnects, self.offline_chunk = final_reconnects, offline_chunk
         # tree drafts (greedy): the drafter's runners-up per depth go with the chain, verified beside it
         self.branching = parse_branching(branching)
-        if hasattr(device.proposer, "set_tree"):
+        if getattr(device.proposer, "branches", False):
             device.proposer.set_tree(self.branching)  # (a device reused by another generator included)
         elif self.branching:
             raise ValueError(f"drafter {device.name}: tree drafts need a trained drafter")
