@@ -186,7 +186,7 @@ def run_cs_bench(args) -> dict:
     from moa_serve.client import DeviceDrafter, Transport
     from moa_serve.drafter.checkpoint import drafter_kind, model_checkpoint, uses_output_store
     from moa_serve.drafter.data import prompt_ids
-    from moa_serve.drafter.proposer import parse_branchings
+    from moa_serve.client.generate import AUTO
     from moa_serve.engine.engine import SpeculativeEngine, stop_token_ids
     from moa_serve.engine.sampling import GREEDY
     from moa_serve.kernels.packed import pack_target
@@ -232,7 +232,7 @@ def run_cs_bench(args) -> dict:
     methods: list[_Method] = []
     checkpoints = [d for d in (args.drafter or "").split(",") if d and d.lower() != "none"]
     stacks: dict[str, object] = {}  # one per feature head: a hybrid shares its checkpoint's
-    shapes = parse_branchings(args.branching)
+    shapes = tree_choices(args.branching)
     for ck, shape in ((ck, shape) for ck in checkpoints for shape in shapes):
         kind = drafter_kind(ck)
         dev = DeviceDrafter.load(ck, args.target, dtype_name, args.max_model_len)
@@ -250,7 +250,7 @@ def run_cs_bench(args) -> dict:
         if any(m.name == name and m.branching == shape for m in methods):  # the same kind twice: say which checkpoint
             name = f"{name} ({'/'.join(Path(model_checkpoint(ck)).parts[-2:])})"
         if shape:
-            name = f"{name}, tree {shape.label}"
+            name = f"{name}, tree {shape if shape == AUTO else shape.label}"
         methods.append(_Method(name, kind, ck, dev, srv, shape))
     if not args.no_api_only:
         ref_dev = methods[0].device if methods else None
@@ -523,6 +523,20 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def tree_choices(text: str | None) -> list:
+    """``--branching``: comma-separated tree shapes (``parse_branching``) or ``auto`` (the client's
+    choice by round trip), each once, in order."""
+    from moa_serve.client.generate import AUTO
+    from moa_serve.drafter.proposer import parse_branching
+
+    out: list = []
+    for b in (text or "chain").split(","):
+        choice = AUTO if b.strip() == AUTO else parse_branching(b)
+        if choice not in out:
+            out.append(choice)
+    return out
+
+
 # ---------------------------------------------------------------------- command line
 def add_arguments(p) -> None:
     from moa_serve.cli import DEFAULT_TARGET
@@ -530,7 +544,8 @@ def add_arguments(p) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="the server's target LLM")
     p.add_argument("--drafter", default=DEFAULT_DRAFTERS,
                    help="comma-separated device drafter checkpoints (MoA, EAGLE-style, independent), each also as "
-                        "hybrid:<checkpoint> (prompt lookup first, online and greedy); 'none': only API-only")
+                        "hybrid:<checkpoint> (prompt lookup first, online and greedy) or hybrid+outputs:<checkpoint> "
+                        "(then the target's earlier replies); 'none': only API-only")
     p.add_argument("--no-api-only", action="store_true", help="skip the API-only client (no drafter, K = 0)")
     p.add_argument("--profiles", default=DEFAULT_PROFILES, help="netem profiles, comma-separated")
     p.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench-format JSONL (held-out prompts)")
@@ -544,7 +559,8 @@ def add_arguments(p) -> None:
     p.add_argument("--fixed-k", action="store_true", help="always draft -k tokens (default: the client's adaptive K)")
     p.add_argument("--branching", default="chain",
                    help="tree drafts: candidates per draft depth (e.g. 4-2, or 8-3-2@0.05: dynamic); "
-                        "comma-separated shapes run every drafter once per shape ('chain' = none)")
+                        "comma-separated shapes run every drafter once per shape ('chain' = none; 'auto' = the "
+                        "client's default: 8-3-2@0.03 while the round trip is >= 50 ms)")
     p.add_argument("--feature-codec", choices=["float16", "int8"], default="float16")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="server and device (float32: greedy identity is exact)")

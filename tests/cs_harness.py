@@ -144,6 +144,8 @@ class OracleProposer(_Copies):
         # alternative there (with a wrong one before it)
         self.branching: tuple[int, ...] = ()
 
+    branches = True
+
     def set_tree(self, shape) -> None:
         self.branching = shape.widths
 

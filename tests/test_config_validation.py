@@ -183,7 +183,7 @@ def test_local_configs_are_valid(name):  # MOA_MODEL_DIR: ../shared/models (conf
     results = validate(cfg)
     assert all(f.ok for f in results)
     if name == "local-cpu.yaml":  # prompt lookup in the Router: no drafter pool
-        assert cfg.drafter == "lookup" and cfg.drafter_checkpoint is None and cfg.prompt_lookup
+        assert cfg.drafter == "lookup+outputs" and cfg.drafter_checkpoint is None and cfg.prompt_lookup
         assert {f.pool for f in results} == {"verifier_pool"} and set(cfg.pools()) == {"verifier_pool"}
         assert cfg.router.session_groups == 1 and cfg.router.max_sessions_per_round == 64
         # slots beyond the live sessions keep finished prompts' K/V (the prefix cache)
@@ -247,7 +247,7 @@ def test_client_drafter_serves_devices_beside_a_lookup_router():
     """``client_drafter``: the checkpoint whose features devices read; with drafter lookup the
     verifier runs its feature head (for device sessions) and no drafter pool is deployed."""
     cfg = AppConfig.model_validate(args_of("local-cpu.yaml"))
-    assert cfg.drafter == "lookup" and cfg.client_drafter == "smollm2-135m-instruct-moa"
+    assert cfg.drafter == "lookup+outputs" and cfg.client_drafter == "smollm2-135m-instruct-moa"
     assert cfg.feature_drafter == "smollm2-135m-instruct-moa" and set(cfg.pools()) == {"verifier_pool"}
     served = AppConfig.model_validate({**args_of("local-cpu-2x.yaml")})
     assert served.client_drafter is None and served.feature_drafter == served.drafter_checkpoint

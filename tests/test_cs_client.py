@@ -104,6 +104,38 @@ def test_tree_drafts_through_the_link_stay_token_identical(server, device, plain
     assert res.token_ids == ref and res.verified_tokens == 48
 
 
+def test_auto_branching_drafts_trees_only_over_slow_round_trips(server, device, plain, monkeypatch):
+    """``branching="auto"``: chains while the measured round trip is short, the tree once it is long
+    (here: the threshold moved around loopback's), token-identical either way; a device reused by
+    a later run starts that run with chains again."""
+    import moa_serve.client.generate as client
+    from moa_serve.drafter.proposer import TreeShape
+
+    # a fixed shape: the untrained drafter rates every candidate far below the dynamic tree's bound
+    monkeypatch.setattr(client, "AUTO_TREE", TreeShape((3, 2)))
+    srv, uv = server
+    ids = device.tokenizer.encode(PROMPTS[1])
+    ref = reference(plain, ids, 32)
+    real = DeviceDrafter.load(device.name, None, "float32", 512)
+    trees = {}
+    for threshold in (1e9, 0.0):  # never long enough / always long enough
+        monkeypatch.setattr(client, "AUTO_MIN_ROUND_TRIP_S", threshold)
+        before = srv.runner.stats["alternatives_accepted"]
+        gen, t = generator(real, uv.url, branching="auto")
+        res = gen.generate(ids, 32, ignore_eos=True)
+        assert res.token_ids == ref and res.verified_tokens == 32
+        trees[threshold] = res.tree_rounds
+        assert res.as_dict()["tree_rounds"] == res.tree_rounds
+    assert trees[1e9] == 0 and trees[0.0] > 0
+    assert real.proposer.branching == client.AUTO_TREE.widths  # left on by the last run...
+    monkeypatch.setattr(client, "AUTO_MIN_ROUND_TRIP_S", 1e9)
+    gen, t = generator(real, uv.url, branching="auto")
+    run = gen.start(ids, 4, ignore_eos=True)
+    assert real.proposer.branching == ()  # ... and off again when the next run starts
+    for _ in run:
+        pass
+
+
 def test_int8_features_and_a_stop_token_end_the_session(server, device, plain):
     srv, uv = server
     ids = device.tokenizer.encode(PROMPTS[0])

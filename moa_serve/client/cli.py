@@ -11,9 +11,11 @@ def cmd_client_generate(args) -> int:
     from moa_serve.cli import CLIError, _sampling, _tree, check_generation_args, prompt_tokens
     from moa_serve.client import DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, ServerError, Transport
 
+    from moa_serve.client.generate import AUTO
+
     check_generation_args(args)
     sampling = _sampling(args)
-    branching = _tree(args)
+    branching = AUTO if args.branching == AUTO else _tree(args)
     device = DeviceDrafter.load(args.drafter, args.target, args.dtype, args.max_model_len, args.device)
     transport = Transport(args.server, timeout_s=args.timeout)
     gen = RemoteGenerator(device, transport, num_speculative_tokens=args.num_speculative_tokens,
@@ -29,7 +31,7 @@ def cmd_client_generate(args) -> int:
     if args.json:
         print(json.dumps({**res.as_dict(), "server": args.server, "drafter": args.drafter,
                           "dtype": str(device.dtype).removeprefix("torch."), "feature_codec": args.feature_codec,
-                          "branching": branching.label,
+                          "branching": branching if branching == AUTO else branching.label,
                           "device_weights_mib": round(device.weight_bytes() / 2**20, 1)}))
     else:
         print(res.text)
@@ -49,10 +51,11 @@ def register(sub) -> None:
     g.add_argument("--server", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
     _model_args(g, drafter=False)
     g.set_defaults(target=None)
-    g.add_argument("--drafter", default=f"hybrid:{DEFAULT_DRAFTER}",
-                   help="drafter checkpoint (the server's: the handshake checks), or hybrid:<checkpoint> (the "
-                        "default): prompt lookup drafts where the text repeats itself (greedy only, online and "
-                        "offline); its target parts are read from --target (default: the checkpoint's target)")
+    g.add_argument("--drafter", default=f"hybrid+outputs:{DEFAULT_DRAFTER}",
+                   help="drafter checkpoint (the server's: the handshake checks), or hybrid:<checkpoint>: prompt "
+                        "lookup drafts where the text repeats itself (greedy only, online and offline), or "
+                        "hybrid+outputs:<checkpoint> (the default): lookup, then the target's earlier replies, then "
+                        "the checkpoint; its target parts are read from --target (default: the checkpoint's target)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -63,10 +66,11 @@ def register(sub) -> None:
                    help="when the server is unreachable: keep writing with the drafter (unverified, corrected on "
                         "reconnection) or fail")
     g.add_argument("--feature-codec", choices=["float16", "int8"], default="float16")
-    g.add_argument("--branching", default="chain",
+    g.add_argument("--branching", default="auto",
                    help="tree drafts (greedy): candidates per draft depth, e.g. 4-2 (the drafter's runners-up go "
                         "with its chain and are verified beside it), 8-3-2@0.05 (only those it rates >= 0.05); "
-                        "'chain' = none")
+                        "'chain' = none; 'auto' (default): 8-3-2@0.03 while the measured round trip is >= 50 ms, "
+                        "chains on faster links")
     g.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP call")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
