@@ -122,9 +122,6 @@ class LookupTable:
         self.stats["drafts"] += len(drafts)
         return drafts, n if drafts else 0, alternatives if any(alternatives) else []
 
-    def propose(self, idx: NgramIndex, num_drafts: int) -> list[int]:
-        return self.propose_match(idx, num_drafts)[0]
-
     def draft_match(self, session_id: str, tokens: list[int], num_drafts: int,
                     keep: set[str] = frozenset()) -> tuple[list[int], int]:
         """Drafts for a session holding ``tokens``, and the length of the n-gram they continue."""

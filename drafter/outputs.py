@@ -50,6 +50,11 @@ def _hash(tokens) -> int:
 
 
 class OutputStore:
+    """Token sequences indexed by their n-grams (``min_n``..``max_n``) for ``propose``: the most
+    frequent continuation of the longest suffix found at least ``min_support`` times, token by token
+    while at least ``min_confidence`` of the occurrences agree (looking at the latest
+    ``max_candidates`` occurrences of a very common suffix)."""
+
     def __init__(self, sequences, min_n: int = 2, max_n: int = 6, min_support: int = 1,
                  min_confidence: float = 0.0, max_candidates: int = 4096):
         if not 1 <= min_n <= max_n:

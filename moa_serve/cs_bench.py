@@ -184,9 +184,9 @@ def run_cs_bench(args) -> dict:
     from tqdm import tqdm
 
     from moa_serve.client import DeviceDrafter, Transport
+    from moa_serve.client.generate import AUTO
     from moa_serve.drafter.checkpoint import drafter_kind, model_checkpoint, uses_output_store
     from moa_serve.drafter.data import prompt_ids
-    from moa_serve.client.generate import AUTO
     from moa_serve.engine.engine import SpeculativeEngine, stop_token_ids
     from moa_serve.engine.sampling import GREEDY
     from moa_serve.kernels.packed import pack_target

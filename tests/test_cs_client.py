@@ -120,7 +120,6 @@ def test_auto_branching_drafts_trees_only_over_slow_round_trips(server, device, 
     trees = {}
     for threshold in (1e9, 0.0):  # never long enough / always long enough
         monkeypatch.setattr(client, "AUTO_MIN_ROUND_TRIP_S", threshold)
-        before = srv.runner.stats["alternatives_accepted"]
         gen, t = generator(real, uv.url, branching="auto")
         res = gen.generate(ids, 32, ignore_eos=True)
         assert res.token_ids == ref and res.verified_tokens == 32
