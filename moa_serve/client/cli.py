@@ -10,7 +10,6 @@ import sys
 def cmd_client_generate(args) -> int:
     from moa_serve.cli import CLIError, _sampling, _tree, check_generation_args, prompt_tokens
     from moa_serve.client import DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, ServerError, Transport
-
     from moa_serve.client.generate import AUTO
 
     check_generation_args(args)
