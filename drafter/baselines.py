@@ -229,18 +229,18 @@ def load_proposer(drafter: str, target: str | None = None, dtype="float32", devi
 
     lookup, ckpt = split_drafter_spec(drafter)
     if lookup:
+        model = None if ckpt is None else load_proposer(ckpt, target, dtype, device, max_sessions, max_model_len,
+                                                        target_model)
         store, gate = None, None
         if uses_output_store(drafter):
             from moa_serve.drafter.outputs import GATE_ALONE, GATE_BEFORE_MODEL, output_store_for
 
-            store, gate = output_store_for(target, ckpt), GATE_ALONE if ckpt is None else GATE_BEFORE_MODEL
+            store = output_store_for(target or (model.cfg.target_name_or_path if model is not None else None))
+            gate = GATE_ALONE if model is None else GATE_BEFORE_MODEL
         # the lookup copy never evicts before the model's (it would force needless resyncs)
         lk = PromptLookupProposer(max_sessions=4 * max_sessions, max_model_len=max_model_len, store=store,
                                   store_gate=gate)
-        if ckpt is None:
-            return lk
-        return HybridProposer(lk, load_proposer(ckpt, target, dtype, device, max_sessions, max_model_len,
-                                                target_model))
+        return lk if model is None else HybridProposer(lk, model)
     kind = drafter_kind(drafter)
     cls = {"moa": MoAProposer, "eagle": EagleProposer, "independent": IndependentProposer}[kind]
     return cls.load(drafter, target=target, dtype=dtype, device=device, max_sessions=max_sessions,

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moa_serve.drafter.regenerate import pack_replies
+
 # How sure the store must be, by what stands behind it (tuned on Spec-Bench, README "Output store"):
 # with no model (``lookup+outputs``) any suffix of 2+ tokens and its most frequent continuation
 # beat no draft; in front of a trained drafter (``hybrid+outputs:``) the store drafts only from a
@@ -152,18 +154,10 @@ class OutputStore:
             starts = starts[nxt == values[best]]
         return drafts, alternatives
 
-    # ------------------------------------------------------------------ building one
     @classmethod
     def from_texts(cls, texts: list[str], tokenizer, **kw) -> "OutputStore":
         ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
         return cls(ids, **kw)
-
-    @classmethod
-    def load(cls, source: str | Path, tokenizer, **kw) -> "OutputStore":
-        """From replies in ``.jsonl`` / ``.jsonl.gz`` files (or a folder of them): lines with
-        ``reply`` or ``replies`` (``moa regenerate --pack``) or chat ``messages`` (its unpacked
-        output: the assistant turns)."""
-        return cls.from_texts(read_replies(source), tokenizer, **kw)
 
 
 def reply_files(source: str | Path) -> list[Path]:
@@ -178,6 +172,9 @@ def reply_files(source: str | Path) -> list[Path]:
 
 
 def read_replies(source: str | Path) -> list[str]:
+    """The replies in ``.jsonl`` / ``.jsonl.gz`` files (or a folder of them): lines with ``reply``
+    or ``replies`` (``moa regenerate --pack``) or chat ``messages`` (its unpacked output: the
+    assistant turns)."""
     texts: list[str] = []
     for f in reply_files(source):
         opener = gzip.open if f.name.endswith(".gz") else open
@@ -186,10 +183,8 @@ def read_replies(source: str | Path) -> list[str]:
                 if not line.strip():
                     continue
                 row = json.loads(line)
-                if "reply" in row:
-                    texts.append(row["reply"])
-                elif "replies" in row:
-                    texts.extend(row["replies"])
+                if "reply" in row or "replies" in row:
+                    texts.extend(pack_replies(row))
                 else:
                     texts.extend(m["content"] for m in row.get("messages", []) if m.get("role") == "assistant")
     return texts
@@ -205,34 +200,28 @@ def packed_outputs(target: str) -> list[Path]:
 def load_output_store(target: str, tokenizer, source: str | Path | None = None, **kw) -> OutputStore:
     """The output store of ``source`` (files or a folder of replies), by default the packs shipped
     for ``target``."""
-    if source is not None:
-        return OutputStore.load(source, tokenizer, **kw)
-    packs = packed_outputs(target)
-    if not packs:
-        raise FileNotFoundError(
-            f"no packed outputs of {target!r} in {PACKED} (files named {Path(str(target)).name.lower()}*.jsonl.gz): "
-            "an output store needs the target's own earlier replies (moa regenerate, then --pack)")
-    texts = [t for p in packs for t in read_replies(p)]
+    if source is None:
+        packs = packed_outputs(target)
+        if not packs:
+            raise FileNotFoundError(
+                f"no packed outputs of {target!r} in {PACKED} (files named {Path(str(target)).name.lower()}"
+                "*.jsonl.gz): an output store needs the target's own earlier replies (moa regenerate, then --pack)")
+    texts = read_replies(source) if source is not None else [t for p in packs for t in read_replies(p)]
     return OutputStore.from_texts(texts, tokenizer, **kw)
 
 
 _CACHE: dict[tuple, OutputStore] = {}
 
 
-def output_store_for(target: str | None, checkpoint: str | None = None) -> OutputStore:
-    """The output store a ``+outputs`` drafter spec reads, for the target named by ``target`` (else
-    the checkpoint's target): the files or folder in ``$MOA_OUTPUTS`` if set, else the packs
-    shipped for that target. Built once per process (every session and proposer shares it)."""
+def output_store_for(target: str | None) -> OutputStore:
+    """The output store a ``+outputs`` drafter spec reads for ``target``: the files or folder in
+    ``$MOA_OUTPUTS`` if set, else the packs shipped for that target. Built once per process (every
+    session and proposer shares it)."""
     import os
 
     from moa_serve.models import load_tokenizer, resolve_model_path
 
-    if target is None and checkpoint is not None:
-        from moa_serve.drafter.checkpoint import _raw_config
-
-        raw = _raw_config(checkpoint) or {}
-        target = raw.get("target_name_or_path") or raw.get("base_model_name_or_path")
-    if target is None:
+    if not target:
         raise ValueError("an output store needs the target's name (its tokenizer and its packed replies)")
     source = os.environ.get("MOA_OUTPUTS") or None
     key = (str(target), source)

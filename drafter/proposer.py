@@ -154,9 +154,11 @@ def parse_branching(text: "str | TreeShape | tuple | list | None") -> TreeShape:
     return TreeShape(tuple(widths), min_value if widths else 0.0)
 
 
-def parse_branchings(text: str | None) -> list[TreeShape]:
-    """Comma-separated shapes (``"chain,4-2,8-3-2@0.05"``), each once, in order; empty: a chain."""
-    return list(dict.fromkeys(parse_branching(b) for b in (text or "chain").split(",")))
+def parse_branchings(text: str | None, keywords: tuple[str, ...] = ()) -> list:
+    """Comma-separated shapes (``"chain,4-2,8-3-2@0.05"``), each once, in order; empty: a chain.
+    A word in ``keywords`` (a caller's own choice, e.g. the client's ``auto``) stays that string."""
+    return list(dict.fromkeys(b.strip() if b.strip() in keywords else parse_branching(b)
+                              for b in (text or "chain").split(",")))
 
 
 def rollback_point(fed: list[int], committed: list[int]) -> int:

@@ -116,6 +116,11 @@ def pack(out: str, path: str) -> int:
     return n
 
 
+def pack_replies(entry: dict) -> list[str]:
+    """The target's replies a pack line holds (``reply``: one; ``replies``: several, in turn order)."""
+    return entry["replies"] if "replies" in entry else [entry["reply"]]
+
+
 def unpack(path: str, data_dir: str, out: str) -> Path:
     """Rebuilds ``<out>/self`` and ``<out>/original`` from a pack and the corpus it refers to."""
     from moa_serve.drafter.data import read_rows
@@ -136,7 +141,7 @@ def unpack(path: str, data_dir: str, out: str) -> Path:
             if conv is None or _digest(_first_user(conv)) != e["prompt_sha"]:
                 raise ValueError(f"{path} line {line_no}: row {e['row']} of {e['file']} no longer holds the "
                                  "prompt that was answered (the corpus changed)")
-            replies = e["replies"] if "replies" in e else [e["reply"]]
+            replies = pack_replies(e)
             users = [m for m in conv if m["role"] == "user"][:len(replies)]
             if len(users) < len(replies):
                 raise ValueError(f"{path} line {line_no}: {len(replies)} replies for {len(users)} user turns "

@@ -187,6 +187,7 @@ def run_cs_bench(args) -> dict:
     from moa_serve.client.generate import AUTO
     from moa_serve.drafter.checkpoint import drafter_kind, model_checkpoint, uses_output_store
     from moa_serve.drafter.data import prompt_ids
+    from moa_serve.drafter.proposer import parse_branchings
     from moa_serve.engine.engine import SpeculativeEngine, stop_token_ids
     from moa_serve.engine.sampling import GREEDY
     from moa_serve.kernels.packed import pack_target
@@ -232,7 +233,7 @@ def run_cs_bench(args) -> dict:
     methods: list[_Method] = []
     checkpoints = [d for d in (args.drafter or "").split(",") if d and d.lower() != "none"]
     stacks: dict[str, object] = {}  # one per feature head: a hybrid shares its checkpoint's
-    shapes = tree_choices(args.branching)
+    shapes = parse_branchings(args.branching, keywords=(AUTO,))
     for ck, shape in ((ck, shape) for ck in checkpoints for shape in shapes):
         kind = drafter_kind(ck)
         dev = DeviceDrafter.load(ck, args.target, dtype_name, args.max_model_len)
@@ -521,20 +522,6 @@ def markdown(result: dict) -> str:
                 lines.append(f"- on disconnection {who} matches the target longest: "
                              f"{'met' if t[key]['met'] else 'NOT met'}")
     return "\n".join(lines) + "\n"
-
-
-def tree_choices(text: str | None) -> list:
-    """``--branching``: comma-separated tree shapes (``parse_branching``) or ``auto`` (the client's
-    choice by round trip), each once, in order."""
-    from moa_serve.client.generate import AUTO
-    from moa_serve.drafter.proposer import parse_branching
-
-    out: list = []
-    for b in (text or "chain").split(","):
-        choice = AUTO if b.strip() == AUTO else parse_branching(b)
-        if choice not in out:
-            out.append(choice)
-    return out
 
 
 # ---------------------------------------------------------------------- command line

@@ -248,7 +248,7 @@ def test_tree_drafts_from_the_store_are_lossless_and_rescue_rounds(stories_path,
     wrong = [[(t + 1) % vocab if i % 3 == 2 else t for i, t in enumerate(r)] for r in ref]
     store = OutputStore([list(p) + r for p, r in zip(prompts, ref)] + [list(p) + w for p, w in zip(prompts, wrong)] * 2,
                         min_n=2, max_n=6)
-    monkeypatch.setattr(outputs, "output_store_for", lambda target, checkpoint=None: store)
+    monkeypatch.setattr(outputs, "output_store_for", lambda target: store)
     engine = SpeculativeEngine.load(str(stories_path), "lookup+outputs", "float32", max_sessions=8)
     engine.proposer.set_tree(TreeShape((2, 2, 2, 2)))
     outs = engine.generate(prompts, 2 * NEW_TOKENS, num_speculative_tokens=4)
