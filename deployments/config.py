@@ -25,12 +25,12 @@ class _Strict(BaseModel):
 class AutoscalingConfig(_Strict):
     """Ray Serve ``autoscaling_config`` (the fields we set; Ray validates the rest). The Router
     scales on ongoing HTTP requests (one per session, streaming or not, plus the queued ones)."""
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    initial_replicas: int | None = Field(None, ge=0)
-    target_ongoing_requests: float = Field(2.0, gt=0)
-    upscale_delay_s: float = Field(10.0, ge=0)
-    downscale_delay_s: float = Field(60.0, ge=0)
+    min_replicas: int = Field(1, ge=0, description="replicas kept running however idle (0 = scale to zero)")
+    max_replicas: int = Field(1, ge=1, description="most replicas the autoscaler starts")
+    initial_replicas: int | None = Field(None, ge=0, description="replicas at deploy time; default: min_replicas (at least 1)")
+    target_ongoing_requests: float = Field(2.0, gt=0, description="ongoing requests per replica the autoscaler aims at")
+    upscale_delay_s: float = Field(10.0, ge=0, description="how long load must stay above target before a replica is added")
+    downscale_delay_s: float = Field(60.0, ge=0, description="how long load must stay below target before a replica is removed")
     look_back_period_s: float | None = Field(None, gt=0, description="window the metrics are averaged over (Ray's default 30 s)")
 
     @model_validator(mode="after")
@@ -43,7 +43,7 @@ class AutoscalingConfig(_Strict):
 class PoolAutoscalingConfig(AutoscalingConfig):
     """A pool scales on the sessions its replicas hold (``SessionsPolicy``), not on calls: a
     call is a whole round of a session group, so the number of calls says little about load."""
-    target_ongoing_requests: None = Field(None, exclude=True)
+    target_ongoing_requests: None = Field(None, exclude=True, description="not used by pools (refused when set): they scale on sessions")
     target_sessions_per_replica: float | None = Field(
         None, gt=0, description="sessions per replica the pool scales to; default 3/4 of max_sessions")
 
@@ -57,15 +57,15 @@ class PoolAutoscalingConfig(AutoscalingConfig):
 
 
 class RayActorOptions(_Strict):
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
-    memory: int | None = Field(None, ge=0, description="bytes")
-    runtime_env: dict | None = None
+    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for one replica")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for one replica (fractions share a GPU)")
+    memory: int | None = Field(None, ge=0, description="bytes of memory Ray reserves for one replica")
+    runtime_env: dict | None = Field(None, description="Ray runtime_env of the replica (e.g. env_vars for OpenMP settings)")
 
 
 class PoolConfig(_Strict):
-    autoscaling_config: PoolAutoscalingConfig = PoolAutoscalingConfig()
-    ray_actor_options: RayActorOptions = RayActorOptions()
+    autoscaling_config: PoolAutoscalingConfig = Field(PoolAutoscalingConfig(), description="replica range and the sessions per replica the pool scales to")
+    ray_actor_options: RayActorOptions = Field(RayActorOptions(), description="resources of one replica")
     max_ongoing_requests: int = Field(16, ge=1, description="calls queued at one replica (forwards + releases of its groups)")
     max_sessions: int = Field(16, ge=1, description="sessions whose caches one replica holds")
     torch_threads: int | None = Field(None, ge=1, description="default: ray_actor_options.num_cpus")
@@ -94,9 +94,9 @@ class VerifierPoolConfig(PoolConfig):
 
 
 class RouterConfig(_Strict):
-    autoscaling_config: AutoscalingConfig = AutoscalingConfig()
-    ray_actor_options: RayActorOptions = RayActorOptions(num_cpus=0.5)
-    max_ongoing_requests: int = Field(256, ge=1)
+    autoscaling_config: AutoscalingConfig = Field(AutoscalingConfig(), description="Router replica range; it scales on ongoing HTTP requests")
+    ray_actor_options: RayActorOptions = Field(RayActorOptions(num_cpus=0.5), description="resources of one Router replica")
+    max_ongoing_requests: int = Field(256, ge=1, description="HTTP requests one Router replica serves at once (running and queued)")
     max_queued_requests: int = Field(64, ge=0, description="waiting requests beyond which new ones get 429")
     max_sessions_per_round: int = Field(16, ge=1, description="sessions one session group admits (and verifies per round)")
     session_groups: int = Field(2, ge=1, description="round loops per Router replica; >= 2 lets one group draft while another verifies")
@@ -104,7 +104,7 @@ class RouterConfig(_Strict):
     decode_steps: int = Field(4, ge=1, le=32, description="multi-step decoding: rounds without drafts, of at most "
                               "multi_step_max_sessions sessions and with nobody queued, get up to this many tokens "
                               "per session from one verify call (1 = one token per round)")
-    multi_step_max_sessions: int = Field(4, ge=1)
+    multi_step_max_sessions: int = Field(4, ge=1, description="multi-step decoding applies to rounds of at most this many sessions")
     lookahead: bool = Field(False, description="verify-call pipelining: a round without drafts (none allowed, no "
                             "features, no prompt prefilling, nobody queued) sends the next round's verify call before "
                             "its own returns, each session continuing from the length it is predicted to hold, so the "
@@ -112,7 +112,7 @@ class RouterConfig(_Strict):
                             "discarded row")
     speculation_governor: bool = Field(True, description="speculate only in rounds where it measurably pays "
                                        "(moving averages of ms per token on/off per batch size, with probes)")
-    retry_after_s: int = Field(2, ge=1)
+    retry_after_s: int = Field(2, ge=1, description="seconds in the Retry-After header of a 429 (queue full)")
     cs_session_ttl_s: float = Field(300.0, gt=0, description="client-server mode: a session idle this long is "
                                     "dropped (its client resyncs)")
 
@@ -131,7 +131,7 @@ class AppConfig(_Strict):
         "device sessions only")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="auto: float32 on CPUs without native bf16, bfloat16 otherwise")
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the target and the drafters run")
     backend: Literal["torch", "vllm"] = Field(
         "torch", description="torch: the project's PyTorch verifier, rounds batched by the Router; vllm: stock vLLM "
         "runs the target (its scheduler batches every user's steps), drafts come from the drafter pool in one call "
@@ -149,7 +149,7 @@ class AppConfig(_Strict):
         "auto", description="torch backend: the verifier's KV cache dtype (as vLLM's --kv-cache-dtype; auto = the "
         "target's dtype). bfloat16 under a float32 CPU target halves the cache and the bytes attention reads; K/V are "
         "rounded once when written, still batch-invariant (lossless against that target)")
-    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="most draft tokens per session per round (K)")
     adaptive_speculation: bool = Field(True, description="per session, draft about as many tokens as recently accepted (at most num_speculative_tokens)")
     branching: str = Field("chain", description="tree drafts (backend torch, greedy sessions): candidates per "
                            "draft depth, e.g. '4-2' = the drafter's top 4 at the first depth and top 2 at the second "
@@ -157,11 +157,12 @@ class AppConfig(_Strict):
                            "candidates the drafter rates at least 0.05 (dynamic); alternatives are "
                            "dropped, deepest first, where a round would exceed router.speculation_token_budget. "
                            "'chain' = none")
-    max_model_len: int = Field(2048, ge=16)
+    max_model_len: int = Field(2048, ge=16, description="longest context (prompt + output) a session may reach; sizes the KV cache")
     model_name: str | None = Field(None, description="name served by /v1/models; default: the target")
-    router: RouterConfig = RouterConfig()
-    verifier_pool: VerifierPoolConfig = VerifierPoolConfig()
-    drafter_pool: PoolConfig = PoolConfig(ray_actor_options=RayActorOptions(num_cpus=0.5))
+    router: RouterConfig = Field(RouterConfig(), description="the ingress: HTTP, sessions, round scheduling")
+    verifier_pool: VerifierPoolConfig = Field(VerifierPoolConfig(), description="replicas that run the target and verify drafts")
+    drafter_pool: PoolConfig = Field(PoolConfig(ray_actor_options=RayActorOptions(num_cpus=0.5)),
+                                     description="replicas that run a trained drafter (deployed only when drafter names a checkpoint)")
 
     @model_validator(mode="after")
     def _sessions_fit(self):

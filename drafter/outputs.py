@@ -190,11 +190,15 @@ def read_replies(source: str | Path) -> list[str]:
     return texts
 
 
+MANIFEST = PACKED / "manifest.json"
+
+
 def packed_outputs(target: str) -> list[Path]:
-    """The packs of the target's self-distilled replies shipped in ``drafter/selfdistill/``
-    (named after the target's last path part, lower case)."""
+    """The packs of the target's self-distilled replies shipped in ``drafter/selfdistill/``, as
+    ``manifest.json`` lists them under the target's last path part, lower case (no entry: none)."""
     stem = Path(str(target).rstrip("/")).name.lower()
-    return sorted(PACKED.glob(f"{stem}*.jsonl.gz"))
+    listed = json.loads(MANIFEST.read_text(encoding="utf-8")).get(stem, [])
+    return [PACKED / name for name in listed]
 
 
 def load_output_store(target: str, tokenizer, source: str | Path | None = None, **kw) -> OutputStore:
@@ -204,8 +208,8 @@ def load_output_store(target: str, tokenizer, source: str | Path | None = None, 
         packs = packed_outputs(target)
         if not packs:
             raise FileNotFoundError(
-                f"no packed outputs of {target!r} in {PACKED} (files named {Path(str(target)).name.lower()}"
-                "*.jsonl.gz): an output store needs the target's own earlier replies (moa regenerate, then --pack)")
+                f"no packed outputs of {target!r} in {MANIFEST} (an entry {Path(str(target)).name.lower()!r}): "
+                "an output store needs the target's own earlier replies (moa regenerate, then --pack)")
     texts = read_replies(source) if source is not None else [t for p in packs for t in read_replies(p)]
     return OutputStore.from_texts(texts, tokenizer, **kw)
 

@@ -77,7 +77,7 @@ def test_the_hashed_index_agrees_with_a_brute_force_count():
 
 
 def test_replies_are_read_from_packs_and_chat_files(tmp_path):
-    packed = tmp_path / "packs" / "m-s1.jsonl.gz"
+    packed = tmp_path / "packs" / "m-replies.jsonl.gz"
     packed.parent.mkdir()
     with gzip.open(packed, "wt") as fh:
         fh.write(json.dumps({"file": "a", "row": 1, "prompt_sha": "x", "reply": "1 2 3"}) + "\n")
@@ -122,7 +122,11 @@ def test_drafter_specs_with_outputs():
 def test_the_shipped_packs_make_a_store_for_smollm2():
     from moa_serve.drafter.outputs import output_store_for, packed_outputs
 
-    assert packed_outputs("HuggingFaceTB/SmolLM2-135M-Instruct")  # drafter/selfdistill/smollm2-135m-instruct*
+    packs = packed_outputs("HuggingFaceTB/SmolLM2-135M-Instruct")  # drafter/selfdistill/manifest.json
+    assert [p.name for p in packs] == ["smollm2-135m-instruct-first-turns.jsonl.gz",
+                                       "smollm2-135m-instruct-all-turns.jsonl.gz"]
+    assert all(p.is_file() for p in packs)
+    assert packed_outputs("some/Other-Model") == []  # no manifest entry: no packs, whatever files lie there
     store = output_store_for("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert len(store) > 900_000 and store.num_sequences > 10_000
 
