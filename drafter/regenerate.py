@@ -92,7 +92,7 @@ def _digest(message: dict) -> str:
 def pack(out: str, path: str) -> int:
     """Writes ``<out>/self``'s conversations as (source, prompt digest, [system,] replies) lines,
     gzipped; returns how many (conversations without a recorded source are left out). A
-    first-turn conversation without a system prompt keeps session 11's line (``reply``)."""
+    first-turn conversation without a system prompt keeps the short line format (``reply``)."""
     from moa_serve.drafter.data import read_rows
 
     n = 0

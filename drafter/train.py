@@ -195,7 +195,7 @@ class Trainer:
 
     def _warm_start_states(self, cfg: dict) -> dict[str, tuple[DrafterConfig, dict]]:
         """``init_from``: the folder of exported checkpoints (``<export_prefix>-<kind>``) to start
-        from, so that a later session continues the shipped drafters on more data instead of
+        from, so that training continues the shipped drafters on more data instead of
         starting over. Their draft vocabulary is kept (the LM head rows they learned)."""
         out = {}
         for kind in cfg["drafters"]:

@@ -202,7 +202,7 @@ def test_drafter_shape_from_a_packaged_checkpoint():
     cfg = AppConfig.model_validate(args_of("local-cpu-2x.yaml"))
     t = fit.target_shape(cfg)
     d = fit.drafter_shape(cfg.drafter, t)
-    assert d.kind == "moa" and not d.estimated and d.draft_vocab == 2048  # shrunk in session 20
+    assert d.kind == "moa" and not d.estimated and d.draft_vocab == 2048  # the shipped draft vocabulary (moa drafter shrink-vocab)
     assert d.kv_width_per_token == 2 * 3 * 64  # SA + CA, 3 KV heads x 64 each
     est = fit.drafter_shape("nobody/not-here", t)
     assert est.estimated and est.kv_width_per_token == 2 * t.kv_width
