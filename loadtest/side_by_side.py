@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Side by side: our cluster(s) and the vLLM-CPU peer under the same closed-loop load, one
+"""Side by side: our cluster(s), the vLLM-CPU and llama.cpp peers under the same closed-loop load, one
 after the other in one invocation (DESIGN.md §6: same client, same prompts, same machine state).
 
 For every side, the script starts the server, waits until it is ready, sends one short warm-up
@@ -16,7 +16,7 @@ goes on with the next side. It writes into ``--out``:
 
 Both files are rewritten after every level, so an interrupted run keeps what it measured.
 
-Sides (any number, run in the order: ``--ours``, ``--ours-off``, vLLM, vLLM n-gram):
+Sides (any number, run in the order: ``--ours``, ``--ours-off``, vLLM, vLLM n-gram, llama.cpp):
 
 - ``--ours [LABEL=]CONFIG.yaml`` (repeatable): ``serve run`` of a copy of CONFIG with
   ``http_options`` host 127.0.0.1 and port ``--port``; ready when ``GET /readyz`` is 200.
@@ -31,6 +31,10 @@ Sides (any number, run in the order: ``--ours``, ``--ours-off``, vLLM, vLLM n-gr
 - ``--vllm-ngram``: one more vLLM side with
   ``--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'``
   (``--vllm-ngram-config`` to change it); ``--no-vllm-plain`` leaves out the plain one.
+- ``--llama-server BIN``: llama.cpp's ``llama-server`` (built by ``tools/bench/build_llama_cpp.sh``,
+  cached outside the repository) on the same GGUF our server de-quantizes (``--llama-gguf``),
+  ``-t 2 -np 16 -c 32768 --jinja`` (``--llama-args``), on 127.0.0.1:``--llama-port``; ready when
+  ``GET /health`` is 200.
 
 Examples (from the repository root; the vLLM venv setup is in loadtest/README.md):
 
@@ -76,6 +80,9 @@ TAG = "[side-by-side]"
 VLLM_SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 NGRAM_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+# llama.cpp's server as CPU users of GGUF models run it: 2 threads, 16 parallel slots sharing a
+# 32k-token cache, the model's own chat template
+LLAMA_ARGS = "-t 2 -np 16 -c 32768 --jinja"
 
 
 def log(msg: str) -> None:
@@ -355,7 +362,23 @@ def build_sides(a, repo: Path, out: Path) -> list[dict]:
                           "model": a.model or a.vllm_served_name})
     elif a.vllm_ngram or a.no_vllm_plain:
         raise SystemExit("--vllm-ngram / --no-vllm-plain need --vllm-python and --vllm-model")
+    if a.llama_server:
+        gguf = a.llama_gguf or _default_gguf(repo)
+        name = a.model or VLLM_SERVED_NAME
+        cmd = [a.llama_server, "-m", str(gguf), "--alias", name, "--host", "127.0.0.1",
+               "--port", str(a.llama_port), *shlex.split(a.llama_args)]
+        sides.append({"label": unique("llama.cpp"), "kind": "llama.cpp", "url": f"http://127.0.0.1:{a.llama_port}",
+                      "ready_path": "/health", "cmd": cmd, "env": dict(os.environ), "env_shown": {},
+                      "port": a.llama_port, "model": name})
     return sides
+
+
+def _default_gguf(repo: Path) -> Path:
+    """The target's GGUF weights in ``../shared/models`` (the same file our server de-quantizes)."""
+    found = sorted((repo.parent / "shared" / "models" / "smollm2-135m-instruct").glob("*.gguf"))
+    if not found:
+        raise SystemExit("--llama-gguf: no GGUF found in ../shared/models/smollm2-135m-instruct")
+    return found[0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -613,6 +636,11 @@ def build_parser(repo: Path) -> argparse.ArgumentParser:
     g.add_argument("--vllm-ngram-config", default=NGRAM_CONFIG, help=f"default: {NGRAM_CONFIG}")
     g.add_argument("--no-vllm-plain", action="store_true", help="only the n-gram vLLM side")
     g.add_argument("--vllm-args", help="extra arguments for the vLLM server (one shell-quoted string)")
+    g = p.add_argument_group("llama.cpp peer")
+    g.add_argument("--llama-server", help="llama-server binary (bash tools/bench/build_llama_cpp.sh prints its path)")
+    g.add_argument("--llama-gguf", type=Path, help="GGUF weights (default: the target's in ../shared/models)")
+    g.add_argument("--llama-port", type=int, default=8300)
+    g.add_argument("--llama-args", default=LLAMA_ARGS, help=f"server arguments (default: {LLAMA_ARGS!r})")
     g = p.add_argument_group("load")
     g.add_argument("--client", type=Path, default=shared / "tools" / "openai_load.py",
                    help="closed-loop client (default <repo>/../shared/tools/openai_load.py)")
