@@ -413,11 +413,17 @@ class ProposerBase:
         [V'], on CPU) by batch row. Returns (target token ids [B] on the device, {row: q})."""
         choice = logits.argmax(-1)
         qs = {}
-        for b, (r, s, _) in enumerate(batch):
-            if not r.sampling.greedy:
-                q = warp_probs(logits[b:b + 1], r.sampling)[0].cpu()
-                choice[b] = sample(q, generator_for(r.sampling, len(s.committed) + step, "draft"))
+        sampling = [b for b, (r, _, _) in enumerate(batch) if not r.sampling.greedy]
+        if sampling:  # one host transfer for every sampling session of the step (seeded CPU generators)
+            rows = logits[torch.tensor(sampling, device=logits.device)].float().cpu()
+            picked = []
+            for j, b in enumerate(sampling):
+                r, s, _ = batch[b]
+                q = warp_probs(rows[j:j + 1], r.sampling)[0]
+                picked.append(sample(q, generator_for(r.sampling, len(s.committed) + step, "draft")))
                 qs[b] = q
+            choice[torch.tensor(sampling, device=choice.device)] = torch.tensor(picked, device=choice.device,
+                                                                                dtype=choice.dtype)
         if self.draft_vocab is not None:
             choice = self.draft_vocab[choice]
         return choice, qs

@@ -23,6 +23,8 @@ class SlotKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
+        # lengths stay on the host whatever the cache's device: planning reads them every call, and
+        # a host tensor is read without waiting for the device
         self.lengths = torch.zeros(num_slots, dtype=torch.long)
         self.num_slots = num_slots
         self._free = list(range(num_slots))  # a heap: the lowest free slot first keeps live slots dense
@@ -56,6 +58,7 @@ class SlotKVCache:
         if len(slots) == 1:
             s = int(slots[0])
             return self.k[layer, s:s + 1, :, :length], self.v[layer, s:s + 1, :, :length]
+        slots = slots.to(self.k.device)  # index_select wants its index on the tensor's device
         return (torch.index_select(self.k[layer, :, :, :length], 0, slots),  # 3x faster than k[layer, slots]
                 torch.index_select(self.v[layer, :, :, :length], 0, slots))
 

@@ -37,6 +37,7 @@ from moa_serve.engine.sampling import SamplingParams
 from moa_serve import kernels
 from moa_serve.kernels.packed import for_inference, pack_target
 from moa_serve.kv_cache import PackedBatch
+from moa_serve.layers import fuse_dense_projections
 from moa_serve.models import load_state_dict, read_config, resolve_model_path, target_dtype
 from moa_serve.verifier.acceptance import accept_sampling, generator_for, warp_probs
 from moa_serve.verifier.api import TargetBackend, VerifyRequest, VerifyResult
@@ -134,6 +135,8 @@ class TorchTargetRunner(TargetBackend):
                 self.packing = pack_target(model, path, matmul_precision)
         elif packed_weights == "auto":
             self.packing = {"packed": 0, "reason": "the runner was given an already built model"}
+        if self.device.type != "cpu":  # torch's GEMMs on a GPU: fewer, larger ones per layer
+            self.packing["fused_projections"] = fuse_dense_projections(model.model.layers)
         self.model = model
         self.arch = model.arch
         self.max_model_len = min(max_model_len, self.arch.max_position_embeddings)
@@ -358,12 +361,13 @@ class TorchTargetRunner(TargetBackend):
             batch = PackedBatch(self.cache, [w.session.slot for w in live], [w.session.cached for w in live],
                                 [1] * len(live), self.device, kernel=self.attention_kernel)
             tokens = torch.tensor([w.session.committed[-1] for w in live], device=self.device)
-            logits = self.model.lm_head(self.model.forward_packed(tokens, batch)).float().cpu()
-            choice = logits.argmax(-1).tolist()
+            logits, choice = self._logits_and_choice(self.model.forward_packed(tokens, batch),
+                                                     [plain[w.req.session_id] for w in live])
             for i, w in enumerate(live):
                 s, r = w.session, results[w.req.session_id]
                 position = w.req.base + len(w.req.tokens) + len(r.tokens)  # this token's index
-                _, tok = self._accept(plain[w.req.session_id], logits[i:i + 1], choice[i:i + 1], position)
+                _, tok = self._accept(plain[w.req.session_id], None if logits is None else logits[i:i + 1],
+                                      choice[i:i + 1], position)
                 s.cached += 1
                 s.committed.append(tok)
                 self.cache.lengths[s.slot] = s.cached
@@ -390,8 +394,8 @@ class TorchTargetRunner(TargetBackend):
                 first = offset + w.chain - k - 1
                 rows.extend(range(first, first + k + 1 + len(w.alt_depth)))
             offset += len(w.fed)
-        logits = self.model.lm_head(hidden[rows]).float().cpu() if rows else None
-        choice = logits.argmax(-1).tolist() if logits is not None else []  # one host sync for all greedy rows
+        logits, choice = (self._logits_and_choice(hidden[rows], [w.req for w in work if w.done]) if rows
+                          else (None, []))
         self.stats["forwards"] += 1
         self.stats["tokens"] += batch.n
         self.stats["forward_s"] += time.perf_counter() - t0
@@ -405,7 +409,8 @@ class TorchTargetRunner(TargetBackend):
                                             prefill_remaining=w.remaining))
                 continue
             k, n_alt = len(w.req.drafts), len(w.alt_depth)
-            n_acc, nxt = self._accept(w.req, logits[row:row + k + 1], choice[row:row + k + 1])
+            n_acc, nxt = self._accept(w.req, None if logits is None else logits[row:row + k + 1],
+                                      choice[row:row + k + 1])
             out = list(w.req.drafts[:n_acc]) + [nxt]
             alt = self._accepted_alternative(w, n_acc, nxt) if n_alt else None
             if alt is not None:  # the target's token at the first rejected depth was an alternative
@@ -422,6 +427,17 @@ class TorchTargetRunner(TargetBackend):
             self.cache.lengths[w.session.slot] = w.session.cached
         self._attach_features(work, results, hidden)
         return results
+
+    def _logits_and_choice(self, hidden: torch.Tensor, answering: list[VerifyRequest]):
+        """The LM head over ``hidden`` [n, H] and each row's argmax as a list (one host sync for
+        the whole call). The float32 logits come to the host only when a request samples (its
+        acceptance runs there); for greedy calls only the argmax leaves the device (on a GPU the
+        logits of a large call are hundreds of MB). Returns (host logits or None, argmax list)."""
+        logits = self.model.lm_head(hidden).float()
+        choice = logits.argmax(-1).tolist()
+        if any(not r.sampling.greedy for r in answering):
+            return logits.cpu(), choice
+        return None, choice
 
     def _accepted_alternative(self, w: _Work, n_acc: int, token: int) -> int | None:
         """Index (among the work's alternatives) of the alternative at the first rejected draft's
@@ -443,8 +459,10 @@ class TorchTargetRunner(TargetBackend):
         w.accepted_alt = alt
         self.stats["alternatives_accepted"] += 1
 
-    def _accept(self, req: VerifyRequest, logits: torch.Tensor, choice: list[int],
+    def _accept(self, req: VerifyRequest, logits: torch.Tensor | None, choice: list[int],
                 position: int | None = None) -> tuple[int, int]:
+        """(accepted drafts, next token): greedy from ``choice`` (the argmax rows); sampling from
+        ``logits`` (host float32 rows, given whenever the request samples)."""
         params: SamplingParams = req.sampling
         drafts = list(req.drafts)
         if params.greedy:

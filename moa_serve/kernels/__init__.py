@@ -146,6 +146,14 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def _on_cpu(*tensors: torch.Tensor | None) -> None:
+    """The kernels read host memory through raw pointers: a device tensor here is a caller's bug
+    (a CUDA model keeps torch's layers and attention), refused before any pointer is taken."""
+    for t in tensors:
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"the packed CPU kernels got a tensor on {t.device}: they run on CPU tensors only")
+
+
 KIND_IDS = {"q4_1": 0, "q8_0": 1, "bf16": 2}  # moa_packed_matmul's kinds (qmatmul.c)
 
 
@@ -161,6 +169,7 @@ def packed_matmul(kind: str, bf16_products: bool, x: torch.Tensor, qs: torch.Ten
     contiguous 16-bit [N, K]); K a multiple of 32. With ``bf16_products`` x and W are rounded to
     bfloat16 and multiplied as such, summed in float32 (needs :func:`bf16_dot_available`); the order
     of every sum is fixed either way."""
+    _on_cpu(x, qs, d, m)
     lib = library()
     if bf16_products and not bf16_dot_available():
         raise RuntimeError("bfloat16 products need a CPU with AVX512-BF16 (avx512_bf16)")
@@ -211,6 +220,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     own at store_at[i], in the same order (a tree-draft alternative, stored past the chain it
     branches from). Computed in float32 (a bf16 cache is widened in registers); returns [n, H, hd]
     in q's dtype."""
+    _on_cpu(q, k, v, slots, positions, store_at)
     lib = library()
     n, heads, hd = q.shape
     kv_heads, max_len = k.shape[1], k.shape[2]
@@ -242,6 +252,7 @@ def decoder_layers(x: torch.Tensor, params: torch.Tensor, eps: float, heads: int
     ``moa_decoder_layers`` in qmatmul.c): cos/sin [n, head_dim], slots/positions [n] int64, the
     layers' K/V caches named in ``params`` with element strides (slot, head, position), float32 or
     (``kv_bf16``) bfloat16; ``store_at`` as in :func:`attention`."""
+    _on_cpu(x, params, cos, sin, slots, positions, store_at)
     lib = library()
     n, hidden = x.shape
     if not (x.dtype == cos.dtype == sin.dtype == torch.float32 and x.is_contiguous() and cos.is_contiguous()

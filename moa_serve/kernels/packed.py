@@ -183,14 +183,16 @@ def pack_target(model: nn.Module, path: Path, matmul_precision: str = "highest")
         raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}; got {matmul_precision!r}")
     on_cpu = next(model.parameters()).device.type == "cpu"
     dtype = model.model.embed_tokens.weight.dtype
-    if on_cpu and dtype == torch.bfloat16:
+    if not on_cpu:  # a GPU target keeps torch's layers (cuBLAS, SDPA); the kernels are never built there
+        return {"packed": 0, "reason": f"packed kernels run on CPU; the target is on {next(model.parameters()).device}"}
+    if dtype == torch.bfloat16:
         return pack_bf16(model)
     gguf_path = gguf_file(path)
     if gguf_path is None:
         return {"packed": 0, "reason": "no GGUF file: the weights are not block-quantized"}
     if kernels.library() is None:
         return {"packed": 0, "reason": kernels.unavailable_reason()}
-    if not on_cpu or dtype != torch.float32:
+    if dtype != torch.float32:
         return {"packed": 0, "reason": "packed kernels run float32 (or bfloat16) on CPU"}
     import gguf
 
