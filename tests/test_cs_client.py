@@ -365,6 +365,9 @@ def test_cli_client_generate_json(capsys, server, device, plain, stories_path, s
         assert key in out
     assert out["token_ids"] == reference(plain, device.tokenizer.encode(PROMPTS[0]), 24)
     assert out["num_tokens"] == out["verified_tokens"] == 24 and out["offline_tokens"] == 0
+    assert out["first_offline_s"] is None  # never offline
+    assert main(argv + ["--timeout", "0"]) == 2
+    assert "--timeout" in capsys.readouterr().err
     from moa_serve.drafter.checkpoint import init_drafter
 
     other = init_drafter(str(stories_path), tmp_path / "other", seed=5)

@@ -13,6 +13,8 @@ def cmd_client_generate(args) -> int:
     from moa_serve.client.generate import AUTO
 
     check_generation_args(args)
+    if args.timeout is not None and not args.timeout > 0:
+        raise CLIError(f"--timeout must be > 0 seconds, got {args.timeout}")
     sampling = _sampling(args)
     branching = AUTO if args.branching == AUTO else _tree(args)
     device = DeviceDrafter.load(args.drafter, args.target, args.dtype, args.max_model_len, args.device)
@@ -70,7 +72,11 @@ def register(sub) -> None:
                         "with its chain and are verified beside it), 8-3-2@0.05 (only those it rates >= 0.05); "
                         "'chain' = none; 'auto' (default): 8-3-2@0.03 while the measured round trip is >= 50 ms, "
                         "chains on faster links")
-    g.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP call")
+    g.add_argument("--timeout", type=float, default=None,
+                   help="a fixed deadline in seconds per server call, retries included (default: follow the link: "
+                        "4 x the p99 round trip of the last 32 calls, within 2-30 s; at least 15 s for the first "
+                        "call and for a call that waits for a prefill); a call past its deadline takes the client "
+                        "offline")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)

@@ -7,7 +7,9 @@ of the newly committed positions, which feed the next draft. K follows the measu
 and acceptance (``adaptive.KController``).
 
 When the link goes down (``--offline degrade``, the default) the device keeps writing with the
-drafter alone: those tokens are *offline* (unverified) events. It probes the server with backoff;
+drafter alone: those tokens are *offline* (unverified) events. A link is down once a call misses
+its deadline, which follows the measured round trips (``deadline.CallDeadline``): a blackholed
+link is noticed within seconds, a reset one at once. It probes the server with backoff;
 once back, it sends the unverified tail as drafts (idempotent rounds: a round whose answer was
 lost is answered again) and emits a *correction* where the target parts from it. A server that
 lost the session answers 409 and gets the committed ids again (a new session). ``strict`` raises
@@ -35,7 +37,7 @@ OFFLINE_MODES = ("degrade", "strict")
 LOCAL_ID = "device"  # the local proposer's one session
 # ``branching="auto"``: a dynamic tree while the measured round trip is long, chains otherwise. On
 # this CPU server a dynamic tree gained 5-6 % over emulated 4G (~76 ms round trips) and cost 4-6 %
-# over loopback (~20 ms) and +-2 % over `wan` (README, sessions 21-22): where the link dominates a
+# over loopback (~20 ms) and +-2 % over `wan` (README): where the link dominates a
 # round, the server's wider verify is cheap next to the calls it saves.
 AUTO = "auto"
 AUTO_TREE = TreeShape((8, 3, 2), 0.03)
@@ -71,6 +73,7 @@ class ClientResult:
     corrections: int
     corrected_tokens: int  # offline tokens replaced by a correction
     disconnections: int
+    first_offline_s: float | None  # from the run's start to its first offline token (None: never offline)
     rounds: int  # answered rounds, the first (prefill) one included
     tree_rounds: int  # rounds whose drafts went as a tree (alternatives beside them)
     drafted_tokens: int
@@ -102,7 +105,9 @@ class ClientResult:
                 "finish_reason": self.finish_reason, "verified_tokens": self.verified_tokens,
                 "offline_tokens": self.offline_tokens, "offline_generated": self.offline_generated,
                 "corrections": self.corrections, "corrected_tokens": self.corrected_tokens,
-                "disconnections": self.disconnections, "server_calls": self.server_calls, "retries": self.retries,
+                "disconnections": self.disconnections,
+                "first_offline_s": None if self.first_offline_s is None else round(self.first_offline_s, 4),
+                "server_calls": self.server_calls, "retries": self.retries,
                 "resyncs": self.resyncs, "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
                 "bytes_per_token": round((self.bytes_up + self.bytes_down) / n, 1),
                 "calls_per_token": round(self.server_calls / n, 4), "rounds": self.rounds,
@@ -213,6 +218,7 @@ class GenerationRun:
         self.stats = {"rounds": 0, "tree_rounds": 0, "drafted": 0, "accepted": 0, "offline_generated": 0,
                       "corrections": 0, "corrected_tokens": 0, "disconnections": 0, "resyncs": 0}
         self.events: list[ClientEvent] = []
+        self._offline_at: float | None = None  # when the first offline token was written
         self._calls0, self._retries0 = self.t.calls, self.t.retries
         self._up0, self._down0 = self.t.bytes_up, self.t.bytes_down
         self._t0 = self._t1 = time.perf_counter()
@@ -225,6 +231,10 @@ class GenerationRun:
         ev = next(self._iter)
         self.events.append(ev)
         return ev
+
+    def close(self) -> None:
+        """Ends the run early; its server session is freed as at the end."""
+        self._iter.close()
 
     @property
     def generated(self) -> int:
@@ -304,6 +314,8 @@ class GenerationRun:
                     if probs is not None:
                         self.tail_probs += list(probs[:len(drafts)])
                     self.stats["offline_generated"] += len(drafts)
+                    if self._offline_at is None:
+                        self._offline_at = time.perf_counter()
                     yield ClientEvent("offline", pos, list(drafts))
                 else:
                     done = True
@@ -440,7 +452,8 @@ class GenerationRun:
             finish_reason=self.finish or "incomplete", verified_tokens=self.generated, offline_tokens=len(self.tail),
             tree_rounds=st["tree_rounds"],
             offline_generated=st["offline_generated"], corrections=st["corrections"],
-            corrected_tokens=st["corrected_tokens"], disconnections=st["disconnections"], rounds=st["rounds"],
+            corrected_tokens=st["corrected_tokens"], disconnections=st["disconnections"],
+            first_offline_s=None if self._offline_at is None else self._offline_at - self._t0, rounds=st["rounds"],
             drafted_tokens=st["drafted"], accepted_tokens=st["accepted"], server_calls=self.t.calls - self._calls0,
             retries=self.t.retries - self._retries0, resyncs=st["resyncs"], bytes_up=self.t.bytes_up - self._up0,
             bytes_down=self.t.bytes_down - self._down0, elapsed_s=self._t1 - self._t0, k=self.k.snapshot(),
