@@ -566,7 +566,8 @@ def add_arguments(p) -> None:
                    help="drafts per drafter call while offline (the client's default: 4); EAGLE-style drafts only "
                         "one call past the last target feature, so this bounds its offline continuation")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP call")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per HTTP call (default: follow the measured round trips, as the client does)")
     p.add_argument("--seed", type=int, default=0, help="netem seed (+ the prompt's index)")
     p.add_argument("--out", required=True, help="folder for results.json and results.md")
 

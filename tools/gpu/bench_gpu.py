@@ -364,7 +364,7 @@ def invariance_probe(runner: TorchTargetRunner, sizes: list[int], device: torch.
     res["linear_q_proj"] = _row_invariance(layer.self_attn.q_proj, x, sizes)
     res["lm_head"] = _row_invariance(model.lm_head, x, sizes)
     res["rmsnorm"] = _row_invariance(layer.input_layernorm, x, sizes)
-    # attention over the cache and a whole forward: session 0 decoding 1 (and 5) tokens at position
+    # attention over the cache and a whole forward: the first session decoding 1 (and 5) tokens at position
     # 32, alone against beside big - 1 others
     slots = min(big, runner.cache.num_slots)
     cache = model.new_cache(slots, 64, runner.cache.k.dtype)

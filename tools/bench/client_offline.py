@@ -9,7 +9,7 @@ handshake (the first connection, as ``moa netem --cut-after`` counts) and restor
 to the first offline token, whether the generation completed, how the tail was verified and
 corrected, and whether the output equals plain target decoding.
 
-    MOA_MODEL_DIR=/work/shared/models python3 benchmarks/client-offline/measure.py --cut-mode blackhole
+    MOA_MODEL_DIR=/work/shared/models python3 tools/bench/client_offline.py --cut-mode blackhole
 """
 
 from __future__ import annotations
