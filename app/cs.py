@@ -11,7 +11,7 @@ Requests are JSON, or a binary frame (``application/octet-stream``: JSON header 
 drafter's distribution when sampling). Answers are frames: a JSON header (round, tokens, accepted
 count, ...) and the features as float16 or int8 tensors. Errors are the API's usual JSON
 ``{"error": {"message", "type", "param", "code"}}``; a resync (409) adds ``expected_length`` and
-``expected_round``."""
+``expected_round``; 429 and 503 carry ``Retry-After``. Every status is in the OpenAPI schema."""
 
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ import json
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 
 from moa_serve.app import state
 from moa_serve.app.cs_schemas import CreateSession, VerifyRound
 from moa_serve.app.frontend import InputError
-from moa_serve.app.http import _param
+from moa_serve.app.http import Readiness, error_param, errors, retry_after, running_frontend
 from moa_serve.cs import wire
 from moa_serve.cs.sessions import ClientSessions, CSError, Reply
 
@@ -53,7 +54,7 @@ async def _read(request: Request, model: type[BaseModel]):
         return model.model_validate(header), tensors
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = _param(first.get("loc", ()))
+        param = error_param(exc.errors())
         msg = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid value")
         raise CSError(400, f"{param}: {msg}", param) from None
 
@@ -74,24 +75,59 @@ def _sessions() -> ClientSessions:
     return cs
 
 
-def install(api: FastAPI) -> None:
+FRAME = {200: {"description": "a frame: JSON header + feature tensors (moa_serve.cs.wire)",
+                "content": {wire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}}
+
+
+def _body(model: type[BaseModel]) -> dict:
+    """``openapi_extra`` of a route that reads its body itself (JSON or a binary frame)."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}},
+        wire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}}
+
+
+def _document_bodies(api: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Adds the JSON schemas of the bodies the routes read themselves to the OpenAPI components."""
+    build = api.openapi
+
+    def openapi() -> dict:
+        if api.openapi_schema is not None:
+            return api.openapi_schema
+        schema = build()
+        _, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, definition in defs["$defs"].items():
+            components.setdefault(name, definition)
+        return schema
+
+    api.openapi = openapi
+
+
+def install(api: FastAPI, readiness: Readiness) -> None:
+    _document_bodies(api, [CreateSession, VerifyRound])
+
     @api.exception_handler(CSError)
     async def _refused(_request: Request, exc: CSError):
         body = {"message": str(exc), "type": exc.kind, "param": exc.param, "code": exc.status, **exc.extra}
-        return JSONResponse({"error": body}, status_code=exc.status)
+        return JSONResponse({"error": body}, status_code=exc.status,
+                            headers=retry_after() if exc.status in (429, 503) else None)
 
-    @api.get("/v1/cs")
+    @api.get("/v1/cs", responses=errors(404, 503))
     async def cs_identity():
-        return (await _sessions().identity()).as_dict()
+        cs = _sessions()
+        await readiness.admit()
+        return (await cs.identity()).as_dict()
 
-    @api.post("/v1/cs/sessions")
+    @api.post("/v1/cs/sessions", responses={**FRAME, **errors(400, 404, 409, 429, 503)},
+              openapi_extra=_body(CreateSession))
     async def cs_create(request: Request):
         cs = _sessions()
+        await readiness.admit()
         body, _ = await _read(request, CreateSession)
         ids = body.token_ids
         if ids is None:
             try:
-                ids, _field = await state.get("frontend").tokenize(body.prompt, body.messages)
+                ids, _field = await running_frontend().tokenize(body.prompt, body.messages)
             except InputError as exc:
                 raise CSError(400, str(exc), exc.param) from None
         sid, reply = await cs.create(ids, fingerprints=body.fingerprints.model_dump(), max_tokens=body.max_tokens,
@@ -100,7 +136,8 @@ def install(api: FastAPI) -> None:
                                      features_from=body.features_from, session_id=body.session_id)
         return _frame(reply, body.feature_codec, session_id=sid)
 
-    @api.post("/v1/cs/sessions/{session_id}/verify")
+    @api.post("/v1/cs/sessions/{session_id}/verify", responses={**FRAME, **errors(400, 404, 409, 503)},
+              openapi_extra=_body(VerifyRound))
     async def cs_verify(session_id: str, request: Request):
         cs = _sessions()
         body, tensors = await _read(request, VerifyRound)
@@ -108,7 +145,7 @@ def install(api: FastAPI) -> None:
                                 tensors.get("draft_probs"), body.features_from, body.alternatives)
         return _frame(reply, cs.feature_codec(session_id))
 
-    @api.delete("/v1/cs/sessions/{session_id}")
+    @api.delete("/v1/cs/sessions/{session_id}", responses=errors(404))
     async def cs_close(session_id: str):
         if not _sessions().close(session_id):
             raise CSError(404, f"unknown session {session_id}", "session_id", "not_found_error")

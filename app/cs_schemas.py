@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from moa_serve.app.schemas import ChatMessage, _Body
+from moa_serve.app.schemas import ChatMessage, _Body, exactly_one_of
 from moa_serve.engine.sampling import SamplingParams
 
 SESSION_ID = r"^[A-Za-z0-9_-]{8,64}$"
@@ -22,12 +22,15 @@ class Fingerprints(_Body):
 
 
 class CreateSession(_Body):
+    model_config = ConfigDict(json_schema_extra=exactly_one_of(("prompt", "string"), ("messages", "array"),
+                                                               ("token_ids", "array")))
+
     session_id: str | None = Field(None, pattern=SESSION_ID, description="chosen by the client: makes a retried "
                                    "create idempotent; default: the server picks one")
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    token_ids: list[int] | None = Field(None, description="the prompt as token ids, or after a resync every "
-                                        "token the client has committed")
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    token_ids: list[int] | None = Field(None, min_length=1, description="the prompt as token ids, or after a "
+                                        "resync every token the client has committed")
     max_tokens: int = Field(128, ge=1, le=32768, description="new tokens this session may commit")
     temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -44,10 +47,6 @@ class CreateSession(_Body):
         given = [n for n in ("prompt", "messages", "token_ids") if getattr(self, n) is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of prompt, messages or token_ids")
-        if self.token_ids is not None and not self.token_ids:
-            raise ValueError("token_ids is empty")
-        if self.messages is not None and not self.messages:
-            raise ValueError("messages is empty")
         return self
 
     def sampling(self) -> SamplingParams:

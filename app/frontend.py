@@ -13,6 +13,8 @@ import threading
 import uuid
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
+
 from moa_serve.engine.sampling import SamplingParams
 from moa_serve.engine.service import RoundService
 from moa_serve.engine.session import Session
@@ -165,8 +167,11 @@ class Frontend:
             msgs = [m.model_dump(exclude_none=True) for m in messages]
             if not getattr(self.tokenizer, "chat_template", None):
                 raise InputError("this model has no chat template; send a prompt instead", "messages")
-            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+            try:
+                ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False)
+            except TemplateError as exc:  # the template's raise_exception (e.g. roles must alternate)
+                raise InputError(f"the chat template refused the messages: {exc}", "messages") from None
             return list(ids), "messages"
         if not prompt:
             raise InputError("prompt is empty", "prompt")

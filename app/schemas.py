@@ -1,17 +1,40 @@
 """Request and response bodies of the HTTP API (pydantic v2). Unknown fields are rejected so
-that a typo is a 400 naming the field, not a silently ignored parameter."""
+that a typo is a 400 naming the field, not a silently ignored parameter; values are validated
+strictly (no ``"1"`` for a number, no ``0`` for false; ``2.0`` is the integer 2, as in JSON
+Schema), so what the OpenAPI schema accepts is what the server accepts. Every error is an ``ErrorResponse``:
+``{"error": {"message", "type", "param", "code"}}``."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from moa_serve.engine.sampling import SamplingParams
 
 
+def _integral(value):
+    """JSON Schema's integer includes 2.0: a float without a fraction is the int it equals."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _integral_floats(cls, value):
+        return _integral(value)  # strict int fields take 2.0; float fields take the int back as 2.0
+
+
+def exactly_one_of(*fields: tuple[str, str]) -> dict:
+    """``json_schema_extra`` of a body that needs exactly one of some nullable fields given
+    non-null: ``(name, JSON type)`` each."""
+    return {"oneOf": [{"required": [name], "properties": {name: {"type": kind}}} for name, kind in fields]}
 
 
 class ChatMessage(_Body):
@@ -40,8 +63,10 @@ class SamplingFields(_Body):
 
 
 class GenerateRequest(SamplingFields):
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    model_config = ConfigDict(json_schema_extra=exactly_one_of(("prompt", "string"), ("messages", "array")))
+
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     max_tokens: int = Field(128, ge=1, le=32768)
     stream: bool = False
 
@@ -49,8 +74,6 @@ class GenerateRequest(SamplingFields):
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
-        if self.messages is not None and not self.messages:
-            raise ValueError("messages is empty")
         return self
 
 
@@ -71,16 +94,16 @@ class _OpenAIFields(SamplingFields):
 
 
 class CompletionRequest(_OpenAIFields):
-    prompt: str | list[str]
-    echo: bool = Field(False, description="not supported; must be false")
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(
+        min_length=1, max_length=1, description="exactly one prompt per request is supported")]
+    echo: bool = Field(False, json_schema_extra={"const": False}, description="not supported; must be false")
 
-    @model_validator(mode="after")
-    def _single_prompt(self):
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise ValueError("prompt: exactly one prompt per request is supported")
-        if self.echo:
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
             raise ValueError("echo is not supported")
-        return self
+        return echo
 
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
@@ -111,3 +134,25 @@ class GenerateResponse(BaseModel):
     finish_reason: str
     usage: Usage
     speculative: SpeculativeStats
+
+
+class ReadyStatus(BaseModel):
+    """``GET /readyz``: 200 when every pool answers, 503 (with each pool's error) before that."""
+    model_config = ConfigDict(extra="allow")
+    ready: bool
+
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")  # client-server resyncs add expected_length, expected_round
+    message: str
+    type: str = Field(description="invalid_request_error (400), not_found_error (404), rate_limit_error (429), "
+                      "service_unavailable (503), server_error (500), http_error (404 route, 405 method), "
+                      "client-server mode: resync, conflict, finished (409)")
+    param: str | None = Field(description="the offending field, dotted for nested ones (messages.0.role); "
+                              "'body' for the body as a whole; null when no field is at fault")
+    code: int = Field(description="the HTTP status")
+
+
+class ErrorResponse(BaseModel):
+    """The body of every 4xx and 5xx answer (as OpenAI's API): bad input is a 400 naming the field."""
+    error: ErrorDetail

@@ -1,0 +1,243 @@
+"""The HTTP API's statuses against its OpenAPI schema, on the in-process FastAPI app over a fake
+round service (the same routes, models and error handlers the Router mounts):
+
+* schemathesis fuzzes every operation (a bounded number of examples): no server error, and every
+  status, content type and body is one the schema documents (400 for bad input, never 422);
+* before the pools are ready a generation gets 503 with Retry-After, a full queue 429 with
+  Retry-After, a failed round 500, a server without a frontend yet 503 — each documented."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import schemathesis
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, settings
+from transformers import AutoTokenizer
+
+from moa_serve.app import state
+from moa_serve.app.frontend import Frontend
+from moa_serve.app.http import create_app
+from moa_serve.engine.service import QueueFullError, ServiceStats, TokenEvent
+from tests.conftest import SMOLLM
+
+# examples per operation: 30 keep CI to seconds; MOA_SCHEMATHESIS_EXAMPLES=2000 for a long local run
+EXAMPLES = int(os.environ.get("MOA_SCHEMATHESIS_EXAMPLES", "30"))
+
+GENERATION_ROUTES = [
+    ("/v1/generate", {"prompt": "Once upon a time", "max_tokens": 4}),
+    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 4}),
+]
+
+
+class FakeRoundService:
+    """Answers every session with a few fixed tokens; ``full`` makes submit refuse (a full queue),
+    ``fail`` makes the round end in an error event."""
+
+    queue_depth = active_sessions = 0
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+        self.stats = ServiceStats()
+        self.full = self.fail = False
+        self.submitted = 0
+
+    def submit(self, session):
+        if self.full:
+            raise QueueFullError("64 requests are waiting")
+        self.submitted += 1
+        return session
+
+    async def stream(self, tracked):
+        await asyncio.sleep(0)
+        if self.fail:
+            yield TokenEvent([], "error: RuntimeError: every verify retry failed")
+            return
+        yield TokenEvent(self.tokens[:2])
+        yield TokenEvent(self.tokens[2:], "length")
+
+    def abort(self, tracked):
+        pass
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(SMOLLM))
+
+
+@pytest.fixture
+def service(tokenizer):
+    return FakeRoundService(tokenizer.encode(" and they lived happily"))
+
+
+def install_frontend(service, tokenizer, max_model_len: int) -> Frontend:
+    frontend = Frontend(service, tokenizer, max_model_len=max_model_len, stop_token_ids=frozenset(),
+                        num_speculative_tokens=3, speculative=True, model_name="smollm")
+    state.install(frontend=frontend, ready=None, retry_after_s=3, stats=None, cs=None)
+    return frontend
+
+
+@pytest.fixture
+def served(monkeypatch, tokenizer, service):
+    """Installs a frontend over the fake service, as the Router does; the state is restored after."""
+    monkeypatch.setattr(state, "_STATE", {})
+    return install_frontend(service, tokenizer, max_model_len=256)
+
+
+@pytest.fixture
+def client(served):
+    with TestClient(create_app(ready_wait_s=0.5), raise_server_exceptions=False) as c:
+        yield c
+
+
+def documented(client: TestClient, path: str, method: str, status: int) -> dict:
+    """The schema's entry for ``status`` of an operation (fails when it is not documented)."""
+    responses = client.get("/openapi.json").json()["paths"][path][method]["responses"]
+    assert str(status) in responses, f"{method.upper()} {path} answers {status}, undocumented: {sorted(responses)}"
+    return responses[str(status)]
+
+
+def assert_error(r, status: int, kind: str, retry_after: bool):
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    assert body["type"] == kind and body["code"] == status and body["message"]
+    assert ("retry-after" in r.headers) == retry_after
+    if retry_after:
+        assert int(r.headers["retry-after"]) == 3
+
+
+# ---------------------------------------------------------------------- the schema, fuzzed
+@pytest.fixture
+def api_schema(monkeypatch, tokenizer, service):
+    """The app over a context no generated prompt fills: a prompt longer than the context is a
+    documented 400 that the schema cannot foresee (it counts tokens), tested on its own."""
+    monkeypatch.setattr(state, "_STATE", {})
+    install_frontend(service, tokenizer, max_model_len=1 << 20)
+    return schemathesis.openapi.from_asgi("/openapi.json", create_app())
+
+
+fuzzed = schemathesis.pytest.from_fixture("api_schema")
+
+
+@fuzzed.parametrize()
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 30,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.filter_too_much])
+def test_schemathesis_no_server_error_and_no_undocumented_status(case):
+    """Every default check: no 5xx, documented statuses / content types / headers / bodies,
+    schema-invalid input rejected (400), schema-valid input accepted. A longer run against a live
+    server: docs/architecture.md."""
+    case.call_and_validate()
+
+
+def test_openapi_documents_400_not_422_and_retry_after(client):
+    schema = client.get("/openapi.json").json()
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+    for path, operations in schema["paths"].items():
+        for method, op in operations.items():
+            assert "422" not in op["responses"], (method, path)
+            for status in ("429", "503"):
+                if status in op["responses"] and path != "/readyz":
+                    assert "Retry-After" in op["responses"][status]["headers"], (method, path, status)
+            if method == "post":
+                assert op["responses"]["400"]["content"]["application/json"]["schema"] == {
+                    "$ref": "#/components/schemas/ErrorResponse"}, path
+    for path, _ in GENERATION_ROUTES:
+        responses = schema["paths"][path]["post"]["responses"]
+        assert {"200", "400", "429", "500", "503"} <= set(responses)
+        assert "text/event-stream" in responses["200"]["content"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/generate", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/generate", {"prompt": "x", "colour": "red"}, "colour"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ("/v1/completions", {"prompt": "word " * 300}, "prompt"),
+])
+def test_bad_input_is_a_documented_400_naming_the_field(client, path, body, param):
+    r = client.post(path, json=body)
+    assert_error(r, 400, "invalid_request_error", retry_after=False)
+    assert r.json()["error"]["param"] == param
+    documented(client, path, "post", 400)
+
+
+def test_wrong_method_is_405_with_allow(client):
+    r = client.get("/v1/generate")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == 405
+
+
+# ---------------------------------------------------------------------- startup and overload
+@pytest.mark.parametrize("path, body", GENERATION_ROUTES)
+def test_before_the_pools_are_ready_a_generation_gets_503_then_runs(client, service, path, body):
+    calls, pools_up = [], []
+
+    async def ready():  # the Router's check: every pool answers info()
+        calls.append(1)
+        return (True, {"pools": {"verifier": {}}}) if pools_up else \
+            (False, {"pools": {"verifier": {"error": "TimeoutError"}}})
+
+    state.install(ready=ready)
+    r = client.post(path, json=body)
+    assert_error(r, 503, "service_unavailable", retry_after=True)
+    assert "Retry-After" in documented(client, path, "post", 503)["headers"]
+    assert service.submitted == 0  # nothing was queued behind a pool that is still loading
+    r = client.get("/readyz")
+    assert r.status_code == 503 and r.json()["ready"] is False and int(r.headers["retry-after"]) == 3
+    pools_up.append(True)
+    assert client.post(path, json=body).status_code == 200
+    checks = len(calls)
+    assert client.post(path, json=body).status_code == 200 and len(calls) == checks  # ready is kept
+
+
+def test_a_readiness_check_that_hangs_answers_503_within_the_wait(client):
+    async def loading():  # a pool replica that does not exist yet: the call waits
+        await asyncio.sleep(30)
+
+    state.install(ready=loading)
+    r = client.post("/v1/generate", json={"prompt": "hi"})
+    assert_error(r, 503, "service_unavailable", retry_after=True)
+    documented(client, "/v1/generate", "post", 503)
+
+
+def test_client_server_routes_wait_for_readiness_too(client):
+    async def not_ready():
+        return False, {"pools": {"verifier": {"error": "TimeoutError"}}}
+
+    state.install(ready=not_ready, cs=object())  # any installed sessions object: readiness comes first
+    assert_error(client.get("/v1/cs"), 503, "service_unavailable", retry_after=True)
+    documented(client, "/v1/cs", "get", 503)
+
+
+def test_without_a_frontend_yet_routes_answer_503(client):
+    state.install(frontend=None)
+    for method, path, kw in (("get", "/v1/models", {}), ("get", "/v1/stats", {}),
+                             ("post", "/v1/generate", {"json": {"prompt": "hi"}})):
+        r = client.request(method.upper(), path, **kw)
+        assert_error(r, 503, "service_unavailable", retry_after=True)
+        documented(client, path, method, 503)
+
+
+@pytest.mark.parametrize("path, body", GENERATION_ROUTES)
+def test_a_full_queue_answers_429_with_retry_after(client, service, path, body):
+    service.full = True
+    r = client.post(path, json=body)
+    assert_error(r, 429, "rate_limit_error", retry_after=True)
+    assert "Retry-After" in documented(client, path, "post", 429)["headers"]
+
+
+@pytest.mark.parametrize("path, body", GENERATION_ROUTES)
+def test_a_failed_round_is_a_documented_500(client, service, path, body):
+    service.fail = True
+    r = client.post(path, json=body)
+    assert_error(r, 500, "server_error", retry_after=False)
+    documented(client, path, "post", 500)
+
+
+def test_unknown_model_is_a_documented_404(client):
+    r = client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})
+    assert_error(r, 404, "not_found_error", retry_after=False)
+    assert r.json()["error"]["param"] == "model"
+    documented(client, "/v1/completions", "post", 404)
