@@ -60,6 +60,10 @@ class RayActorOptions(_Strict):
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for one replica")
     num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for one replica (fractions share a GPU)")
     memory: int | None = Field(None, ge=0, description="bytes of memory Ray reserves for one replica")
+    resources: dict[str, float] | None = Field(
+        None, description="custom Ray resources one replica needs, e.g. {verifier_node: 1}: the replica is placed only "
+        "on nodes started with that resource (ray start --resources), and rescheduled onto another such node when its "
+        "node dies")
     runtime_env: dict | None = Field(None, description="Ray runtime_env of the replica (e.g. env_vars for OpenMP settings)")
 
 

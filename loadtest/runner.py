@@ -11,6 +11,7 @@ Examples::
     moa loadtest --config deployments/configs/local-cpu.yaml --no-speculation --users 1,4,16 --out runs/off
     moa loadtest --host http://127.0.0.1:8001 --users 1,4,16 --label vllm --out runs/vllm
     moa loadtest --compare runs/on --compare runs/off --compare runs/vllm --out runs/all   # plots only
+    moa loadtest --config deployments/configs/local-cpu.yaml --users 16 --soak 30m --out runs/soak  # memory/latency drift
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from . import report
+from . import report, soak
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
 USER_CLASSES = ["ChatStreamUser", "ChatUser", "CompletionsStreamUser", "GenerateStreamUser", "GenerateUser"]
@@ -97,6 +98,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also draw these earlier runs (folders with summary.json) in the plots; "
                         "without --config/--host: only draw the plots")
     p.add_argument("--fail-on-failures", action="store_true", help="exit 1 if any request failed (CI)")
+    soak_opts = p.add_argument_group("soak (one level for a long time, the server sampled as it runs)")
+    soak_opts.add_argument("--soak", metavar="DURATION", default=None,
+                      help="run one closed-loop level of --users (a single number) for DURATION (e.g. 30m) and "
+                           "sample every --soak-interval: RSS per Ray Serve replica on this machine, the verifier's "
+                           "slots and retained prefixes, queue depth, latency and tok/s of the interval, failures")
+    soak_opts.add_argument("--soak-interval", default="30s", help="time between samples (default 30s)")
+    soak_opts.add_argument("--soak-warmup", default=None,
+                      help="RSS growth is measured from the first sample after this (default: a sixth of --soak)")
+    soak_opts.add_argument("--soak-results", default=None, metavar="DIR",
+                      help="also copy the soak's small files (soak.md, soak.png, soak.json, samples) to DIR")
 
 
 # ---------------------------------------------------------------------------------------
@@ -323,10 +334,8 @@ def warmup(url: str, args) -> None:
         log(f"warm-up request failed: {exc}")
 
 
-def run_level(url: str, users: int, args, out: Path, duration_s: float) -> dict:
-    tag = f"u{users}"
-    metrics = out / f"metrics_{tag}.jsonl"
-    metrics.unlink(missing_ok=True)
+def locust_command(url: str, users: int, args, out: Path, duration_s: float, tag: str, metrics: Path) -> list[str]:
+    """The headless Locust run of ``users`` closed-loop users for ``duration_s`` (reports under ``tag``)."""
     rate = args.spawn_rate or users
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
            "-u", str(users), "-r", str(rate), "-t", f"{duration_s:g}s",
@@ -343,7 +352,14 @@ def run_level(url: str, users: int, args, out: Path, duration_s: float) -> dict:
         cmd += ["--ignore-eos", "true"]
     if args.model:
         cmd += ["--model", args.model]
-    cmd += [c.strip() for c in args.user_class.split(",") if c.strip()]
+    return cmd + [c.strip() for c in args.user_class.split(",") if c.strip()]
+
+
+def run_level(url: str, users: int, args, out: Path, duration_s: float) -> dict:
+    tag = f"u{users}"
+    metrics = out / f"metrics_{tag}.jsonl"
+    metrics.unlink(missing_ok=True)
+    cmd = locust_command(url, users, args, out, duration_s, tag, metrics)
     log(f"level {users} user(s): {duration_s:g} s ...")
     env = dict(os.environ)
     env.pop("MOA_LOADTEST_METRICS", None)
@@ -405,6 +421,8 @@ def run(args) -> int:
             summary["levels"].append(run_level(url, u, args, out, duration_s))
             (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
 
+    if args.soak:
+        return run_soak(args, out, users, label)
     if args.config:
         cfg_path, url = derived_config(args.config, args.no_speculation, args.port, out)
         summary["served_config"] = cfg_path.name
@@ -422,6 +440,55 @@ def run(args) -> int:
     failures = sum(lv["failures"] for lv in summary["levels"])
     if args.fail_on_failures and failures:
         log(f"{failures} request(s) failed")
+        return 1
+    return 0
+
+
+def soak_settings(args, users: list[int]) -> tuple[float, float, float]:
+    """(duration, interval, warm-up) seconds of ``--soak``."""
+    if len(users) != 1:
+        raise LoadTestError(f"--soak runs one level: give --users N, not {args.users!r}")
+    duration_s = parse_duration(args.soak)
+    interval_s = parse_duration(args.soak_interval)
+    warmup_s = parse_duration(args.soak_warmup) if args.soak_warmup else duration_s / 6
+    if interval_s > duration_s / 2:
+        raise LoadTestError(f"--soak-interval {args.soak_interval} leaves fewer than two samples in --soak {args.soak}")
+    return duration_s, interval_s, warmup_s
+
+
+def run_soak(args, out: Path, users: list[int], label: str) -> int:
+    """``--soak``: one Locust run of ``users[0]`` users for the soak's duration, the server sampled
+    every interval (``loadtest/soak.py``)."""
+    duration_s, interval_s, warmup_s = soak_settings(args, users)
+    meta = {"label": label, "config": args.config, "users": users[0], "duration_s": duration_s,
+            "interval_s": interval_s, "warmup_s": warmup_s, "user_class": args.user_class,
+            "max_tokens": args.max_tokens, "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+    def _soak(url: str, session: int | None) -> dict:
+        if not args.no_warmup:
+            warmup(url, args)
+        s = soak.Soak(url, users[0], duration_s, interval_s, warmup_s, out, session=session)
+        metrics = out / "metrics_soak.jsonl"
+        metrics.unlink(missing_ok=True)
+        log(f"soak: {users[0]} user(s) for {duration_s:g} s, a sample every {interval_s:g} s")
+        try:
+            s.run(locust_command(url, users[0], args, out, duration_s, "soak", metrics), metrics,
+                  out / "soak_locust.log")
+        except RuntimeError as exc:
+            raise LoadTestError(f"{exc}:\n{_tail(out / 'soak_locust.log')}") from None
+        meta["host"] = url
+        return soak.write_outputs(s, meta, Path(args.soak_results) if args.soak_results else None)
+
+    if args.config:
+        cfg_path, url = derived_config(args.config, args.no_speculation, args.port, out)
+        with _InterruptOnTerm(), Cluster(cfg_path, url, out / "serve.log", args.ready_timeout) as cluster:
+            summary = _soak(url, cluster.proc.pid)  # start_new_session: its session id is its pid
+    else:
+        summary = _soak(args.host.rstrip("/"), None)
+    log(f"wrote {out / 'soak.md'}, {out / 'soak.png'}, {out / 'soak_samples.csv'}: "
+        f"{summary.get('samples', 0)} samples, {summary.get('failures')} failed request(s), "
+        f"RSS growth after warm-up {summary.get('rss_total_growth_pct')} %")
+    if args.fail_on_failures and summary.get("failures"):
         return 1
     return 0
 

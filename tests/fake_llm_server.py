@@ -24,6 +24,7 @@ WORDS = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", 
 def make_app(fail_every: int = 0, token_delay: float = 0.005, accepted_length: float = 2.5) -> FastAPI:
     app = FastAPI()
     counter = itertools.count(1)
+    stats_calls = itertools.count(1)
 
     def should_fail() -> bool:
         return fail_every > 0 and next(counter) % fail_every == 0
@@ -47,6 +48,13 @@ def make_app(fail_every: int = 0, token_delay: float = 0.005, accepted_length: f
     @app.get("/readyz")
     async def readyz():
         return {"status": "ready"}
+
+    @app.get("/v1/stats")
+    async def stats():  # the fields the soak samples, shaped as ours (counters are not meaningful)
+        served = next(stats_calls)
+        return {"queue_depth": 0, "active_sessions": 0,
+                "verifier_engine": {"replica": "fake", "sessions": 0, "retained_slots": min(served, 8),
+                                    "free_slots": 16 - min(served, 8)}}
 
     @app.get("/v1/models")
     async def models():

@@ -5,6 +5,8 @@ The fake server (tests/fake_llm_server.py) only checks the plumbing: its numbers
 
 from __future__ import annotations
 
+import argparse
+import csv
 import importlib.util
 import json
 import os
@@ -23,7 +25,7 @@ if importlib.util.find_spec("locust") is None:  # never import Locust here: geve
     pytest.skip("locust is not installed", allow_module_level=True)
 pytest.importorskip("matplotlib")
 
-from moa_serve.loadtest import report, runner  # noqa: E402
+from moa_serve.loadtest import report, runner, soak  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -207,3 +209,90 @@ def test_ttft_probe_streams_and_reports_first_token_times(fake_server, tmp_path)
     assert level["chunks_per_s"] > 0
     bad = ttft_probe.one_level(fake_server.rsplit(":", 1)[0] + ":9", "fake/model", ["x"], 1, 0.2, 4)
     assert bad["requests"] == 0 and bad["failures"] >= 1 and bad["ttft_p50_s"] is None
+
+
+@pytest.fixture
+def fake_replica():
+    """A process titled like a Ray Serve replica (``ray::ServeReplica:<app>:<deployment>``), in its
+    own session; yields its PID."""
+    proc = subprocess.Popen(["ray::ServeReplica:fake:Router", "120"], executable="sleep", start_new_session=True)
+    try:
+        for _ in range(100):  # until the exec has replaced the forked test process
+            if Path(f"/proc/{proc.pid}/cmdline").read_bytes().startswith(b"ray::"):
+                break
+            time.sleep(0.05)
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_replica_processes_by_title(fake_replica):
+    mine = soak.replica_processes(session=fake_replica)
+    assert mine == [{"deployment": "Router", "app": "fake", "pid": fake_replica}]
+    assert fake_replica in [r["pid"] for r in soak.replica_processes()]  # every session on the machine
+    replicas, per_deployment = soak.replica_memory(session=fake_replica)
+    assert replicas[0]["rss_mib"] > 0 and per_deployment == {"Router": replicas[0]["rss_mib"]}
+    assert soak.rss_mib(2 ** 22 + 12345) is None  # no such process
+
+
+def test_soak_samples_and_reports(fake_server, fake_replica, tmp_path):
+    out, results = tmp_path / "soak", tmp_path / "results"
+    rc = runner.main(["--host", fake_server, "--users", "2", "--soak", "8s", "--soak-interval", "2s",
+                      "--max-tokens", "8", "--out", str(out), "--soak-results", str(results), "--no-warmup",
+                      "--fail-on-failures"])
+    assert rc == 0
+    samples = [json.loads(line) for line in (out / "soak_samples.jsonl").read_text().splitlines()]
+    assert len(samples) >= 3
+    for s in samples:
+        for key in ("t", "elapsed_s", "rss_mib", "rss_total_mib", "slots_in_use", "retained_prefixes", "free_slots",
+                    "queue_depth", "requests", "failures", "latency_p50_ms", "latency_p99_ms", "output_tokens_per_s",
+                    "replicas"):
+            assert key in s, key
+        assert s["rss_mib"]["Router"] > 0 and fake_replica in [r["pid"] for r in s["replicas"]]
+        assert s["queue_depth"] == 0 and s["retained_prefixes"] is not None
+    assert [s["elapsed_s"] for s in samples] == sorted(s["elapsed_s"] for s in samples)
+    assert sum(s["requests"] for s in samples) > 0 and sum(s["failures"] for s in samples) == 0
+    assert any(s["latency_p50_ms"] for s in samples) and any(s["output_tokens_per_s"] for s in samples)
+    with open(out / "soak_samples.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(samples) and "rss_Router_mib" in rows[0] and "latency_p99_ms" in rows[0]
+    summary = json.loads((out / "soak.json").read_text())["summary"]
+    assert summary["samples"] == len(samples) and summary["failures"] == 0
+    assert summary["rss"]["Router"]["growth_pct"] is not None and summary["latency_p50_first_ms"] is not None
+    md = (out / "soak.md").read_text()
+    assert "RSS growth after warm-up" in md and "| Router |" in md and "latency p50, last interval" in md
+    assert (out / "soak.png").stat().st_size > 1000
+    assert sorted(p.name for p in results.iterdir()) == sorted(soak.SMALL_FILES)
+
+
+def test_soak_summary_growth_after_warmup():
+    def sample(t, router, verifier, p50, failures=0):
+        return {"elapsed_s": t, "rss_mib": {"Router": router, "VerifierPool": verifier},
+                "rss_total_mib": router + verifier, "requests": 10, "failures": failures,
+                "latency_p50_ms": p50, "slots_in_use": 4, "retained_prefixes": 2, "queue_depth": 0}
+
+    samples = [sample(30, 100, 1000, 500), sample(60, 200, 2000, 600, failures=1), sample(90, 210, 2000, 700),
+               sample(120, 220, 2200, 800)]
+    s = soak.summarize(samples, warmup_s=60)
+    assert s["baseline_elapsed_s"] == 60  # growth is measured from the first sample after the warm-up
+    assert s["rss"]["Router"]["growth_pct"] == 10.0 and s["rss"]["VerifierPool"]["growth_pct"] == 10.0
+    assert s["rss"]["VerifierPool"]["max_mib"] == 2200 and s["rss_total_growth_pct"] == 10.0
+    assert s["requests"] == 40 and s["failures"] == 1
+    assert (s["latency_p50_first_ms"], s["latency_p50_last_ms"]) == (500, 800)
+    assert soak.summarize([], 60) == {"samples": 0}
+
+
+def test_soak_arguments(tmp_path):
+    def settings(*argv):
+        p = argparse.ArgumentParser()
+        runner.add_arguments(p)
+        args = p.parse_args(list(argv))
+        return runner.soak_settings(args, runner.parse_users(args.users))
+
+    assert settings("--users", "16", "--soak", "30m") == (1800, 30, 300)  # warm-up: a sixth
+    assert settings("--users", "4", "--soak", "20s", "--soak-interval", "5s", "--soak-warmup", "5s") == (20, 5, 5)
+    with pytest.raises(runner.LoadTestError, match="one level"):
+        settings("--users", "1,4", "--soak", "30m")
+    with pytest.raises(runner.LoadTestError, match="fewer than two samples"):
+        settings("--users", "4", "--soak", "20s", "--soak-interval", "15s")

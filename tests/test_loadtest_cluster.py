@@ -50,3 +50,27 @@ def test_smoke_load_local_cpu_cluster(tmp_path):
     assert lv["ttft_ms"]["p50"] is not None
     assert lv["mean_accepted_length"] is not None and lv["mean_accepted_length"] >= 1.0
     assert (out / "throughput.png").exists() and (out / "latency.png").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_APP_ERROR is not None,
+                    reason=f"moa_serve.deployments.app cannot be imported yet ({_APP_ERROR})")
+def test_soak_samples_the_local_cpu_cluster(tmp_path):
+    """A 20 s soak of the real cluster, a sample every 5 s: the replicas of the cluster the runner
+    started are found and measured, and the verifier's counters come from /v1/stats."""
+    from moa_serve.loadtest import runner
+
+    out = tmp_path / "soak"
+    rc = runner.main(["--config", str(REPO / "deployments" / "configs" / "local-cpu.yaml"),
+                      "--port", str(_free_port()), "--users", "2", "--soak", "20s", "--soak-interval", "5s",
+                      "--max-tokens", "32", "--out", str(out), "--fail-on-failures"])
+    assert rc == 0
+    samples = [json.loads(line) for line in (out / "soak_samples.jsonl").read_text().splitlines()]
+    assert len(samples) >= 3
+    for s in samples:
+        assert {"Router", "VerifierPool"} <= set(s["rss_mib"]) and all(v > 0 for v in s["rss_mib"].values())
+        assert s["slots_in_use"] is not None and s["retained_prefixes"] is not None and s["queue_depth"] is not None
+    assert sum(s["requests"] for s in samples) > 0 and sum(s["failures"] for s in samples) == 0
+    summary = json.loads((out / "soak.json").read_text())["summary"]
+    assert summary["rss"]["VerifierPool"]["growth_pct"] is not None
+    assert (out / "soak.md").exists() and (out / "soak.png").exists() and (out / "soak_samples.csv").exists()
