@@ -1,7 +1,14 @@
-"""How often would pre-drafting during the verify call pay? For each round: the device drafts k,
-guesses the outcome 'all k accepted, then the drafter's (k+1)-th token', and would have the next
-round's drafts ready iff the committed tokens equal drafts + [guess]."""
-import json, sys
+"""How often would proactive drafting (drafting the next round while the current one is being
+verified, as SpecEdge does) pay in client-server mode? For each round of Spec-Bench's 13
+questions: the device drafts k, guesses the outcome 'all k accepted, then the drafter's (k+1)-th
+token', and would have the next round's drafts ready iff the committed tokens equal
+drafts + [guess]. Prints the hit rate (docs/client-server.md).
+
+    MOA_MODEL_DIR=../shared/models python tools/bench/proactive_hits.py drafter/checkpoints/smollm2-135m-instruct-moa 2
+"""
+import json
+import sys
+
 from moa_serve.engine.engine import SpeculativeEngine
 from moa_serve.drafter.proposer import DraftRequest
 from moa_serve.bench import load_questions, DEFAULT_QUESTIONS
