@@ -14,7 +14,9 @@ from ray.serve.config import RequestRouterConfig
 
 from moa_serve.deployments import fit
 from moa_serve.deployments.autoscaling import policy_options
-from moa_serve.deployments.config import AppConfig, ConfigError, PoolConfig, RouterConfig, session_warnings
+from moa_serve.deployments.config import (AppConfig, ConfigError, GatewayConfig, PoolConfig, RouterConfig,
+                                          session_warnings)
+from moa_serve.deployments.gateway import Gateway
 from moa_serve.deployments.pools import DrafterPool, VerifierPool
 from moa_serve.deployments.router import Router
 
@@ -34,7 +36,7 @@ AFFINITY = RequestRouterConfig(request_router_class="moa_serve.deployments.affin
 REPLICA_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def _options(pool: PoolConfig | RouterConfig, env: dict | None = None) -> dict:
+def _options(pool: PoolConfig | RouterConfig | GatewayConfig, env: dict | None = None) -> dict:
     actor = pool.ray_actor_options.model_dump(exclude_none=True)
     runtime_env = dict(actor.get("runtime_env") or {})
     runtime_env["env_vars"] = {**REPLICA_ENV, **(env or {}), **(runtime_env.get("env_vars") or {})}
@@ -84,6 +86,14 @@ def build_app(args: dict | AppConfig) -> serve.Application:
         # not the main thread's setting, and vLLM's CPU attention insists both agree
         pool = cfg.verifier_pool
         verifier = VllmVerifier.options(**_options(pool, {"OMP_NUM_THREADS": str(pool.threads())})).bind(plain, drafter)
-        return Router.options(**_options(cfg.router)).bind(plain, verifier, None)
+        return _ingress(cfg, verifier, None)
     verifier = VerifierPool.options(**_options(cfg.verifier_pool), request_router_config=AFFINITY).bind(plain)
-    return Router.options(**_options(cfg.router)).bind(plain, verifier, drafter)
+    return _ingress(cfg, verifier, drafter)
+
+
+def _ingress(cfg: AppConfig, verifier, drafter) -> serve.Application:
+    """The Gateway (HTTP) in front of the Routers. Calls to a Router carry an affinity key (a
+    lane, a client-server session id), so they stick to one Router replica while it lives."""
+    plain = cfg.model_dump()
+    router = Router.options(**_options(cfg.router), request_router_config=AFFINITY).bind(plain, verifier, drafter)
+    return Gateway.options(**_options(cfg.gateway)).bind(plain, router)

@@ -24,7 +24,7 @@ class _Strict(BaseModel):
 
 class AutoscalingConfig(_Strict):
     """Ray Serve ``autoscaling_config`` (the fields we set; Ray validates the rest). The Router
-    scales on ongoing HTTP requests (one per session, streaming or not, plus the queued ones)."""
+    scales on ongoing calls (one stream per session), the Gateway on ongoing HTTP requests."""
     min_replicas: int = Field(1, ge=0, description="replicas kept running however idle (0 = scale to zero)")
     max_replicas: int = Field(1, ge=1, description="most replicas the autoscaler starts")
     initial_replicas: int | None = Field(None, ge=0, description="replicas at deploy time; default: min_replicas (at least 1)")
@@ -98,10 +98,10 @@ class VerifierPoolConfig(PoolConfig):
 
 
 class RouterConfig(_Strict):
-    autoscaling_config: AutoscalingConfig = Field(AutoscalingConfig(), description="Router replica range; it scales on ongoing HTTP requests")
+    autoscaling_config: AutoscalingConfig = Field(AutoscalingConfig(), description="Router replica range; it scales on ongoing calls (one stream per generation)")
     ray_actor_options: RayActorOptions = Field(RayActorOptions(num_cpus=0.5), description="resources of one Router replica")
-    max_ongoing_requests: int = Field(256, ge=1, description="HTTP requests one Router replica serves at once (running and queued)")
-    max_queued_requests: int = Field(64, ge=0, description="waiting requests beyond which new ones get 429")
+    max_ongoing_requests: int = Field(256, ge=1, description="calls one Router replica serves at once (generation streams, client-server rounds)")
+    max_queued_requests: int = Field(64, ge=0, description="waiting requests beyond which new ones get 429 (the Gateway's queue; each Router's too)")
     max_sessions_per_round: int = Field(16, ge=1, description="sessions one session group admits (and verifies per round)")
     session_groups: int = Field(2, ge=1, description="round loops per Router replica; >= 2 lets one group draft while another verifies")
     speculation_token_budget: int = Field(32, ge=0, description="draft tokens per round of a group, over all its sessions")
@@ -119,6 +119,18 @@ class RouterConfig(_Strict):
     retry_after_s: int = Field(2, ge=1, description="seconds in the Retry-After header of a 429 (queue full)")
     cs_session_ttl_s: float = Field(300.0, gt=0, description="client-server mode: a session idle this long is "
                                     "dropped (its client resyncs)")
+
+
+class GatewayConfig(_Strict):
+    autoscaling_config: AutoscalingConfig = Field(
+        AutoscalingConfig(), description="Gateway replica range; it scales on ongoing HTTP requests. Each Gateway "
+        "keeps its own table of which Router replica holds a client-server session: with more than one, a device's "
+        "calls may reach a Router without its session and resync (409)")
+    ray_actor_options: RayActorOptions = Field(RayActorOptions(num_cpus=0.25), description="resources of one Gateway replica")
+    max_ongoing_requests: int = Field(256, ge=1, description="HTTP requests one Gateway replica serves at once (running and queued)")
+    lanes: int = Field(1, ge=1, description="Router replicas that run generations at once: each lane sticks to one "
+                       "Router replica, whose rounds batch all of the lane's sessions; further Router replicas stand by "
+                       "and take a lane over when its replica dies. Lanes beyond the Router replicas share them")
 
 
 class AppConfig(_Strict):
@@ -163,7 +175,9 @@ class AppConfig(_Strict):
                            "'chain' = none")
     max_model_len: int = Field(2048, ge=16, description="longest context (prompt + output) a session may reach; sizes the KV cache")
     model_name: str | None = Field(None, description="name served by /v1/models; default: the target")
-    router: RouterConfig = Field(RouterConfig(), description="the ingress: HTTP, sessions, round scheduling")
+    gateway: GatewayConfig = Field(GatewayConfig(), description="the HTTP ingress: routes, tokenization, streams; "
+                                   "resumes a generation on another Router replica when its Router dies")
+    router: RouterConfig = Field(RouterConfig(), description="sessions and round scheduling, behind the Gateway")
     verifier_pool: VerifierPoolConfig = Field(VerifierPoolConfig(), description="replicas that run the target and verify drafts")
     drafter_pool: PoolConfig = Field(PoolConfig(ray_actor_options=RayActorOptions(num_cpus=0.5)),
                                      description="replicas that run a trained drafter (deployed only when drafter names a checkpoint)")

@@ -1,5 +1,11 @@
-"""The ingress: FastAPI routes around the RoundService, which batches the draft/verify rounds
-of all users; pool calls go through Ray Serve handles with session-group affinity.
+"""The Router: a Ray Serve deployment (not the ingress: ``gateway.py`` is) that holds the
+sessions and runs the RoundService, which batches the draft/verify rounds of all its sessions;
+pool calls go through Ray Serve handles with session-group affinity.
+
+The Gateway calls it per generation (``generate``: a stream of the committed tokens) and for
+client-server sessions (``cs_*``), readiness and stats. Its committed tokens are the source of
+truth for its pools; the Gateway keeps what it received, so a stream this replica loses by dying
+is resumed on another Router replica.
 
 Session groups are keyed ``"<this Router replica's id>/<i>"``: unique across Router replicas, so
 the affinity router (``deployments/affinity.py``) can spread the groups of all Routers over all
@@ -12,14 +18,12 @@ import contextvars
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from moa_serve.app import state
-from moa_serve.app.frontend import Frontend
-from moa_serve.app.http import create_app
-from moa_serve.cs.sessions import ClientSessions, ServerIdentity
+from moa_serve.cs.sessions import ClientSessions, Reply, ServerIdentity
 from moa_serve.deployments import assignment
 from moa_serve.deployments.config import AppConfig
 from moa_serve.deployments.metrics import CallMetrics, PrometheusObserver
@@ -27,10 +31,10 @@ from moa_serve.deployments.stats import CallStats
 from moa_serve.drafter.checkpoint import drafter_kind
 from moa_serve.drafter.lookup import LookupTable
 from moa_serve.engine.service import RoundService
-from moa_serve.engine.stream_service import StreamService
+from moa_serve.engine.session import Session
+from moa_serve.engine.stream_service import StreamService, session_updates
 
 log = logging.getLogger("ray.serve")
-api = create_app()
 
 
 def _replica_id() -> str:
@@ -77,21 +81,35 @@ def group_keys(replica_id: str, n: int) -> list[str]:
     return [f"{replica_id}/{i}" for i in range(n)]
 
 
+@dataclass
+class TargetInfo:
+    """What the Gateway and the Router read of the target (tokenizer and config, no weights)."""
+    path: str
+    tokenizer: object
+    vocab_size: int
+    max_model_len: int
+    stop_token_ids: frozenset[int]
+
+
+def load_target_info(cfg: AppConfig) -> TargetInfo:
+    from moa_serve.engine.engine import stop_token_ids
+    from moa_serve.models import load_tokenizer, read_config, resolve_model_path
+
+    path = resolve_model_path(cfg.target, weights=False)  # tokenizer + config only
+    tokenizer = load_tokenizer(path)
+    hf_config = read_config(path)
+    return TargetInfo(path, tokenizer, hf_config.vocab_size, min(cfg.max_model_len, hf_config.max_position_embeddings),
+                      stop_token_ids(path, tokenizer))
+
+
 @serve.deployment(name="Router")
-@serve.ingress(api)
 class Router:
     def __init__(self, cfg: dict, verifier: DeploymentHandle, drafter: DeploymentHandle | None = None):
-        from moa_serve.engine.engine import stop_token_ids
-        from moa_serve.models import load_tokenizer, read_config, resolve_model_path
-
         self.cfg = AppConfig.model_validate(cfg)
         self.verifier = verifier
         self.drafter = drafter
         self.replica = _replica_id()
-        path = resolve_model_path(self.cfg.target, weights=False)  # tokenizer + config only
-        tokenizer = load_tokenizer(path)
-        hf_config = read_config(path)
-        max_model_len = min(self.cfg.max_model_len, hf_config.max_position_embeddings)
+        info = load_target_info(self.cfg)
         r = self.cfg.router
         self.groups = group_keys(self.replica, r.session_groups)
         self.calls = CallStats()
@@ -101,24 +119,35 @@ class Router:
             self.service = StreamService(self._stream, max_sessions=r.session_groups * r.max_sessions_per_round,
                                          max_queued=r.max_queued_requests)
         else:
-            self.service = self._round_service(kind, max_model_len)
-        stops = stop_token_ids(path, tokenizer)
+            self.service = self._round_service(kind, info.max_model_len)
         # client-server mode: sessions drafted on the user's device, verified in the same rounds
-        self._cs_identity_args = dict(model=self.cfg.model_name or self.cfg.target, tokenizer=tokenizer,
-                                      drafter=self.cfg.feature_drafter, vocab_size=hf_config.vocab_size,
-                                      max_model_len=max_model_len, stop_token_ids=stops)
+        self._cs_identity_args = dict(model=self.cfg.model_name or self.cfg.target, tokenizer=info.tokenizer,
+                                      drafter=self.cfg.feature_drafter, vocab_size=info.vocab_size,
+                                      max_model_len=info.max_model_len, stop_token_ids=info.stop_token_ids)
         self.cs = ClientSessions(self.service, self._cs_identity, ttl_s=r.cs_session_ttl_s) \
             if self.cfg.backend == "torch" else None
-        state.install(
-            cs=self.cs,
-            cs_unavailable="client-server mode needs backend: torch (this server runs backend: vllm)",
-            frontend=Frontend(self.service, tokenizer, max_model_len=max_model_len,
-                              stop_token_ids=stops,
-                              num_speculative_tokens=self.cfg.num_speculative_tokens,
-                              speculative=self.cfg.drafter is not None, model_name=self.cfg.model_name or self.cfg.target,
-                              adaptive_speculation=self.cfg.adaptive_speculation,
-                              drafter_needs_features=kind in ("moa", "eagle")),
-            ready=self.ready, retry_after_s=r.retry_after_s, stats=self.stats)
+
+    # ------------------------------------------------------------------ the Gateway's calls
+    async def generate(self, session: Session, group: str | None = None):
+        """Runs ``session`` in this replica's rounds and streams its commits as ``Update``s (a
+        streaming handle call; ``group`` is the Gateway's lane, the affinity key). Raises
+        ``QueueFullError`` when the queue is full; a cancelled call aborts the session."""
+        async for update in session_updates(self.service, session, self.replica):
+            yield update
+
+    async def cs_identity(self, group: str | None = None) -> ServerIdentity:
+        return await self.cs.identity()
+
+    async def cs_create(self, ids: list[int], group: str | None = None, **kwargs) -> tuple[str, Reply]:
+        return await self.cs.create(ids, **kwargs)
+
+    async def cs_verify(self, session_id: str, *args, group: str | None = None) -> tuple[Reply, str]:
+        """A round's reply and the feature codec to frame it with."""
+        reply = await self.cs.verify(session_id, *args)
+        return reply, self.cs.feature_codec(session_id)
+
+    async def cs_close(self, session_id: str, group: str | None = None) -> bool:
+        return self.cs.close(session_id)
 
     def _round_service(self, kind: str | None, max_model_len: int) -> RoundService:
         r = self.cfg.router
@@ -182,10 +211,12 @@ class Router:
         if failed:
             raise failed[0]
 
-    async def stats(self) -> dict:
-        """Work per pool replica and the round-time breakdown, for ``GET /v1/stats``; with
-        backend vllm, also a verifier replica's engine and drafting counters."""
-        d = self.calls.as_dict()
+    async def stats(self, group: str | None = None) -> dict:
+        """This replica's rounds and sessions, work per pool replica and the round-time breakdown,
+        for ``GET /v1/stats``; with backend vllm, also a verifier replica's engine and drafting
+        counters."""
+        d = {**self.service.stats.as_dict(), "queue_depth": self.service.queue_depth,
+             "active_sessions": self.service.active_sessions, **self.calls.as_dict()}
         d["backend"] = self.cfg.backend
         d["router_replica"] = self.replica
         try:  # one verifier replica's engine counters (torch: forwards, prefix cache; vllm: its engine)
@@ -200,7 +231,7 @@ class Router:
         d["client_server"] = self.cs.snapshot()
         return d
 
-    async def ready(self):
+    async def ready(self, group: str | None = None):
         pools = {"verifier": self.verifier, **({"drafter": self.drafter} if self.drafter is not None else {})}
         detail = {}
         for name, handle in pools.items():

@@ -395,16 +395,17 @@ def test_worker_groups_match_serve_autoscaling_ranges(name, built):
 
 def test_gpu_prod_sizes():
     """The numbers for today's gpu.yaml, worked out by hand: Pods of 1 GPU / 8 CPUs hold one
-    verifier (1 GPU, 4 CPUs) or four drafters (0.25 GPU, 2 CPUs each); Router Pods of 4 CPUs
-    hold two Routers (2 CPUs)."""
+    verifier (1 GPU, 4 CPUs) or four drafters (0.25 GPU, 2 CPUs each); CPU Pods of 4 CPUs
+    hold two of the Gateway and the Routers (2 CPUs each)."""
     sizes = render.render(render.TARGETS[0]).sizes
     app = render.app_config_class().model_validate(
         render.the_application(render.load_yaml(ROOT / "deployments/configs/gpu.yaml"))["args"])
     v, d, r = app.verifier_pool.autoscaling_config, app.drafter_pool.autoscaling_config, app.router.autoscaling_config
     assert (sizes["gpu"].min_pods, sizes["gpu"].max_pods) == (
         v.min_replicas + math.ceil(d.min_replicas / 4), v.max_replicas + math.ceil(d.max_replicas / 4))
+    g = app.gateway.autoscaling_config
     assert (sizes["cpu"].min_pods, sizes["cpu"].max_pods) == (
-        math.ceil(r.min_replicas / 2), math.ceil(r.max_replicas / 2))
+        math.ceil((g.min_replicas + r.min_replicas) / 2), math.ceil((g.max_replicas + r.max_replicas) / 2))
 
 
 def test_packing_follows_rays_gpu_rules():

@@ -47,6 +47,11 @@ class CSError(Exception):
         super().__init__(message)
         self.status, self.param, self.kind, self.extra = status, param, kind, extra
 
+    def __reduce__(self):
+        """Pickled as a plain CSError with every field: it crosses a Ray call when a Router replica
+        holds the session and the Gateway answers the route (a subclass's own arguments differ)."""
+        return CSError, (self.status, str(self), self.param, self.kind), {"extra": self.extra}
+
 
 class Resync(CSError):
     def __init__(self, message: str, expected_length: int, expected_round: int):

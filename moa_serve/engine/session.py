@@ -106,6 +106,15 @@ class Session:
             raise ValueError("num_speculative_tokens must be >= 0")
         self.tokens = list(self.prompt)
 
+    def continuation(self, session_id: str) -> "Session":
+        """A fresh session that goes on where this one stands: its committed tokens are the
+        prompt, and it may generate what this one still may, with the same sampling (seeded
+        generators depend only on the absolute position), stops and speculation settings."""
+        return Session(session_id, list(self.tokens), self.max_new_tokens - len(self.generated), self.sampling,
+                       self.num_speculative_tokens, self.stop_token_ids, self.max_model_len,
+                       drafter_needs_features=self.drafter_needs_features,
+                       adaptive_speculation=self.adaptive_speculation)
+
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt):]

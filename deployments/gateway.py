@@ -1,0 +1,154 @@
+"""The HTTP ingress: FastAPI routes, the Frontend (tokenize, detokenize, stop strings, SSE), and
+nothing a replica loss could take away. Each generation is one streaming call to a Router replica
+(``Router.generate``), which runs its rounds and yields the committed tokens; the Gateway keeps
+what it received. When the Router replica dies mid-stream, ``StreamService`` resumes the session
+on another Router replica: the prompt plus the tokens already received are the new prompt, the
+rest of ``max_tokens`` the new limit, the same sampling parameters (seeded generators depend on
+the position only). The client's stream goes on without a repeated or a missing token.
+
+Generations go to ``gateway.lanes`` lanes (round-robin by session): every lane sticks to one
+Router replica (the affinity router, as for the pools), so a lane's sessions share that Router's
+rounds and batches; the other Router replicas stand by and take a lane over when its replica
+dies. Client-server sessions (``/v1/cs``) live on one Router replica each: their calls carry the
+session id as the affinity key; a session whose Router died answers 409 and its device resyncs."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+import zlib
+from collections import OrderedDict
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from moa_serve.app import state
+from moa_serve.app.frontend import Frontend
+from moa_serve.app.http import create_app
+from moa_serve.deployments.config import AppConfig
+from moa_serve.deployments.router import detached, load_target_info
+from moa_serve.drafter.checkpoint import drafter_kind
+from moa_serve.engine.session import Session
+from moa_serve.engine.stream_service import StreamService
+
+api = create_app()
+
+STATS_TIMEOUT_S = 5.0
+RESUME_RETRIES = 4  # resumptions of one generation (backoff 0.5, 1, 2, 4 s)
+MAX_CS_SESSIONS = 65536  # client-server sessions a Gateway remembers having opened (for DELETE)
+
+
+def lane_of(session_id: str, lanes: int) -> str:
+    return f"lane/{zlib.crc32(session_id.encode()) % lanes}"
+
+
+def unwrapped(exc: BaseException) -> BaseException:
+    """The replica's own exception behind Ray's wrapper (``RayTaskError`` keeps it as ``cause``)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+class RouterSessions:
+    """Client-server sessions (``app/cs.py``'s ``state["cs"]``) held by the Router replicas: each
+    call goes to the replica holding the session (affinity key = session id). ``close`` answers
+    from the sessions this Gateway opened (the route needs the answer at once) and closes the
+    session on its Router in the background."""
+
+    def __init__(self, router: DeploymentHandle, remember: int = MAX_CS_SESSIONS):
+        self.router = router
+        self.remember = remember
+        self._open: OrderedDict[str, None] = OrderedDict()  # sessions created here, oldest first
+        self._codecs: dict[str, str] = {}  # the feature codec of the reply being framed
+        self._closing: set[asyncio.Task] = set()
+
+    async def _call(self, method: str, *args, group: str | None = None, **kwargs):
+        try:
+            return await detached(lambda: getattr(self.router, method).remote(*args, group=group, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - CSError and friends: the route's error answer
+            raise unwrapped(exc) from None
+
+    async def identity(self):
+        return await self._call("cs_identity")
+
+    async def create(self, ids: list[int], *, session_id: str | None = None, **kwargs):
+        sid = session_id or uuid.uuid4().hex
+        answer = await self._call("cs_create", ids, group=sid, session_id=sid, **kwargs)
+        self._open[sid] = None
+        self._open.move_to_end(sid)
+        while len(self._open) > self.remember:
+            self._open.popitem(last=False)
+        return answer
+
+    async def verify(self, session_id: str, *args):
+        reply, self._codecs[session_id] = await self._call("cs_verify", session_id, *args, group=session_id)
+        return reply
+
+    def feature_codec(self, session_id: str) -> str:
+        return self._codecs.pop(session_id, "float16")
+
+    def close(self, session_id: str) -> bool:
+        if self._open.pop(session_id, 0) is not None:
+            return False
+        task = asyncio.get_running_loop().create_task(self._call("cs_close", session_id, group=session_id))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return True
+
+
+@serve.deployment(name="Gateway")
+@serve.ingress(api)
+class Gateway:
+    def __init__(self, cfg: dict, router: DeploymentHandle):
+        self.cfg = AppConfig.model_validate(cfg)
+        self.router = router
+        info = load_target_info(self.cfg)
+        r, lanes = self.cfg.router, self.cfg.gateway.lanes
+        self.lanes = lanes
+        # each lane's Router admits session_groups x max_sessions_per_round; the rest wait here
+        self.service = StreamService(self._stream, max_sessions=lanes * r.session_groups * r.max_sessions_per_round,
+                                     max_queued=r.max_queued_requests, stream_retries=RESUME_RETRIES,
+                                     retry_backoff_s=0.5)
+        kind = drafter_kind(self.cfg.drafter) if self.cfg.drafter else None
+        state.install(
+            cs=RouterSessions(router) if self.cfg.backend == "torch" else None,
+            cs_unavailable="client-server mode needs backend: torch (this server runs backend: vllm)",
+            frontend=Frontend(self.service, info.tokenizer, max_model_len=info.max_model_len,
+                              stop_token_ids=info.stop_token_ids,
+                              num_speculative_tokens=self.cfg.num_speculative_tokens,
+                              speculative=self.cfg.drafter is not None,
+                              model_name=self.cfg.model_name or self.cfg.target,
+                              adaptive_speculation=self.cfg.adaptive_speculation,
+                              drafter_needs_features=kind in ("moa", "eagle")),
+            ready=self.ready, retry_after_s=r.retry_after_s, stats=self.stats)
+
+    async def _stream(self, session: Session):
+        """One streaming call to a Router replica for the rest of ``session``: its committed
+        tokens are the prompt (a resumed session goes on from what this Gateway received)."""
+        rest = session.continuation(uuid.uuid4().hex)
+        gen = detached(lambda: self.router.options(stream=True).generate.remote(
+            rest, group=lane_of(session.id, self.lanes)))
+        finished = False
+        try:
+            async for update in gen:
+                finished = update.finish_reason is not None
+                yield update
+        finally:
+            if not finished:
+                gen.cancel()
+
+    async def stats(self) -> dict:
+        """The Router replica of lane 0 (its rounds, pools, groups) and this Gateway's streams
+        (``gateway``: admitted, resumed after a Router loss, ...)."""
+        try:
+            d = await asyncio.wait_for(self.router.stats.remote(group="lane/0"), STATS_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - stats never fail for a busy or restarting Router
+            d = {"router_error": type(unwrapped(exc)).__name__}
+        d["queue_depth"] = d.get("queue_depth", 0) + self.service.queue_depth
+        d["gateway"] = self.service.stats.as_dict()
+        return d
+
+    async def ready(self):
+        try:
+            return await asyncio.wait_for(self.router.ready.remote(), STATS_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - no live Router replica yet
+            return False, {"router": {"error": type(unwrapped(exc)).__name__}}
