@@ -6,7 +6,7 @@ on another Router replica: the prompt plus the tokens already received are the n
 rest of ``max_tokens`` the new limit, the same sampling parameters (seeded generators depend on
 the position only). The client's stream goes on without a repeated or a missing token.
 
-Generations go to ``gateway.lanes`` lanes (round-robin by session): every lane sticks to one
+Generations go to ``gateway.lanes`` lanes (by a hash of the session id): every lane sticks to one
 Router replica (the affinity router, as for the pools), so a lane's sessions share that Router's
 rounds and batches; the other Router replicas stand by and take a lane over when its replica
 dies. Client-server sessions (``/v1/cs``) live on one Router replica each: their calls carry the
@@ -87,8 +87,9 @@ class RouterSessions:
         return self._codecs.pop(session_id, "float16")
 
     def close(self, session_id: str) -> bool:
-        if self._open.pop(session_id, 0) is not None:
+        if session_id not in self._open:
             return False
+        del self._open[session_id]
         task = asyncio.get_running_loop().create_task(self._call("cs_close", session_id, group=session_id))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
