@@ -24,7 +24,8 @@ class _Strict(BaseModel):
 
 class AutoscalingConfig(_Strict):
     """Ray Serve ``autoscaling_config`` (the fields we set; Ray validates the rest). The Router
-    scales on ongoing calls (one stream per session), the Gateway on ongoing HTTP requests."""
+    Gateway scales on ongoing HTTP requests. A Router's ongoing calls are mostly its lane links (one
+    long call per lane of the Gateway), so Routers are best run at a fixed count (min = max)."""
     min_replicas: int = Field(1, ge=0, description="replicas kept running however idle (0 = scale to zero)")
     max_replicas: int = Field(1, ge=1, description="most replicas the autoscaler starts")
     initial_replicas: int | None = Field(None, ge=0, description="replicas at deploy time; default: min_replicas (at least 1)")
@@ -98,9 +99,9 @@ class VerifierPoolConfig(PoolConfig):
 
 
 class RouterConfig(_Strict):
-    autoscaling_config: AutoscalingConfig = Field(AutoscalingConfig(), description="Router replica range; it scales on ongoing calls (one stream per generation)")
+    autoscaling_config: AutoscalingConfig = Field(AutoscalingConfig(), description="Router replica range: as many as gateway.lanes, plus standbys that take a lane over when its Router dies (min = max: Ray would scale on ongoing calls, and a lane is one long call)")
     ray_actor_options: RayActorOptions = Field(RayActorOptions(num_cpus=0.5), description="resources of one Router replica")
-    max_ongoing_requests: int = Field(256, ge=1, description="calls one Router replica serves at once (generation streams, client-server rounds)")
+    max_ongoing_requests: int = Field(256, ge=1, description="calls one Router replica serves at once (lane links, session starts, client-server rounds)")
     max_queued_requests: int = Field(64, ge=0, description="waiting requests beyond which new ones get 429 (the Gateway's queue; each Router's too)")
     max_sessions_per_round: int = Field(16, ge=1, description="sessions one session group admits (and verifies per round)")
     session_groups: int = Field(2, ge=1, description="round loops per Router replica; >= 2 lets one group draft while another verifies")

@@ -1,16 +1,18 @@
 """The HTTP ingress: FastAPI routes, the Frontend (tokenize, detokenize, stop strings, SSE), and
-nothing a replica loss could take away. Each generation is one streaming call to a Router replica
-(``Router.generate``), which runs its rounds and yields the committed tokens; the Gateway keeps
-what it received. When the Router replica dies mid-stream, ``StreamService`` resumes the session
-on another Router replica: the prompt plus the tokens already received are the new prompt, the
-rest of ``max_tokens`` the new limit, the same sampling parameters (seeded generators depend on
-the position only). The client's stream goes on without a repeated or a missing token.
+nothing a replica loss could take away. Each generation runs on a Router replica, which streams
+its commits back; the Gateway keeps what it received. When the Router replica dies mid-stream,
+``StreamService`` resumes the session on another Router replica: the prompt plus the tokens
+already received are the new prompt, the rest of ``max_tokens`` the new limit, the same sampling
+parameters (seeded generators depend on the position only). The client's stream goes on without a
+repeated or a missing token.
 
-Generations go to ``gateway.lanes`` lanes (by a hash of the session id): every lane sticks to one
-Router replica (the affinity router, as for the pools), so a lane's sessions share that Router's
-rounds and batches; the other Router replicas stand by and take a lane over when its replica
-dies. Client-server sessions (``/v1/cs``) live on one Router replica each: their calls carry the
-session id as the affinity key; a session whose Router died answers 409 and its device resyncs."""
+Generations go to ``gateway.lanes`` lanes (by a hash of the session id). A lane is one link to one
+Router replica (``moa_serve/engine/lanes.py``): a streaming call that carries the commits of all
+the lane's sessions, one batch per round, instead of one stream per session; its calls carry the
+lane as the affinity key, so the lane sticks to its replica and its sessions share that Router's
+rounds. Router replicas without a lane stand by and take a lane over when its replica dies.
+Client-server sessions (``/v1/cs``) live on one Router replica each: their calls carry the session
+id as the affinity key; a session whose Router died answers 409 and its device resyncs."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from moa_serve.app.http import create_app
 from moa_serve.deployments.config import AppConfig
 from moa_serve.deployments.router import detached, load_target_info
 from moa_serve.drafter.checkpoint import drafter_kind
+from moa_serve.engine.lanes import LaneLink
 from moa_serve.engine.session import Session
 from moa_serve.engine.stream_service import StreamService
 
@@ -38,8 +41,8 @@ RESUME_RETRIES = 4  # resumptions of one generation (backoff 0.5, 1, 2, 4 s)
 MAX_CS_SESSIONS = 65536  # client-server sessions a Gateway remembers having opened (for DELETE)
 
 
-def lane_of(session_id: str, lanes: int) -> str:
-    return f"lane/{zlib.crc32(session_id.encode()) % lanes}"
+def lane_of(session_id: str, lanes: int) -> int:
+    return zlib.crc32(session_id.encode()) % lanes
 
 
 def unwrapped(exc: BaseException) -> BaseException:
@@ -104,7 +107,7 @@ class Gateway:
         self.router = router
         info = load_target_info(self.cfg)
         r, lanes = self.cfg.router, self.cfg.gateway.lanes
-        self.lanes = lanes
+        self.links = [self._link(f"lane/{i}") for i in range(lanes)]
         # each lane's Router admits session_groups x max_sessions_per_round; the rest wait here
         self.service = StreamService(self._stream, max_sessions=lanes * r.session_groups * r.max_sessions_per_round,
                                      max_queued=r.max_queued_requests, stream_retries=RESUME_RETRIES,
@@ -122,20 +125,31 @@ class Gateway:
                               drafter_needs_features=kind in ("moa", "eagle")),
             ready=self.ready, retry_after_s=r.retry_after_s, stats=self.stats)
 
-    async def _stream(self, session: Session):
-        """One streaming call to a Router replica for the rest of ``session``: its committed
+    def _link(self, lane: str) -> LaneLink:
+        """The lane's link to its Router replica: one stream carrying all its sessions' commits."""
+        async def connect(link: str):
+            batches = detached(lambda: self.router.options(stream=True).lane.remote(link, group=lane))
+            try:
+                async for batch in batches:
+                    yield batch
+            finally:  # the link is dropped here: the Router aborts its sessions
+                batches.cancel()
+
+        async def start(session: Session, link: str) -> None:
+            try:
+                await detached(lambda: self.router.start.remote(session, link, group=lane))
+            except Exception as exc:  # noqa: BLE001 - LinkLost, QueueFullError: as the Router raised them
+                raise unwrapped(exc) from None
+
+        async def cancel(session_id: str) -> None:
+            await detached(lambda: self.router.cancel.remote(session_id, group=lane))
+
+        return LaneLink(connect, start, cancel)
+
+    def _stream(self, session: Session):
+        """The rest of ``session`` from a Router replica, over its lane's link: its committed
         tokens are the prompt (a resumed session goes on from what this Gateway received)."""
-        rest = session.continuation(uuid.uuid4().hex)
-        gen = detached(lambda: self.router.options(stream=True).generate.remote(
-            rest, group=lane_of(session.id, self.lanes)))
-        finished = False
-        try:
-            async for update in gen:
-                finished = update.finish_reason is not None
-                yield update
-        finally:
-            if not finished:
-                gen.cancel()
+        return self.links[lane_of(session.id, len(self.links))].open(session)
 
     async def stats(self) -> dict:
         """The Router replica of lane 0 (its rounds, pools, groups) and this Gateway's streams

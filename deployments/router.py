@@ -2,8 +2,8 @@
 sessions and runs the RoundService, which batches the draft/verify rounds of all its sessions;
 pool calls go through Ray Serve handles with session-group affinity.
 
-The Gateway calls it per generation (``generate``: a stream of the committed tokens) and for
-client-server sessions (``cs_*``), readiness and stats. Its committed tokens are the source of
+The Gateway calls it for generations (``lane``: one stream per lane carrying the commits of the
+lane's sessions, ``start``, ``cancel``), for client-server sessions (``cs_*``), readiness and stats. Its committed tokens are the source of
 truth for its pools; the Gateway keeps what it received, so a stream this replica loses by dying
 is resumed on another Router replica.
 
@@ -30,9 +30,10 @@ from moa_serve.deployments.metrics import CallMetrics, PrometheusObserver
 from moa_serve.deployments.stats import CallStats
 from moa_serve.drafter.checkpoint import drafter_kind
 from moa_serve.drafter.lookup import LookupTable
+from moa_serve.engine.lanes import LaneHub
 from moa_serve.engine.service import RoundService
 from moa_serve.engine.session import Session
-from moa_serve.engine.stream_service import StreamService, session_updates
+from moa_serve.engine.stream_service import StreamService
 
 log = logging.getLogger("ray.serve")
 
@@ -126,14 +127,22 @@ class Router:
                                       max_model_len=info.max_model_len, stop_token_ids=info.stop_token_ids)
         self.cs = ClientSessions(self.service, self._cs_identity, ttl_s=r.cs_session_ttl_s) \
             if self.cfg.backend == "torch" else None
+        self.lanes = LaneHub(self.service, self.replica)
 
     # ------------------------------------------------------------------ the Gateway's calls
-    async def generate(self, session: Session, group: str | None = None):
-        """Runs ``session`` in this replica's rounds and streams its commits as ``Update``s (a
-        streaming handle call; ``group`` is the Gateway's lane, the affinity key). Raises
-        ``QueueFullError`` when the queue is full; a cancelled call aborts the session."""
-        async for update in session_updates(self.service, session, self.replica):
-            yield update
+    # generations: ``group`` is the Gateway's lane (the affinity key); see engine/lanes.py
+    async def lane(self, link: str, group: str | None = None):
+        """A streaming call: the commits of the link's sessions, one batch per round."""
+        async for batch in self.lanes.connect(link):
+            yield batch
+
+    async def start(self, session: Session, link: str, group: str | None = None) -> None:
+        """Runs ``session`` in this replica's rounds, its commits sent over ``link``. Raises
+        ``QueueFullError`` when the queue is full, ``LinkLost`` when the link is not here."""
+        self.lanes.start(session, link)
+
+    async def cancel(self, session_id: str, group: str | None = None) -> None:
+        self.lanes.cancel(session_id)
 
     async def cs_identity(self, group: str | None = None) -> ServerIdentity:
         return await self.cs.identity()

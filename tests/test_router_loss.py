@@ -13,9 +13,10 @@ import time
 import httpx
 import pytest
 
+from moa_serve.engine.lanes import LaneHub, LaneLink
 from moa_serve.engine.sampling import SamplingParams
 from moa_serve.engine.session import Session
-from moa_serve.engine.stream_service import StreamService, session_updates
+from moa_serve.engine.stream_service import StreamService
 from tests.test_service_stubs import FakeVerifier, make_service, make_session, reference
 
 
@@ -25,40 +26,54 @@ class ReplicaDied(ConnectionError):
 
 
 class RouterCore:
-    """One Router replica's round service behind ``session_updates``; with ``die_after``, each of
-    its streams breaks after that many updates, as the streams of a replica that died do."""
+    """One Router replica: its round service behind a ``LaneHub``. With ``die_after``, its lane
+    links break after that many batches, as the links of a replica that died do."""
 
     def __init__(self, die_after: int | None = None):
         self.service, _ = make_service(FakeVerifier(), max_sessions_per_round=8)
+        self.hub = LaneHub(self.service)
         self.die_after = die_after
-        self.opened: list[Session] = []
+        self.started: list[Session] = []
 
-    async def generate(self, session: Session):
-        self.opened.append(session)
+    async def connect(self, link: str):
         n = 0
-        async for update in session_updates(self.service, session):
+        async for batch in self.hub.connect(link):
             if self.die_after is not None and n == self.die_after:
                 raise ReplicaDied("the actor died unexpectedly")
             n += 1
-            yield update
+            yield batch
+
+    def start(self, session: Session, link: str) -> None:
+        self.started.append(session)
+        self.hub.start(session, link)
 
 
 def gateway(routers: list[RouterCore]) -> StreamService:
-    """The Gateway's side: each attempt goes to the first Router replica not known dead, with
-    the session's committed tokens as the prompt (``Session.continuation``)."""
-    attempts: dict[str, int] = {}
+    """The Gateway's side: one lane whose link goes to the first Router replica not known dead
+    (as the affinity router moves the lane when its replica dies)."""
+    live = [0]
 
-    def open_stream(session: Session):
-        i = attempts.get(session.id, 0)
-        attempts[session.id] = i + 1
-        return routers[min(i, len(routers) - 1)].generate(session.continuation(f"{session.id}.{i}"))
+    async def connect(link: str):
+        core = routers[live[0]]
+        try:
+            async for batch in core.connect(link):
+                yield batch
+        except ReplicaDied:
+            live[0] += 1
+            raise
 
-    return StreamService(open_stream, max_sessions=8, retry_backoff_s=0.01)
+    async def start(session: Session, link: str) -> None:
+        routers[live[0]].start(session, link)
+
+    async def cancel(session_id: str) -> None:
+        routers[live[0]].hub.cancel(session_id)
+
+    return StreamService(LaneLink(connect, start, cancel).open, max_sessions=8, retry_backoff_s=0.01)
 
 
 def test_streams_of_a_dead_router_resume_on_a_sibling_with_the_same_tokens():
     async def main():
-        dying, sibling = RouterCore(die_after=3), RouterCore()
+        dying, sibling = RouterCore(die_after=6), RouterCore()
         service = gateway([dying, sibling])
         sessions = [make_session(i, max_new=40, k=0) for i in range(4)]
         tracked = [service.submit(s) for s in sessions]
@@ -69,19 +84,41 @@ def test_streams_of_a_dead_router_resume_on_a_sibling_with_the_same_tokens():
         events = await asyncio.gather(*(stream(t) for t in tracked))
         for core in (dying, sibling):
             await core.service.stop()
-        return sessions, events, service, sibling
+        return sessions, events, service, dying, sibling
 
-    sessions, events, service, sibling = asyncio.run(main())
+    sessions, events, service, dying, sibling = asyncio.run(main())
+    assert dying.service.stats.aborted == 4  # its lane link closed: its sessions were aborted there
     for s, evs in zip(sessions, events):
         streamed = [tok for ev in evs for tok in ev.tokens]
         assert streamed == reference(s.prompt, 40)  # nothing repeated, nothing missing
         assert evs[-1].finish_reason == "length" and s.generated == streamed
     assert service.stats.stream_retries == 4 and service.stats.completed == 4
-    for resumed in sibling.opened:  # the sibling went on from what the gateway had received
-        original = next(s for s in sessions if resumed.id.startswith(s.id))
+    assert len(sibling.started) == 4
+    for resumed in sibling.started:  # the sibling went on from what the gateway had received
+        original = next(s for s in sessions if s.tokens[:len(resumed.prompt)] == resumed.prompt)
         received = len(resumed.prompt) - len(original.prompt)
         assert received > 0 and resumed.prompt == original.tokens[:len(resumed.prompt)]
         assert resumed.max_new_tokens == 40 - received
+
+
+def test_a_session_stopped_at_the_gateway_is_aborted_on_its_router():
+    async def main():
+        router = RouterCore()
+        service = gateway([router])
+        t = service.submit(make_session(0, max_new=200, k=0))
+        async for ev in service.stream(t):
+            if len(t.session.generated) >= 5:
+                service.abort(t)  # a stop string, a client gone
+                break
+        for _ in range(50):
+            if router.service.stats.aborted:
+                break
+            await asyncio.sleep(0.01)
+        await router.service.stop()
+        return router, t
+
+    router, t = asyncio.run(main())
+    assert router.service.stats.aborted == 1 and t.session.finish_reason == "abort"
 
 
 def test_continuation_keeps_everything_but_the_committed_prefix():

@@ -27,7 +27,6 @@ from typing import AsyncIterator, Callable
 
 from moa_serve.engine.service import QueueFullError, TokenEvent, _Tracked, error_reason, last_line, stream_events
 from moa_serve.engine.session import Session
-from moa_serve.verifier.engine_loop import Update
 
 log = logging.getLogger(__name__)
 
@@ -185,12 +184,3 @@ class StreamService:
                 except Exception:  # noqa: BLE001
                     log.debug("closing the stream of %s failed", s.id, exc_info=True)
 
-
-async def session_updates(service, session: Session, replica: str | None = None) -> AsyncIterator[Update]:
-    """The other end of a ``StreamService`` stream: submits ``session`` to ``service`` (a
-    ``RoundService``, or this module's own) and yields each commit as an ``Update`` (new tokens,
-    finish reason, drafts verified and accepted so far). Raises ``QueueFullError`` when the service
-    admits no more. A consumer that stops early aborts the session (``stream_events``)."""
-    tracked = service.submit(session)
-    async for ev in service.stream(tracked):
-        yield Update(list(ev.tokens), ev.finish_reason, session.drafted, session.accepted, replica)
