@@ -117,7 +117,7 @@ class RouterConfig(_Strict):
                             "discarded row")
     speculation_governor: bool = Field(True, description="speculate only in rounds where it measurably pays "
                                        "(moving averages of ms per token on/off per batch size, with probes)")
-    retry_after_s: int = Field(2, ge=1, description="seconds in the Retry-After header of a 429 (queue full)")
+    retry_after_s: int = Field(2, ge=1, description="seconds in the Retry-After header of a 429 (queue full) or a 503 (not ready yet)")
     cs_session_ttl_s: float = Field(300.0, gt=0, description="client-server mode: a session idle this long is "
                                     "dropped (its client resyncs)")
 

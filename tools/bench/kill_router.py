@@ -7,7 +7,7 @@ request counts as completed when it answered 200 with all its tokens, and as ide
 text equals the uninterrupted one. Then the time until the server answers a request again.
 With ``--stream`` the requests stream (SSE) and the text is what the deltas add up to.
 
-    python benchmarks/router-loss/kill_router.py --url http://127.0.0.1:8000 --serve-pid PID --stream
+    python tools/bench/kill_router.py --url http://127.0.0.1:8000 --serve-pid PID --stream
 """
 
 from __future__ import annotations
