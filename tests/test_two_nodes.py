@@ -25,7 +25,9 @@ def test_verifier_node_killed_under_load(stories_path, stories_drafter, tmp_path
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert (tmp_path / "result.json").exists(), proc.stderr[-3000:]
     r = json.loads((tmp_path / "result.json").read_text())
-    assert r["replicas_before"] == {"Router": ["head"], "DrafterPool": ["head"], "VerifierPool": ["node-b"]}
+    before = dict(r["replicas_before"])
+    assert before.pop("Gateway", ["head"]) == ["head"]  # the HTTP ingress, when the config has one, stays on the head
+    assert before == {"Router": ["head"], "DrafterPool": ["head"], "VerifierPool": ["node-b"]}
     assert r["replicas_after"]["VerifierPool"] == ["head"] and r["verifier_rescheduled_s"] is not None
     assert r["in_flight_at_kill"] > 0 and r["in_flight_completed"] == r["in_flight_at_kill"]
     assert r["failed"] == 0, r["errors"]
