@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from moa_serve.app.schemas import ChatMessage, _Body, exactly_one_of
-from moa_serve.engine.sampling import SamplingParams
+from moa_serve.sampling import SamplingParams
 
 SESSION_ID = r"^[A-Za-z0-9_-]{8,64}$"
 

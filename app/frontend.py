@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from moa_serve.engine.sampling import SamplingParams
+from moa_serve.sampling import SamplingParams
 from moa_serve.engine.service import RoundService
 from moa_serve.engine.session import Session
 

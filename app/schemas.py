@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from moa_serve.engine.sampling import SamplingParams
+from moa_serve.sampling import SamplingParams
 
 
 def _integral(value):

@@ -235,7 +235,7 @@ def drafter_fit(cfg: AppConfig, target: ModelShape, drafter: DrafterShape) -> Fi
 
 
 def target_shape(cfg: AppConfig) -> ModelShape:
-    from moa_serve.models import read_config, resolve_model_path
+    from moa_serve.model_files import read_config, resolve_model_path
 
     return ModelShape.from_hf(read_config(resolve_model_path(cfg.target, weights=False)))
 

@@ -94,7 +94,7 @@ class TargetInfo:
 
 def load_target_info(cfg: AppConfig) -> TargetInfo:
     from moa_serve.engine.engine import stop_token_ids
-    from moa_serve.models import load_tokenizer, read_config, resolve_model_path
+    from moa_serve.model_files import load_tokenizer, read_config, resolve_model_path
 
     path = resolve_model_path(cfg.target, weights=False)  # tokenizer + config only
     tokenizer = load_tokenizer(path)

@@ -26,7 +26,7 @@ from moa_serve.deployments.autoscaling import SESSIONS_METRIC
 from moa_serve.deployments.config import AppConfig
 from moa_serve.deployments.pools import _replica_name, _threads
 from moa_serve.deployments.stats import CallStats
-from moa_serve.engine.sampling import SamplingParams
+from moa_serve.sampling import SamplingParams
 
 log = logging.getLogger("ray.serve")
 

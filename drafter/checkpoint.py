@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moa_serve.drafter.config import FORMAT, DrafterConfig
-from moa_serve.verifier.target_model import TargetArch
+from moa_serve.target_model import TargetArch
 
 PACKAGED = Path(__file__).resolve().parent / "checkpoints"
 DRAFT_VOCAB_KEY = "draft_vocab_ids"
@@ -189,7 +189,7 @@ def init_drafter(target: str, out_dir: str | Path, seed: int = 0, target_layer_i
                  **sizes) -> Path:
     """Writes an untrained MoA drafter sized for ``target`` (the starting point of training)."""
     from moa_serve.drafter.model import MoADrafter, init_weights
-    from moa_serve.models import read_config, resolve_model_path
+    from moa_serve.model_files import read_config, resolve_model_path
 
     path = resolve_model_path(target)
     arch = TargetArch.from_hf_config(read_config(path))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moa_serve.drafter.regenerate import pack_replies
+from moa_serve.drafter.training.regenerate import pack_replies
 
 # How sure the store must be, by what stands behind it (tuned on Spec-Bench, README "Output store"):
 # with no model (``lookup+outputs``) any suffix of 2+ tokens and its most frequent continuation
@@ -223,7 +223,7 @@ def output_store_for(target: str | None) -> OutputStore:
     session and proposer shares it)."""
     import os
 
-    from moa_serve.models import load_tokenizer, resolve_model_path
+    from moa_serve.model_files import load_tokenizer, resolve_model_path
 
     if not target:
         raise ValueError("an output store needs the target's name (its tokenizer and its packed replies)")

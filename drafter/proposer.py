@@ -25,12 +25,12 @@ import torch
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.model import DraftHead, MoADrafter, TargetParts
-from moa_serve.engine.sampling import GREEDY, SamplingParams
+from moa_serve.sampling import GREEDY, SamplingParams
 from moa_serve.kernels.packed import FusedStack, fuse_projections, pack_bf16_exact, packed_lm_head
 from moa_serve.kv_cache import SlotKVCache
-from moa_serve.models import load_selected_tensors, read_config, resolve_model_path, target_dtype
+from moa_serve.model_files import load_selected_tensors, read_config, resolve_model_path, target_dtype
 from moa_serve.verifier.acceptance import generator_for, sample, warp_probs
-from moa_serve.verifier.target_model import TargetArch, TargetModel
+from moa_serve.target_model import TargetArch, TargetModel
 
 
 @dataclass

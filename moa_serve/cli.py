@@ -36,7 +36,7 @@ def _model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
 def _sampling(args):
     from pydantic import ValidationError
 
-    from moa_serve.engine.sampling import SamplingParams
+    from moa_serve.sampling import SamplingParams
 
     try:
         return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -180,8 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("--seed", type=int, default=0)
     di.add_argument("--target-layer-inference", type=int, default=0, choices=[0, 1, 2, 3])
     di.set_defaults(func=cmd_drafter_init)
-    from moa_serve.drafter.diagnose import register as register_diagnose
-    from moa_serve.drafter.shrink_vocab import register as register_shrink_vocab
+    from moa_serve.drafter.training.diagnose import register as register_diagnose
+    from moa_serve.drafter.training.shrink_vocab import register as register_shrink_vocab
 
     register_diagnose(dsub)
     register_shrink_vocab(dsub)
@@ -192,13 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands() -> list:
-    from moa_serve.bench import register as register_bench
+    from moa_serve.tools.bench import register as register_bench
     from moa_serve.client.cli import register as register_client
-    from moa_serve.cs_bench import register as register_cs_bench
-    from moa_serve.drafter.regenerate import register as register_regenerate
-    from moa_serve.drafter.train import register as register_train
-    from moa_serve.netem import register as register_netem
-    from moa_serve.vllm_bench import register as register_vllm_bench
+    from moa_serve.tools.cs_bench import register as register_cs_bench
+    from moa_serve.drafter.training.regenerate import register as register_regenerate
+    from moa_serve.drafter.training.train import register as register_train
+    from moa_serve.tools.netem import register as register_netem
+    from moa_serve.tools.vllm_bench import register as register_vllm_bench
 
     return [register_train, register_bench, register_regenerate, _register_loadtest, register_netem, register_client,
             register_cs_bench, register_vllm_bench]

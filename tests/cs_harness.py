@@ -8,10 +8,10 @@ import contextlib
 
 import httpx
 
-from moa_serve.cs import local_server
-from moa_serve.cs.local_server import LocalStack
+from moa_serve.tools import cs_local_stack as local_server
+from moa_serve.tools.cs_local_stack import LocalStack
 from moa_serve.engine.engine import load_feature_head, stop_token_ids
-from moa_serve.models import load_tokenizer, resolve_model_path
+from moa_serve.model_files import load_tokenizer, resolve_model_path
 from moa_serve.verifier.torch_runner import TorchTargetRunner
 
 

@@ -132,8 +132,8 @@ def test_bf16_without_kernels_runs_plain_torch(tiny_model, monkeypatch):
 
 @needs_kernels
 def test_float32_model_is_not_packed_as_bf16(tiny_model):
-    from moa_serve.models import load_state_dict, read_config
-    from moa_serve.verifier.target_model import TargetModel
+    from moa_serve.model_files import load_state_dict, read_config
+    from moa_serve.target_model import TargetModel
 
     model = TargetModel.from_state_dict(read_config(tiny_model), load_state_dict(tiny_model), torch.float32)
     report = pack_target(model, tiny_model)

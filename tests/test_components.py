@@ -12,9 +12,9 @@ from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.model import MoADrafter, TargetParts, init_weights
 from moa_serve.drafter.proposer import DraftRequest, MoAProposer
 from moa_serve.kv_cache import PackedBatch
-from moa_serve.models import load_state_dict, read_config
+from moa_serve.model_files import load_state_dict, read_config
 from moa_serve.verifier.api import VerifyRequest
-from moa_serve.verifier.target_model import TargetArch, TargetModel
+from moa_serve.target_model import TargetArch, TargetModel
 from moa_serve.verifier.torch_runner import TorchTargetRunner
 
 
@@ -135,7 +135,7 @@ def test_latest_only_drafter_reads_only_its_freshest_feature(tmp_path, stories_p
     last verified position's."""
     import dataclasses
 
-    from moa_serve.drafter import masks
+    from moa_serve.drafter.training import masks
 
     cfg, state = load_drafter(str(stories_drafter))
     cfg = dataclasses.replace(cfg, cross_attention_latest_only=True, value_readout_layers=2)
@@ -223,7 +223,7 @@ def test_hub_download_fetches_only_what_is_loaded(tmp_path, monkeypatch):
     ONNX / GGUF duplicates) for model replicas, config + tokenizer only for the router."""
     import huggingface_hub
 
-    from moa_serve import models
+    from moa_serve import model_files as models
 
     calls = []
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from moa_serve.cli import main
 from moa_serve.client import (DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, Transport)
 from moa_serve.engine.engine import SpeculativeEngine
-from moa_serve.engine.sampling import SamplingParams
+from moa_serve.sampling import SamplingParams
 from tests.cs_harness import FaultyTransport, OracleProposer, Server, ToySampler, http_client, serving
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily went to the park and"]

@@ -14,7 +14,7 @@ from moa_serve.app.http import create_app
 from moa_serve.cli import main, prompt_tokens
 from moa_serve.client import DeviceDrafter, RemoteGenerator, Transport
 from moa_serve.engine.engine import SpeculativeEngine
-from moa_serve.models import read_config
+from moa_serve.model_files import read_config
 from tests.conftest import SMOLLM
 from tests.cs_harness import Server, Uvicorn, free_port
 

@@ -14,7 +14,7 @@ import pytest
 from moa_serve.client import DeviceDrafter, RemoteGenerator, Transport, Unreachable
 from moa_serve.client.deadline import CallDeadline, percentile
 from moa_serve.engine.engine import SpeculativeEngine
-from moa_serve.netem import netem_proxy
+from moa_serve.tools.netem import netem_proxy
 from tests.cs_harness import OracleProposer, serving
 
 PROMPT = "Lily went to the park and"

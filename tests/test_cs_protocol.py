@@ -13,7 +13,7 @@ from moa_serve.client.adaptive import KController, best_k, expected_tokens
 from moa_serve.cs import wire
 from moa_serve.cs.sessions import ClientSessions, CSError, Resync
 from moa_serve.engine.engine import SpeculativeEngine
-from moa_serve.engine.sampling import GREEDY, SamplingParams
+from moa_serve.sampling import GREEDY, SamplingParams
 from moa_serve.engine.service import RoundService
 from moa_serve.engine.session import Session
 from tests.cs_harness import Server

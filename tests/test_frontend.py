@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from moa_serve.app import state
 from moa_serve.app.frontend import Frontend, IncrementalDetokenizer, InputError
-from moa_serve.engine.sampling import GREEDY
+from moa_serve.sampling import GREEDY
 from moa_serve.engine.service import ServiceStats, TokenEvent
 from tests.conftest import SMOLLM, STORIES
 

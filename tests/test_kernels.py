@@ -142,8 +142,8 @@ def test_packed_linear_bias_shapes_and_dtype():
 @pytest.mark.slow
 def test_smollm2_gguf_target_is_packed_and_decodes_like_float32():
     from moa_serve.engine.engine import SpeculativeEngine
-    from moa_serve.engine.sampling import SamplingParams
-    from moa_serve.models import resolve_model_path
+    from moa_serve.sampling import SamplingParams
+    from moa_serve.model_files import resolve_model_path
 
     path = resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
     packed = SpeculativeEngine.load(str(path), None, "float32", packed_weights="auto")
@@ -176,8 +176,8 @@ def test_smollm2_with_bf16_products_speculates_losslessly(kv):
     gives the same tokens as that target decoding alone, several sessions sharing each forward."""
     from moa_serve.cli import prompt_tokens
     from moa_serve.engine.engine import SpeculativeEngine
-    from moa_serve.engine.sampling import SamplingParams
-    from moa_serve.models import resolve_model_path
+    from moa_serve.sampling import SamplingParams
+    from moa_serve.model_files import resolve_model_path
 
     path = str(resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct"))
     plain = SpeculativeEngine.load(path, None, "float32", matmul_precision="medium", kv_cache_dtype=kv)
@@ -197,8 +197,8 @@ def test_smollm2_with_bf16_products_speculates_losslessly(kv):
 
 @pytest.mark.slow
 def test_pack_target_refuses_what_it_cannot_pack(tmp_path, stories_path):
-    from moa_serve.models import load_state_dict, read_config
-    from moa_serve.verifier.target_model import TargetModel
+    from moa_serve.model_files import load_state_dict, read_config
+    from moa_serve.target_model import TargetModel
 
     model = TargetModel.from_state_dict(read_config(stories_path), load_state_dict(stories_path), torch.float32)
     report = pack_target(model, stories_path)  # safetensors, no GGUF
@@ -251,8 +251,8 @@ def _pack_all_linears_q8_0(model) -> None:
 
 def _tiny_packed_model(tiny_model, fused: bool, bf16_products: bool = False):
     from moa_serve.kernels.packed import FusedStack, fuse_projections
-    from moa_serve.models import load_state_dict, read_config
-    from moa_serve.verifier.target_model import TargetModel
+    from moa_serve.model_files import load_state_dict, read_config
+    from moa_serve.target_model import TargetModel
 
     model = TargetModel.from_state_dict(read_config(tiny_model), load_state_dict(tiny_model), torch.float32)
     _pack_all_linears_q8_0(model)  # a random Llama has no GGUF: quantize its matrices here
@@ -331,7 +331,7 @@ def test_auto_dtype_on_a_cpu_is_float32_for_a_gguf_target_even_with_native_bf16(
     a target without a GGUF keeps the bf16 rule; GPUs stay bf16."""
     from conftest import SMOLLM
 
-    from moa_serve import models
+    from moa_serve import model_files as models
 
     monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
     assert models.parse_dtype("auto", "cpu", SMOLLM) == torch.float32

@@ -12,7 +12,7 @@ from moa_serve.drafter.checkpoint import DrafterNotFoundError, drafter_kind, loa
 from moa_serve.drafter.lookup import HybridProposer, NgramIndex, PromptLookupProposer
 from moa_serve.drafter.proposer import DraftRequest, DraftResult
 from moa_serve.engine.engine import SpeculativeEngine, load_feature_head
-from moa_serve.engine.sampling import SamplingParams
+from moa_serve.sampling import SamplingParams
 from moa_serve.verifier.acceptance import accept_sampling
 from tests.test_lossless import NEW_TOKENS, STORY_PROMPTS, hf_greedy
 from tests.test_sampling import exact_two_token_distribution, tv, tv_bound

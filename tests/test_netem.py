@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from moa_serve.netem import PROFILES, Link, Profile, delay_schedule, link_seed, netem_proxy, register
+from moa_serve.tools.netem import PROFILES, Link, Profile, delay_schedule, link_seed, netem_proxy, register
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -279,7 +279,7 @@ def test_moa_command_has_netem(capsys):
 
 def test_cli_serves_until_sigint_and_prints_a_summary(echo):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "moa_serve.netem", "--profile", "wan", "--listen", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "moa_serve.tools.netem", "--profile", "wan", "--listen", "127.0.0.1:0",
                              "--upstream", f"{echo[0]}:{echo[1]}", "--seed", "1"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

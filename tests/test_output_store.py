@@ -217,7 +217,7 @@ def test_the_store_offers_its_runners_up_as_alternatives():
 def test_lookup_proposers_send_store_alternatives_for_greedy_sessions_only():
     from moa_serve.drafter.lookup import HybridProposer
     from moa_serve.drafter.proposer import TreeShape
-    from moa_serve.engine.sampling import SamplingParams
+    from moa_serve.sampling import SamplingParams
     from tests.test_lookup import RecordingModel
 
     store = OutputStore([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 5], [1, 2, 6]], min_n=2, max_n=2)

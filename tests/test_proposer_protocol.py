@@ -9,9 +9,9 @@ from moa_serve.drafter.baselines import EagleProposer, IndependentProposer, load
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, drafter_kind, load_draft_vocab, load_drafter
 from moa_serve.drafter.model import TargetParts
 from moa_serve.drafter.proposer import DraftRequest, MoAProposer
-from moa_serve.engine.sampling import SamplingParams
-from moa_serve.models import load_state_dict, read_config
-from moa_serve.verifier.target_model import TargetModel
+from moa_serve.sampling import SamplingParams
+from moa_serve.model_files import load_state_dict, read_config
+from moa_serve.target_model import TargetModel
 
 from conftest import REPO, SMOLLM
 

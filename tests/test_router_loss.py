@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from moa_serve.engine.lanes import LaneHub, LaneLink
-from moa_serve.engine.sampling import SamplingParams
+from moa_serve.sampling import SamplingParams
 from moa_serve.engine.session import Session
 from moa_serve.engine.stream_service import StreamService
 from tests.test_service_stubs import FakeVerifier, make_service, make_session, reference

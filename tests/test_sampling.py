@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moa_serve.engine.engine import SpeculativeEngine
-from moa_serve.engine.sampling import SamplingParams
+from moa_serve.sampling import SamplingParams
 from moa_serve.kv_cache import PackedBatch
 from moa_serve.verifier.acceptance import accept_sampling, warp_probs
 

@@ -425,7 +425,7 @@ def test_the_governor_sees_the_steps_batch_not_only_the_requests_that_can_draft(
 
 
 def test_vllm_bench_configs_name_engines_and_their_scheduling():
-    from moa_serve.vllm_bench import _configs, markdown
+    from moa_serve.tools.vllm_bench import _configs, markdown
 
     assert _configs("none, none@sync,ngram,x-moa,x-moa@fixed") == [
         ("none", None, False, False, None), ("none@sync", None, False, False, False),

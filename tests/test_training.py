@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from moa_serve.drafter import masks
+from moa_serve.drafter.training import masks
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
 
 from conftest import SHARED
@@ -16,7 +16,7 @@ DATA = SHARED / "data" / "train"
 
 
 def _tiny_cfg(tmp_path, stories_path, **kw):
-    from moa_serve.drafter.train import load_config
+    from moa_serve.drafter.training.train import load_config
 
     cfg = load_config(None, [])
     cfg.update(target=str(stories_path), data_dir=str(DATA), data_files=["alpaca_5k", "gsm8k_train"], per_file=24,
@@ -73,8 +73,8 @@ def test_every_t_visible_and_staircase():
 
 
 def test_forward_train_matches_cache_layout(stories_path):
-    from moa_serve.models import load_state_dict, read_config
-    from moa_serve.verifier.target_model import TargetModel
+    from moa_serve.model_files import load_state_dict, read_config
+    from moa_serve.target_model import TargetModel
 
     tm = TargetModel.from_state_dict(read_config(stories_path), load_state_dict(stories_path), torch.float32)
     toks = torch.randint(1, 500, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -92,7 +92,7 @@ def test_forward_train_matches_cache_layout(stories_path):
 # ---------------------------------------------------------------------------------------- training
 @pytest.mark.slow
 def test_training_reduces_loss_and_resumes(tmp_path, stories_path):
-    from moa_serve.drafter.train import Trainer
+    from moa_serve.drafter.training.train import Trainer
 
     cfg = _tiny_cfg(tmp_path, stories_path, max_steps=25)
     tr = Trainer(cfg)
@@ -121,7 +121,7 @@ def test_training_reduces_loss_and_resumes(tmp_path, stories_path):
 
 @pytest.fixture(scope="module")
 def trained_baselines(tmp_path_factory, stories_path):
-    from moa_serve.drafter.train import Trainer
+    from moa_serve.drafter.training.train import Trainer
 
     tmp = tmp_path_factory.mktemp("baselines")
     tr = Trainer(_tiny_cfg(tmp, stories_path, max_steps=2))
@@ -150,8 +150,8 @@ def test_eagle_incremental_drafting_equals_parallel_pass(trained_baselines, stor
     from moa_serve.drafter.baselines import EagleProposer
     from moa_serve.drafter.model import TargetParts
     from moa_serve.drafter.proposer import DraftRequest
-    from moa_serve.models import load_state_dict, read_config
-    from moa_serve.verifier.target_model import TargetModel
+    from moa_serve.model_files import load_state_dict, read_config
+    from moa_serve.target_model import TargetModel
 
     tm = TargetModel.from_state_dict(read_config(stories_path), load_state_dict(stories_path), torch.float32)
     prop = EagleProposer.load(str(trained_baselines / "tiny-eagle"), target_model=tm, max_sessions=2, max_model_len=64)
@@ -183,8 +183,8 @@ def test_eagle_incremental_drafting_equals_parallel_pass(trained_baselines, stor
 def test_regenerate_writes_target_replies_and_matching_originals(tmp_path, stories_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moa_serve.drafter.data import prompt_ids
-    from moa_serve.drafter.regenerate import regenerate
+    from moa_serve.drafter.training.data import prompt_ids
+    from moa_serve.drafter.training.regenerate import regenerate
 
     data = tmp_path / "data"
     data.mkdir()
@@ -215,8 +215,8 @@ def test_regenerate_all_turns_answers_each_turn_in_the_context_of_its_own_replie
     them all."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moa_serve.drafter.data import load_conversations, prompt_ids
-    from moa_serve.drafter.regenerate import pack, regenerate, unpack
+    from moa_serve.drafter.training.data import load_conversations, prompt_ids
+    from moa_serve.drafter.training.regenerate import pack, regenerate, unpack
 
     data = tmp_path / "data"
     data.mkdir()
@@ -258,8 +258,8 @@ def test_system_prompt_share_picks_a_stable_share_and_round_trips_through_a_pack
     from transformers import AutoTokenizer
 
     from conftest import SMOLLM
-    from moa_serve.drafter.data import default_system_prompt, encode_turns, load_conversations, render_segments
-    from moa_serve.drafter.regenerate import gets_system_prompt, pack, unpack
+    from moa_serve.drafter.training.data import default_system_prompt, encode_turns, load_conversations, render_segments
+    from moa_serve.drafter.training.regenerate import gets_system_prompt, pack, unpack
 
     tok = AutoTokenizer.from_pretrained(SMOLLM)
     system = default_system_prompt(tok)
@@ -305,7 +305,7 @@ def test_encode_turns_gives_each_reply_its_own_window():
     from transformers import AutoTokenizer
 
     from conftest import SMOLLM
-    from moa_serve.drafter.data import build_examples, encode_conversation, encode_turns
+    from moa_serve.drafter.training.data import build_examples, encode_conversation, encode_turns
 
     tok = AutoTokenizer.from_pretrained(SMOLLM)
     conv = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
@@ -323,8 +323,8 @@ def test_encode_turns_gives_each_reply_its_own_window():
 def test_regenerate_goes_on_where_an_earlier_run_stopped(tmp_path, stories_path):
     """--limit answers part of the sample; the next run answers only the prompts not yet answered,
     into a new shard; a third run has nothing left to do."""
-    from moa_serve.drafter.data import load_conversations
-    from moa_serve.drafter.regenerate import regenerate
+    from moa_serve.drafter.training.data import load_conversations
+    from moa_serve.drafter.training.regenerate import regenerate
 
     data = tmp_path / "data"
     data.mkdir()
@@ -347,7 +347,7 @@ def test_regenerate_goes_on_where_an_earlier_run_stopped(tmp_path, stories_path)
     assert orig == sorted(json.dumps(c) for c in convs)
 
     # pack: sources + replies only (no corpus text); unpack rebuilds the same data from the corpus
-    from moa_serve.drafter.regenerate import pack, unpack
+    from moa_serve.drafter.training.regenerate import pack, unpack
 
     packed = tmp_path / "pack.jsonl.gz"
     assert pack(str(out), str(packed)) == 7
@@ -369,7 +369,7 @@ def test_regenerate_goes_on_where_an_earlier_run_stopped(tmp_path, stories_path)
 def test_training_warm_starts_from_exported_checkpoints(tmp_path, stories_path):
     """init_from: a new run starts from an earlier run's exported drafters (weights and draft
     vocabulary), not from scratch; a folder of the wrong kind is refused."""
-    from moa_serve.drafter.train import Trainer
+    from moa_serve.drafter.training.train import Trainer
 
     first = Trainer(_tiny_cfg(tmp_path / "a", stories_path, max_steps=3))
     first.train(progress_bar=False)
@@ -393,7 +393,7 @@ def test_training_warm_starts_from_exported_checkpoints(tmp_path, stories_path):
 
 
 def test_training_without_data_names_the_data_dir(tmp_path, stories_path):
-    from moa_serve.drafter.train import Trainer
+    from moa_serve.drafter.training.train import Trainer
 
     with pytest.raises(ValueError, match="data_dir .*no conversations"):
         Trainer(_tiny_cfg(tmp_path, stories_path, data_dir=str(tmp_path / "missing"), data_files=None))
@@ -403,7 +403,7 @@ def test_system_prompted_drop_trains_on_the_conversations_without_one(tmp_path, 
     """system_prompted: drop keeps only the conversations without a system prompt (the paper's
     recipe on data regenerated with --system-prompt-share); keep trains on all; anything else is
     refused, naming the key."""
-    from moa_serve.drafter.train import Trainer
+    from moa_serve.drafter.training.train import Trainer
 
     data = tmp_path / "data"
     data.mkdir()
@@ -428,9 +428,9 @@ def test_value_readout_starts_from_the_targets_state_and_round_trips(tmp_path, s
     readout does not load into a config without one."""
     import torch.nn.functional as F
 
-    from moa_serve.drafter.data import batches
+    from moa_serve.drafter.training.data import batches
     from moa_serve.drafter.model import MoADrafter
-    from moa_serve.drafter.train import Trainer
+    from moa_serve.drafter.training.train import Trainer
     from moa_serve.engine.engine import load_feature_head
 
     paper = Trainer(_tiny_cfg(tmp_path / "a", stories_path, drafters=["moa"], max_steps=3))
@@ -471,8 +471,8 @@ def test_value_readout_starts_from_the_targets_state_and_round_trips(tmp_path, s
 def test_diagnose_reports_distances_and_the_cas_use_of_features(tmp_path, stories_path):
     """moa drafter diagnose: top-1 by distance for MoA, d = 1 for EAGLE-style; a latest-only drafter
     puts all of its CA mass on the freshest feature, a paper-layout one spreads it."""
-    from moa_serve.drafter.diagnose import diagnose
-    from moa_serve.drafter.train import Trainer
+    from moa_serve.drafter.training.diagnose import diagnose
+    from moa_serve.drafter.training.train import Trainer
 
     tr = Trainer(_tiny_cfg(tmp_path / "a", stories_path, drafters=["moa", "eagle"], max_steps=2))
     tr.train(progress_bar=False)
@@ -500,9 +500,9 @@ def test_shrink_vocab_keeps_the_most_frequent_draft_tokens_and_the_output(traine
     """``moa drafter shrink-vocab``: the same weights, the draft vocabulary cut to the most frequent
     reply tokens of the given data (stop tokens kept), and speculative greedy output unchanged."""
     from moa_serve.cli import main
-    from moa_serve.drafter.data import build_examples, load_conversations, response_counts, stop_token_ids
+    from moa_serve.drafter.training.data import build_examples, load_conversations, response_counts, stop_token_ids
     from moa_serve.engine.engine import SpeculativeEngine
-    from moa_serve.models import load_tokenizer
+    from moa_serve.model_files import load_tokenizer
 
     data = tmp_path / "data"
     data.mkdir()

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from moa_serve import kernels
-from moa_serve.models import load_state_dict, read_config
+from moa_serve.model_files import load_state_dict, read_config
 from moa_serve.verifier.api import VerifyRequest
-from moa_serve.verifier.target_model import TargetModel
+from moa_serve.target_model import TargetModel
 from moa_serve.verifier.torch_runner import TorchTargetRunner
 
 
@@ -123,7 +123,7 @@ def test_the_kernel_attends_a_stored_elsewhere_token_as_in_its_chain(dtype):
 
 
 def test_alternatives_are_ignored_when_sampling(target):
-    from moa_serve.engine.sampling import SamplingParams
+    from moa_serve.sampling import SamplingParams
 
     runner = runner_for(target, "kernel", features=False)
     prompt = list(range(5, 30))

@@ -5,9 +5,9 @@ resync, LRU eviction when the cache is full."""
 import pytest
 import torch
 
-from moa_serve.models import load_state_dict, read_config
+from moa_serve.model_files import load_state_dict, read_config
 from moa_serve.verifier.api import VerifyRequest
-from moa_serve.verifier.target_model import TargetModel
+from moa_serve.target_model import TargetModel
 from moa_serve.verifier.torch_runner import ContextTooLongError, TorchTargetRunner, common_prefix
 
 
@@ -142,7 +142,7 @@ def test_multi_step_decoding_gives_the_single_step_tokens(target, seed):
     """decode_steps=4: up to four tokens per call, the same tokens as one per call (greedy, and
     seeded sampling: each token's generator depends on its position only), stopping at a stop
     token and never past the steps asked."""
-    from moa_serve.engine.sampling import SamplingParams
+    from moa_serve.sampling import SamplingParams
 
     params = SamplingParams() if seed is None else SamplingParams(temperature=0.9, seed=seed)
 

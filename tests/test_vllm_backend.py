@@ -11,8 +11,8 @@ from conftest import REPO, SMOLLM, require_vllm
 
 require_vllm()
 
-from moa_serve.drafter.data import prompt_ids  # noqa: E402
-from moa_serve.engine.sampling import SamplingParams  # noqa: E402
+from moa_serve.drafter.training.data import prompt_ids  # noqa: E402
+from moa_serve.sampling import SamplingParams  # noqa: E402
 from moa_serve.verifier.vllm_engine import VllmEngine  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -395,7 +395,7 @@ def test_regenerate_with_the_vllm_backend_writes_the_torch_backends_replies(tmp_
     """``moa regenerate --backend vllm``: the same greedy float32 replies as the project's engine."""
     import json
 
-    from moa_serve.drafter.regenerate import regenerate
+    from moa_serve.drafter.training.regenerate import regenerate
 
     data = tmp_path / "data"
     data.mkdir()

@@ -14,7 +14,7 @@ import hashlib
 
 import torch
 
-from moa_serve.engine.sampling import SamplingParams
+from moa_serve.sampling import SamplingParams
 
 
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moa_serve.engine.sampling import GREEDY, SamplingParams
+from moa_serve.sampling import GREEDY, SamplingParams
 
 
 @dataclass

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from moa_serve.engine.sampling import GREEDY, SamplingParams
+from moa_serve.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
 

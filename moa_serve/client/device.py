@@ -33,7 +33,7 @@ class DeviceDrafter:
              max_model_len: int = 2048, device: str = "cpu") -> "DeviceDrafter":
         from moa_serve.drafter.baselines import load_proposer
         from moa_serve.drafter.checkpoint import split_drafter_spec
-        from moa_serve.models import load_tokenizer, resolve_model_path
+        from moa_serve.model_files import load_tokenizer, resolve_model_path
 
         lookup, checkpoint = split_drafter_spec(drafter)
         if checkpoint is None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from moa_serve.verifier.target_model import TargetArch
+from moa_serve.target_model import TargetArch
 
 DIGEST_CHARS = 16
 EMBED_ROWS = 64

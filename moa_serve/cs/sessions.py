@@ -28,7 +28,7 @@ from typing import Awaitable, Callable
 
 import torch
 
-from moa_serve.engine.sampling import SamplingParams
+from moa_serve.sampling import SamplingParams
 from moa_serve.engine.service import QueueFullError, RoundService, _Tracked
 from moa_serve.engine.session import Session
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 from moa_serve.drafter.proposer import MoAProposer
 from moa_serve.engine import rounds
-from moa_serve.engine.sampling import GREEDY, SamplingParams
+from moa_serve.sampling import GREEDY, SamplingParams
 from moa_serve.engine.session import Session
-from moa_serve.models import load_tokenizer, resolve_model_path
+from moa_serve.model_files import load_tokenizer, resolve_model_path
 from moa_serve.verifier.torch_runner import TorchTargetRunner
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moa_serve.engine.sampling import GREEDY, SamplingParams
+from moa_serve.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
 

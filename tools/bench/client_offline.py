@@ -23,15 +23,15 @@ from moa_serve.app.http import create_app
 from moa_serve.cli import DEFAULT_DRAFTER, DEFAULT_TARGET, prompt_tokens
 from moa_serve.client import DeviceDrafter, RemoteGenerator, Transport
 from moa_serve.client.generate import AUTO
-from moa_serve.cs.local_server import UvicornThread
-from moa_serve.cs_bench import server_stack
+from moa_serve.tools.cs_local_stack import UvicornThread
+from moa_serve.tools.cs_bench import server_stack
 from moa_serve.drafter.checkpoint import model_checkpoint
 from moa_serve.engine.engine import SpeculativeEngine, stop_token_ids
-from moa_serve.engine.sampling import GREEDY
+from moa_serve.sampling import GREEDY
 from moa_serve.kernels.packed import pack_target
-from moa_serve.models import load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path
-from moa_serve.netem import netem_proxy
-from moa_serve.verifier.target_model import TargetModel
+from moa_serve.model_files import load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path
+from moa_serve.tools.netem import netem_proxy
+from moa_serve.target_model import TargetModel
 from moa_serve.verifier.torch_runner import TorchTargetRunner
 
 PORTS = (8400, 8500)

@@ -11,8 +11,8 @@ import sys
 
 from moa_serve.engine.engine import SpeculativeEngine
 from moa_serve.drafter.proposer import DraftRequest
-from moa_serve.bench import load_questions, DEFAULT_QUESTIONS
-from moa_serve.drafter.data import prompt_ids
+from moa_serve.tools.bench import load_questions, DEFAULT_QUESTIONS
+from moa_serve.drafter.training.data import prompt_ids
 
 target = "HuggingFaceTB/SmolLM2-135M-Instruct"
 drafter, K = sys.argv[1], int(sys.argv[2])

@@ -47,7 +47,7 @@ def _import_project() -> None:
     """Makes ``moa_serve.<part>`` importable from this checkout when the project is not installed
     (the GPU machine runs the checkout as it is): the package-dir mapping of pyproject.toml."""
     try:
-        import moa_serve.verifier.target_model  # noqa: F401
+        import moa_serve.target_model  # noqa: F401
         return
     except ModuleNotFoundError as e:
         if not (e.name or "").startswith("moa_serve"):
@@ -81,7 +81,7 @@ from moa_serve.engine.engine import SpeculativeEngine, load_feature_head  # noqa
 from moa_serve.kv_cache import PackedBatch  # noqa: E402
 from moa_serve.layers import Linear, RMSNorm, Rotary  # noqa: E402
 from moa_serve.verifier.api import VerifyRequest  # noqa: E402
-from moa_serve.verifier.target_model import TargetArch, TargetModel, rotary_for  # noqa: E402
+from moa_serve.target_model import TargetArch, TargetModel, rotary_for  # noqa: E402
 from moa_serve.verifier.torch_runner import TorchTargetRunner  # noqa: E402
 from tools.gpu.replay import ReplayProposer, corruption_for, tau_for  # noqa: E402
 

@@ -52,7 +52,7 @@ def _first_user(messages: list[dict]) -> dict:
 
 def answered_prompts(self_dir: Path) -> set[str]:
     """The first user messages of the conversations already regenerated into ``self_dir``."""
-    from moa_serve.drafter.data import read_rows
+    from moa_serve.drafter.training.data import read_rows
 
     return {_prompt_key(_first_user(row["messages"])) for p in sorted(self_dir.glob("*.jsonl"))
             for row in read_rows(p)}
@@ -93,7 +93,7 @@ def pack(out: str, path: str) -> int:
     """Writes ``<out>/self``'s conversations as (source, prompt digest, [system,] replies) lines,
     gzipped; returns how many (conversations without a recorded source are left out). A
     first-turn conversation without a system prompt keeps the short line format (``reply``)."""
-    from moa_serve.drafter.data import read_rows
+    from moa_serve.drafter.training.data import read_rows
 
     n = 0
     with gzip.open(path, "wt", encoding="utf-8") as f:
@@ -123,7 +123,7 @@ def pack_replies(entry: dict) -> list[str]:
 
 def unpack(path: str, data_dir: str, out: str) -> Path:
     """Rebuilds ``<out>/self`` and ``<out>/original`` from a pack and the corpus it refers to."""
-    from moa_serve.drafter.data import read_rows
+    from moa_serve.drafter.training.data import read_rows
 
     root = Path(out)
     self_path, orig_path = _new_shard(root)
@@ -175,7 +175,7 @@ def answer(engine, convs: list[list[dict]], max_new_tokens: int) -> tuple[list[l
     its own earlier replies (a leading system message is kept); turn t of every conversation that
     has one is one batched ``engine.generate``. Returns the conversations with the target's replies
     in place of the dataset's, and the number of tokens written."""
-    from moa_serve.drafter.data import prompt_ids
+    from moa_serve.drafter.training.data import prompt_ids
 
     heads = [[m for m in c[:1] if m["role"] == "system"] for c in convs]
     users = [[m for m in c if m["role"] == "user"] for c in convs]
@@ -196,7 +196,7 @@ def regenerate(target: str, data_dir: str, out: str, per_file: int, max_new_toke
                system_prompt_share: float = 0.0) -> Path:
     from tqdm import tqdm
 
-    from moa_serve.drafter.data import default_system_prompt, load_conversations
+    from moa_serve.drafter.training.data import default_system_prompt, load_conversations
 
     if per_file < 1 or max_new_tokens < 1 or batch < 1 or limit < 0:
         raise ValueError("per_file, max_new_tokens and batch must be >= 1 and limit >= 0")

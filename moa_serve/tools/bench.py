@@ -100,8 +100,8 @@ def _build_engines(args):
     from moa_serve.drafter.baselines import load_proposer
     from moa_serve.drafter.proposer import parse_branchings
     from moa_serve.engine.engine import SpeculativeEngine, load_feature_head, stop_token_ids
-    from moa_serve.models import load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path
-    from moa_serve.verifier.target_model import TargetModel
+    from moa_serve.model_files import load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path
+    from moa_serve.target_model import TargetModel
     from moa_serve.verifier.torch_runner import TorchTargetRunner
 
     if args.threads:
@@ -158,8 +158,8 @@ def _summ(turns: list[dict], vanilla: list[dict] | None) -> dict:
 def run_bench(args) -> dict:
     from tqdm import tqdm
 
-    from moa_serve.drafter.data import prompt_ids
-    from moa_serve.engine.sampling import SamplingParams
+    from moa_serve.drafter.training.data import prompt_ids
+    from moa_serve.sampling import SamplingParams
 
     questions = load_questions(args.questions, args.limit, args.per_category)
     if not questions:
@@ -167,7 +167,7 @@ def run_bench(args) -> dict:
     tok, methods = _build_engines(args)
     head = []  # what each question's conversation starts with
     if args.system_prompt == "default":
-        from moa_serve.drafter.data import default_system_prompt
+        from moa_serve.drafter.training.data import default_system_prompt
 
         system = default_system_prompt(tok)
         if system is None:

@@ -42,15 +42,15 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from moa_serve.drafter import masks
+from moa_serve.drafter.training import masks
 from moa_serve.drafter.baselines import build_baseline
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter, save_drafter
 from moa_serve.drafter.config import DrafterConfig
-from moa_serve.drafter.data import (batches, build_examples, load_conversations, stop_token_ids, top_vocab,
+from moa_serve.drafter.training.data import (batches, build_examples, load_conversations, stop_token_ids, top_vocab,
                                     vocab_coverage)
 from moa_serve.drafter.model import MoADrafter, TargetParts, init_weights
-from moa_serve.models import load_state_dict, load_tokenizer, read_config, resolve_model_path
-from moa_serve.verifier.target_model import TargetArch, TargetModel
+from moa_serve.model_files import load_state_dict, load_tokenizer, read_config, resolve_model_path
+from moa_serve.target_model import TargetArch, TargetModel
 
 DEFAULTS = dict(
     target="HuggingFaceTB/SmolLM2-135M-Instruct", data_dir="../shared/data/train", data_files=None, per_file=1500,

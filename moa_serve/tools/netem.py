@@ -514,7 +514,7 @@ def register(sub: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m moa_serve.netem ...``: the same options as ``moa netem``."""
+    """``python -m moa_serve.tools.netem ...``: the same options as ``moa netem``."""
     parser = argparse.ArgumentParser(prog="moa netem", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

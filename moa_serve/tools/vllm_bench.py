@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from moa_serve.bench import DEFAULT_QUESTIONS, load_questions
+from moa_serve.tools.bench import DEFAULT_QUESTIONS, load_questions
 
 
 def _configs(spec: str) -> list[tuple[str, str | None, bool, bool, bool | None]]:
@@ -84,7 +84,7 @@ def closed_loop(engine, prompts: list[list[int]], users: int, duration_s: float,
 def run(args) -> dict:
     from tqdm import tqdm
 
-    from moa_serve.drafter.data import prompt_ids
+    from moa_serve.drafter.training.data import prompt_ids
     from moa_serve.verifier.vllm_engine import VllmEngine
 
     users = [int(u) for u in str(args.users).split(",")]

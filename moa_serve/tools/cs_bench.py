@@ -2,7 +2,7 @@
 
 One in-process server (the Router's stack without Ray: ``RoundService`` over a float32
 ``TorchTargetRunner`` + ``ClientSessions`` + the FastAPI app, served by uvicorn on 127.0.0.1),
-reached by the device through ``moa_serve.netem`` proxies (``local``, ``wan``, ``5g``, ``4g``).
+reached by the device through ``moa_serve.tools.netem`` proxies (``local``, ``wan``, ``5g``, ``4g``).
 The target's weights are loaded once; the verifier's *feature head* is the one of the drafter
 under test (the server computes MoA's K/V features with MoA's head, EAGLE-style's hidden states
 for EAGLE; independent and API-only need none), so the server's state is switched between
@@ -37,9 +37,9 @@ import re
 import time
 from pathlib import Path
 
-from moa_serve.bench import DEFAULT_QUESTIONS, load_questions
+from moa_serve.tools.bench import DEFAULT_QUESTIONS, load_questions
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CKPT = REPO_ROOT / "drafter" / "checkpoints" / "smollm2-135m-instruct"
 DEFAULT_DRAFTERS = ",".join(f"{CKPT}-{k}" for k in ("moa", "eagle", "independent"))
 DEFAULT_PROFILES = "local,wan,5g,4g"
@@ -92,7 +92,7 @@ class NoDrafter:
 def server_stack(path, tm, dtype, tokenizer, stops, drafter: str | None, max_model_len: int, model_name: str):
     """The Router's client-server stack for one drafter's feature head (None: no features), over
     the already loaded target ``tm``."""
-    from moa_serve.cs.local_server import LocalStack
+    from moa_serve.tools.cs_local_stack import LocalStack
     from moa_serve.drafter.checkpoint import load_draft_vocab
     from moa_serve.engine.engine import load_feature_head
     from moa_serve.verifier.torch_runner import TorchTargetRunner
@@ -186,14 +186,14 @@ def run_cs_bench(args) -> dict:
     from moa_serve.client import DeviceDrafter, Transport
     from moa_serve.client.generate import AUTO
     from moa_serve.drafter.checkpoint import drafter_kind, model_checkpoint, uses_output_store
-    from moa_serve.drafter.data import prompt_ids
+    from moa_serve.drafter.training.data import prompt_ids
     from moa_serve.drafter.proposer import parse_branchings
     from moa_serve.engine.engine import SpeculativeEngine, stop_token_ids
-    from moa_serve.engine.sampling import GREEDY
+    from moa_serve.sampling import GREEDY
     from moa_serve.kernels.packed import pack_target
-    from moa_serve.models import load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path
-    from moa_serve.netem import PROFILES, netem_proxy
-    from moa_serve.verifier.target_model import TargetModel
+    from moa_serve.model_files import load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path
+    from moa_serve.tools.netem import PROFILES, netem_proxy
+    from moa_serve.target_model import TargetModel
     from moa_serve.verifier.torch_runner import TorchTargetRunner
 
     profiles = [p for p in args.profiles.split(",") if p]
@@ -278,7 +278,7 @@ def run_cs_bench(args) -> dict:
 
     from moa_serve.app import state
     from moa_serve.app.http import create_app
-    from moa_serve.cs.local_server import UvicornThread
+    from moa_serve.tools.cs_local_stack import UvicornThread
 
     http = UvicornThread(create_app(), PORTS)
     upstream = ("127.0.0.1", http.port)

@@ -23,9 +23,9 @@ import sys
 
 import torch
 
-from moa_serve.drafter import masks
+from moa_serve.drafter.training import masks
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter, resolve_drafter_path
-from moa_serve.drafter.data import batches, build_examples, load_conversations
+from moa_serve.drafter.training.data import batches, build_examples, load_conversations
 from moa_serve.drafter.model import MoADrafter, TargetParts
 
 
@@ -50,8 +50,8 @@ def diagnose(target_name: str, drafters: list[str], data_dir: str, batches_: int
              period: int = 6, max_len: int = 128, max_prompt: int = 48, progress: bool = True) -> list[dict]:
     from tqdm import tqdm
 
-    from moa_serve.models import load_state_dict, load_tokenizer, read_config, resolve_model_path
-    from moa_serve.verifier.target_model import TargetModel
+    from moa_serve.model_files import load_state_dict, load_tokenizer, read_config, resolve_model_path
+    from moa_serve.target_model import TargetModel
 
     path = resolve_model_path(target_name)
     target = TargetModel.from_state_dict(read_config(path), load_state_dict(path), torch.float32).eval()

@@ -1,0 +1,1 @@
+"""Training MoA drafters: data, masks, the training loop, self-distillation, diagnostics."""
