@@ -1,7 +1,8 @@
 """FastAPI routes: /v1/generate, OpenAI-compatible /v1/completions and /v1/chat/completions
 (streaming as server-sent events), /v1/models, /healthz, /readyz, /v1/stats, and client-server
-mode's /v1/cs (``app/cs.py``). The routes read
-the ``Frontend``, the readiness check and Retry-After from ``moa_serve.app.state``.
+mode's /v1/cs (``app/cs.py``, installed on the same app). The routes read the ``Frontend``, the
+readiness check and Retry-After from ``moa_serve.app.state``; the error shape is ``app/errors.py``'s,
+admission (``Readiness``) ``app/readiness.py``'s.
 
 Every status a route can answer is in its OpenAPI schema (``responses=``), with one error body,
 ``ErrorResponse``: bad input is a 400 naming the field (never FastAPI's 422, which is removed from
@@ -10,10 +11,8 @@ the schema), a full queue a 429 and a server that is not ready yet a 503, both w
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
-import logging
 import time
 
 from fastapi import FastAPI, Request
@@ -21,126 +20,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moa_serve.app import state
-from moa_serve.app.frontend import Frontend, Generation, InputError
-from moa_serve.app.schemas import (ChatCompletionRequest, CompletionRequest, ErrorResponse, GenerateRequest,
-                                   GenerateResponse, ReadyStatus, SpeculativeStats, Usage)
+from moa_serve.app import cs, state
+from moa_serve.app.errors import RETRY_AFTER, ApiError, error, error_param, errors, loc_param, retry_after
+from moa_serve.app.frontend import Generation, InputError
+from moa_serve.app.readiness import READY_WAIT_S, Readiness, running_frontend
+from moa_serve.app.schemas import (ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateResponse,
+                                   ReadyStatus, SpeculativeStats, Usage)
 from moa_serve.engine.service import QueueFullError
 
-log = logging.getLogger(__name__)
-
-# how long a generation request waits for the first readiness check of this replica before it is
-# answered 503 (the check asks every pool for its info, 5 s per pool at most)
-READY_WAIT_S = 5.0
-
-WHY = {
-    400: "bad input: the body does not parse or a field is invalid; error.param names the field",
-    404: "not found (an unknown model, session or route)",
-    405: "method not allowed on this path",
-    409: "client-server mode: the client must resync (expected_length, expected_round) or the round conflicts",
-    429: "the request queue is full; retry after Retry-After seconds",
-    500: "the generation failed on the server (every verify retry failed)",
-    503: "the server is starting (its pools are not ready yet) or not serving; retry after Retry-After seconds",
-}
-RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
 SSE = {"text/event-stream": {"schema": {  # one event (OpenAPI 3.1: the schema of a stream's item)
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string", "description": "a JSON chunk; the last event is [DONE]"}}}}}
-
-
-def errors(*codes: int) -> dict:
-    """The ``responses=`` entries of a route's error statuses: the error body, Retry-After on 429/503."""
-    return {code: {"model": ErrorResponse, "description": WHY[code], **({"headers": RETRY_AFTER} if code in (429, 503)
-                                                                        else {})} for code in codes}
-
-
-class ApiError(Exception):
-    """Answered as ``error(status, message, param, kind, headers)`` by the app's handler."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.param, self.kind, self.headers = status, param, kind, headers
-
-
-def retry_after() -> dict:
-    return {"Retry-After": str(state.get("retry_after_s", 1))}
-
-
-def unavailable(message: str) -> ApiError:
-    return ApiError(503, message, None, "service_unavailable", retry_after())
-
-
-def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-          headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status, headers=headers)
-
-
-def _param(loc) -> str:
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(parts) if parts else "body"
-
-
-def error_param(errors: list[dict]) -> str:
-    """The field a validation error names: the first error's location, cut where the other errors
-    about the same field part from it (a value matching no member of a union, ``str | list[str]``,
-    gets one error per member: ``prompt.str``, ``prompt.list[str]``, ... name ``prompt``)."""
-    loc = [p for p in errors[0].get("loc", ()) if p != "body"]
-    for other in errors[1:]:
-        o = [p for p in other.get("loc", ()) if p != "body"]
-        if o[:1] == loc[:1]:
-            n = 0
-            while n < min(len(loc), len(o)) and loc[n] == o[n]:
-                n += 1
-            loc = loc[:n]
-    return _param(loc)
-
-
-def running_frontend() -> Frontend:
-    """The installed ``Frontend``; 503 while the ingress has not installed one yet."""
-    fe = state.get("frontend")
-    if fe is None:
-        raise unavailable("the server is starting: no frontend yet")
-    return fe
-
-
-class Readiness:
-    """Admits generation requests once the ingress's readiness check (``state["ready"]``, the
-    check behind ``/readyz``) has passed: before that, a request would wait on a pool that is still
-    loading, so it gets 503 with Retry-After instead. Concurrent requests share one check; the
-    first success is kept (later pool failures are the round service's to retry)."""
-
-    def __init__(self, wait_s: float):
-        self.wait_s = wait_s
-        self.ready = False
-        self._pending: asyncio.Future | None = None
-
-    async def check(self) -> tuple[bool, dict]:
-        """Runs (or joins) the readiness check: (ready, detail)."""
-        check = state.get("ready")
-        if check is None:  # an ingress without pools (tests, the one-process client-server server)
-            return True, {}
-        loop = asyncio.get_running_loop()
-        if self._pending is None or self._pending.done() or self._pending.get_loop() is not loop:
-            self._pending = asyncio.ensure_future(check())
-        ok, detail = await asyncio.shield(self._pending)
-        self.ready = self.ready or ok
-        return ok, detail
-
-    async def admit(self) -> None:
-        """Returns when the server is ready; raises ApiError 503 otherwise."""
-        if self.ready or state.get("ready") is None:
-            return
-        try:
-            ok, _detail = await asyncio.wait_for(self.check(), self.wait_s)
-        except TimeoutError:
-            ok = False
-        except Exception:  # noqa: BLE001 - a check that fails says "not ready", like /readyz
-            log.warning("readiness check failed", exc_info=True)
-            ok = False
-        if not ok:
-            raise unavailable("the server is starting: its pools are not ready yet (see /readyz)")
 
 
 def _without_422(api: FastAPI) -> None:
@@ -163,11 +53,9 @@ def _without_422(api: FastAPI) -> None:
     api.openapi = openapi
 
 
-def create_app(ready_wait_s: float = READY_WAIT_S) -> FastAPI:
-    api = FastAPI(title="MoA-Serve", version="0.1.0",
-                  description="Lossless Mixture-of-Attentions speculative decoding on Ray Serve")
-    _without_422(api)
-    readiness = Readiness(ready_wait_s)
+def _install_error_handlers(api: FastAPI) -> None:
+    """Every error in the one error shape: validation errors as 400 naming the field, Starlette's
+    own (404, 405) and ``ApiError``."""
 
     @api.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError):
@@ -178,9 +66,9 @@ def create_app(ready_wait_s: float = READY_WAIT_S) -> FastAPI:
         msg = first.get("msg", "invalid value")
         if first.get("type") == "extra_forbidden":
             msg = "unknown field"
-        if param != _param(first.get("loc", ())):  # no member of a union took the value: say why for each
+        if param != loc_param(first.get("loc", ())):  # no member of a union took the value: say why for each
             msg = "; or ".join(dict.fromkeys(e.get("msg", "invalid value") for e in exc.errors()
-                                             if f"{_param(e.get('loc', ()))}.".startswith(f"{param}.")))
+                                             if f"{loc_param(e.get('loc', ()))}.".startswith(f"{param}.")))
         return error(400, f"{param}: {msg}", param)
 
     @api.exception_handler(StarletteHTTPException)
@@ -191,48 +79,51 @@ def create_app(ready_wait_s: float = READY_WAIT_S) -> FastAPI:
     async def _refused(_request: Request, exc: ApiError):
         return error(exc.status, str(exc), exc.param, exc.kind, exc.headers)
 
-    from moa_serve.app import cs  # client-server mode: /v1/cs (its own module, same error shape)
 
-    cs.install(api, readiness)
+# ---------------------------------------------------------------------- a generation's steps
+async def start_generation(readiness: Readiness, body, prompt, messages, max_tokens) -> Generation:
+    """Admits the request and starts its generation on the running frontend (400 / 429 / 503 as ApiError)."""
+    fe = running_frontend()
+    await readiness.admit()
+    try:
+        return await fe.start(prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=body.sampling(),
+                              stops=body.stop_strings(), ignore_eos=body.ignore_eos,
+                              num_speculative_tokens=body.num_speculative_tokens)
+    except InputError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    except QueueFullError as exc:
+        raise ApiError(429, f"server busy: {exc}; retry later", None, "rate_limit_error", retry_after()) from None
 
-    def frontend(request: Request) -> Frontend:
-        return running_frontend()
 
-    async def start(request: Request, body, prompt, messages, max_tokens) -> Generation:
-        fe = frontend(request)
-        await readiness.admit()
-        try:
-            return await fe.start(prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=body.sampling(),
-                                  stops=body.stop_strings(), ignore_eos=body.ignore_eos,
-                                  num_speculative_tokens=body.num_speculative_tokens)
-        except InputError as exc:
-            raise ApiError(400, str(exc), exc.param) from None
-        except QueueFullError as exc:
-            raise ApiError(429, f"server busy: {exc}; retry later", None, "rate_limit_error", retry_after()) from None
+def usage(gen: Generation) -> dict:
+    n = len(gen.token_ids)
+    return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=n, total_tokens=gen.prompt_tokens + n).model_dump()
 
-    def usage(gen: Generation) -> dict:
-        n = len(gen.token_ids)
-        return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=n, total_tokens=gen.prompt_tokens + n).model_dump()
 
-    def sse(obj) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
 
-    async def guarded(gen: Generation, events):
-        try:
-            async for item in events:
-                yield item
-        except RuntimeError as exc:  # the round failed for this request
-            yield sse({"error": {"message": str(exc), "type": "server_error"}})
-        yield "data: [DONE]\n\n"
 
-    async def finish_or_500(gen: Generation) -> JSONResponse | None:
-        try:
-            await gen.run()
-        except RuntimeError as exc:
-            return error(500, str(exc), None, "server_error")
-        return None
+async def guarded(gen: Generation, events):
+    """A stream's events, an error event if the round failed for this request, then [DONE]."""
+    try:
+        async for item in events:
+            yield item
+    except RuntimeError as exc:  # the round failed for this request
+        yield sse({"error": {"message": str(exc), "type": "server_error"}})
+    yield "data: [DONE]\n\n"
 
-    # ------------------------------------------------------------------ ops
+
+async def finish_or_500(gen: Generation) -> JSONResponse | None:
+    try:
+        await gen.run()
+    except RuntimeError as exc:
+        return error(500, str(exc), None, "server_error")
+    return None
+
+
+# ---------------------------------------------------------------------- ops
+def _ops_routes(api: FastAPI, readiness: Readiness) -> None:
     @api.get("/healthz")
     async def healthz():
         return {"status": "ok"}
@@ -247,7 +138,7 @@ def create_app(ready_wait_s: float = READY_WAIT_S) -> FastAPI:
 
     @api.get("/v1/stats", responses=errors(503))
     async def stats(request: Request):
-        fe = frontend(request)
+        fe = running_frontend()
         extra = state.get("stats")  # the ingress's own view (work per pool replica, call timings)
         extra = extra() if extra else {}
         if inspect.isawaitable(extra):
@@ -257,18 +148,21 @@ def create_app(ready_wait_s: float = READY_WAIT_S) -> FastAPI:
 
     @api.get("/v1/models", responses=errors(503))
     async def models(request: Request):
-        fe = frontend(request)
+        fe = running_frontend()
         return {"object": "list", "data": [{"id": fe.model_name, "object": "model", "created": 0,
                                             "owned_by": "moa-serve", "max_model_len": fe.max_model_len}]}
 
-    # ------------------------------------------------------------------ native API
-    generation_errors = errors(400, 429, 500, 503)
 
+# ---------------------------------------------------------------------- native API
+GENERATION_ERRORS = errors(400, 429, 500, 503)
+
+
+def _native_routes(api: FastAPI, readiness: Readiness) -> None:
     @api.post("/v1/generate", response_model=GenerateResponse, responses={
         200: {"description": "the generation: one JSON body, or with stream: true server-sent events", "content": SSE},
-        **generation_errors})
+        **GENERATION_ERRORS})
     async def generate(body: GenerateRequest, request: Request):
-        gen = await start(request, body, body.prompt, body.messages, body.max_tokens)
+        gen = await start_generation(readiness, body, body.prompt, body.messages, body.max_tokens)
         if body.stream:
             async def events():
                 async for d in gen.deltas():
@@ -282,67 +176,90 @@ def create_app(ready_wait_s: float = READY_WAIT_S) -> FastAPI:
         return GenerateResponse(id=gen.id, text=gen.text, token_ids=gen.token_ids, finish_reason=gen.finish_reason,
                                 usage=Usage(**usage(gen)), speculative=SpeculativeStats(**gen.stats()))
 
-    # ------------------------------------------------------------------ OpenAI-compatible
-    def openai_model(request: Request, body) -> None:
-        fe = frontend(request)
-        if body.model is not None and body.model != fe.model_name:
-            raise ApiError(404, f"model {body.model!r} is not served here (serving {fe.model_name!r})", "model",
-                           "not_found_error")
 
-    async def openai_response(request: Request, body, gen: Generation, chat: bool):
-        fe = frontend(request)
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-        rid = ("chatcmpl-" if chat else "cmpl-") + gen.id
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+# ---------------------------------------------------------------------- OpenAI-compatible
+def check_openai_model(body) -> None:
+    """404 naming ``model`` when the request asks for a model this server does not serve."""
+    fe = running_frontend()
+    if body.model is not None and body.model != fe.model_name:
+        raise ApiError(404, f"model {body.model!r} is not served here (serving {fe.model_name!r})", "model",
+                       "not_found_error")
 
-            def chunk(text, finish, role=False):
-                if chat:
-                    delta = ({"role": "assistant", "content": text} if role else {"content": text}) if text or role else {}
-                    choice = {"index": 0, "delta": delta, "finish_reason": finish}
-                else:
-                    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-                return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                        "model": fe.model_name, "choices": [choice]}
 
-            async def events():
-                if chat:
-                    yield sse(chunk("", None, role=True))
-                async for d in gen.deltas():
-                    if d.text or d.finish_reason:
-                        yield sse(chunk(d.text, d.finish_reason))
-                if include_usage:
-                    yield sse({"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                               "model": fe.model_name, "choices": [], "usage": usage(gen),
-                               "speculative": gen.stats()})
-            return StreamingResponse(guarded(gen, events()), media_type="text/event-stream")
-        failed = await finish_or_500(gen)
-        if failed:
-            return failed
-        finish = "length" if gen.finish_reason == "length" else "stop"
+def _openai_stream(body, gen: Generation, chat: bool, rid: str, obj: str, created: int,
+                   model_name: str) -> StreamingResponse:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(text, finish, role=False):
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": gen.text}, "finish_reason": finish,
-                      "logprobs": None}
+            delta = ({"role": "assistant", "content": text} if role else {"content": text}) if text or role else {}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": gen.text, "finish_reason": finish, "logprobs": None}
-        return {"id": rid, "object": obj, "created": created, "model": fe.model_name, "choices": [choice],
-                "usage": usage(gen), "speculative": gen.stats()}
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                "model": model_name, "choices": [choice]}
 
+    async def events():
+        if chat:
+            yield sse(chunk("", None, role=True))
+        async for d in gen.deltas():
+            if d.text or d.finish_reason:
+                yield sse(chunk(d.text, d.finish_reason))
+        if include_usage:
+            yield sse({"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                       "model": model_name, "choices": [], "usage": usage(gen),
+                       "speculative": gen.stats()})
+    return StreamingResponse(guarded(gen, events()), media_type="text/event-stream")
+
+
+async def openai_response(body, gen: Generation, chat: bool):
+    """The completion (``chat``: the chat completion) of ``gen``, as one body or a stream of chunks."""
+    fe = running_frontend()
+    created = int(time.time())
+    obj = "chat.completion" if chat else "text_completion"
+    rid = ("chatcmpl-" if chat else "cmpl-") + gen.id
+    if body.stream:
+        return _openai_stream(body, gen, chat, rid, obj, created, fe.model_name)
+    failed = await finish_or_500(gen)
+    if failed:
+        return failed
+    finish = "length" if gen.finish_reason == "length" else "stop"
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": gen.text}, "finish_reason": finish,
+                  "logprobs": None}
+    else:
+        choice = {"index": 0, "text": gen.text, "finish_reason": finish, "logprobs": None}
+    return {"id": rid, "object": obj, "created": created, "model": fe.model_name, "choices": [choice],
+            "usage": usage(gen), "speculative": gen.stats()}
+
+
+def _openai_routes(api: FastAPI, readiness: Readiness) -> None:
     openai_responses = {
         200: {"description": "the completion: one JSON body, or with stream: true server-sent events", "content": SSE},
-        **errors(404), **generation_errors}
+        **errors(404), **GENERATION_ERRORS}
 
     @api.post("/v1/completions", responses=openai_responses)
     async def completions(body: CompletionRequest, request: Request):
-        openai_model(request, body)
-        gen = await start(request, body, body.prompt_text(), None, body.max_tokens or 16)
-        return await openai_response(request, body, gen, chat=False)
+        check_openai_model(body)
+        gen = await start_generation(readiness, body, body.prompt_text(), None, body.max_tokens or 16)
+        return await openai_response(body, gen, chat=False)
 
     @api.post("/v1/chat/completions", responses=openai_responses)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        openai_model(request, body)
-        gen = await start(request, body, None, body.messages, body.max_completion_tokens or body.max_tokens or 256)
-        return await openai_response(request, body, gen, chat=True)
+        check_openai_model(body)
+        gen = await start_generation(readiness, body, None, body.messages,
+                                     body.max_completion_tokens or body.max_tokens or 256)
+        return await openai_response(body, gen, chat=True)
 
+
+def create_app(ready_wait_s: float = READY_WAIT_S) -> FastAPI:
+    api = FastAPI(title="MoA-Serve", version="0.1.0",
+                  description="Lossless Mixture-of-Attentions speculative decoding on Ray Serve")
+    _without_422(api)
+    readiness = Readiness(ready_wait_s)
+    _install_error_handlers(api)
+    cs.install(api, readiness)  # client-server mode: /v1/cs (its own module, same error shape)
+    _ops_routes(api, readiness)
+    _native_routes(api, readiness)
+    _openai_routes(api, readiness)
     return api

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ray.serve import metrics
 
-from moa_serve.engine.service import Observer
+from moa_serve.engine.round_stats import Observer
 
 _LATENCY_MS = [5, 10, 20, 40, 80, 160, 320, 640, 1280, 2560, 5120]
 

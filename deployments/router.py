@@ -31,6 +31,8 @@ from moa_serve.deployments.stats import CallStats
 from moa_serve.drafter.checkpoint import drafter_kind
 from moa_serve.drafter.lookup import LookupTable
 from moa_serve.engine.lanes import LaneHub
+from moa_serve.engine.features import feature_policy
+from moa_serve.engine.options import RoundOptions
 from moa_serve.engine.service import RoundService
 from moa_serve.engine.session import Session
 from moa_serve.engine.stream_service import StreamService
@@ -162,16 +164,17 @@ class Router:
         r = self.cfg.router
         # prompt lookup runs here, on the tokens the Router holds: no call, no replica
         lookup = router_lookup(self.cfg, 2 * r.session_groups * r.max_sessions_per_round, max_model_len)
-        return RoundService(
-            self._verify, self._draft if self.drafter is not None else None, self._release, lookup=lookup,
-            groups=self.groups, max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,
-            speculation_token_budget=r.speculation_token_budget, speculation_governor=r.speculation_governor,
-            observer=PrometheusObserver(), decode_steps=r.decode_steps,
-            multi_step_max_sessions=r.multi_step_max_sessions, lookahead=r.lookahead,
-            # MoA features come from the verifier's K/V cache: skipped ones can be recomputed later
-            recompute_features=kind == "moa",
-            # devices of a client drafter the Router does not draft with get features all the same
-            remote_features=self.cfg.feature_drafter is not None)
+        options = RoundOptions(max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,
+                               speculation_token_budget=r.speculation_token_budget,
+                               speculation_governor=r.speculation_governor, decode_steps=r.decode_steps,
+                               multi_step_max_sessions=r.multi_step_max_sessions, lookahead=r.lookahead)
+        # MoA features come from the verifier's K/V cache: skipped ones can be recomputed later;
+        # devices of a client drafter the Router does not draft with get features all the same
+        features = feature_policy(self.drafter is not None, recomputable=kind == "moa",
+                                  remote_drafter=self.cfg.feature_drafter is not None)
+        return RoundService(self._verify, self._draft if self.drafter is not None else None, self._release,
+                            options, features=features, lookup=lookup, groups=self.groups,
+                            observer=PrometheusObserver())
 
     async def _cs_identity(self) -> ServerIdentity:
         """The handshake's identity; the target's fingerprint comes from a verifier replica (the

@@ -14,6 +14,8 @@ from moa_serve.cs import wire
 from moa_serve.cs.sessions import ClientSessions, CSError, Resync
 from moa_serve.engine.engine import SpeculativeEngine
 from moa_serve.sampling import GREEDY, SamplingParams
+from moa_serve.engine.features import AlwaysFeatures
+from moa_serve.engine.options import RoundOptions
 from moa_serve.engine.service import RoundService
 from moa_serve.engine.session import Session
 from tests.cs_harness import Server
@@ -133,11 +135,11 @@ def test_a_queued_remote_session_waits_for_room_and_can_be_aborted(server):
 
     async def verify(g, reqs):
         await asyncio.sleep(0)  # a pool call suspends (Ray, HTTP): other tasks run meanwhile
-        return await server.service._verify(g, reqs)
+        return await server.service.calls.verify_fn(g, reqs)
 
     async def main():
-        svc = RoundService(verify, None, server.service._release, want_features=True,
-                           speculation_governor=False, max_sessions_per_round=1, max_queued=4)
+        svc = RoundService(verify, None, server.service.calls.release_fn, RoundOptions(speculation_governor=False, max_sessions_per_round=1, max_queued=4),
+                           features=AlwaysFeatures())
         busy = svc.submit(Session("busy", prompt, 400, max_model_len=512))
         queued = svc.submit(Session("queued", prompt, 8, max_model_len=512), remote=True)
         first = asyncio.ensure_future(svc.verify_remote(queued, []))
@@ -154,8 +156,8 @@ def test_a_queued_remote_session_waits_for_room_and_can_be_aborted(server):
 
 # ---------------------------------------------------------------------- ClientSessions
 def _sessions(server, **kw):
-    svc = RoundService(server.service._verify, None, server.service._release, want_features=True,
-                       speculation_governor=False)
+    svc = RoundService(server.service.calls.verify_fn, None, server.service.calls.release_fn, RoundOptions(speculation_governor=False),
+                       features=AlwaysFeatures())
     return ClientSessions(svc, server.identity, **kw), svc
 
 
@@ -250,8 +252,8 @@ def api(server):
 
     from moa_serve.app.http import create_app
 
-    svc = RoundService(server.service._verify, None, server.service._release, want_features=True,
-                       speculation_governor=False)
+    svc = RoundService(server.service.calls.verify_fn, None, server.service.calls.release_fn, RoundOptions(speculation_governor=False),
+                       features=AlwaysFeatures())
     cs = ClientSessions(svc, server.identity)
     state.install(cs=cs, frontend=server.frontend)
     try:

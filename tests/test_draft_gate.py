@@ -116,7 +116,7 @@ def test_the_service_stops_verifying_lookup_drafts_that_keep_failing(bar):
         verifier = FakeVerifier()
         svc, _ = make_service(verifier, None, lookup=LookupTable(min_n=1, max_n=3), speculation_governor=True)
         for g in svc.groups:
-            svc._gates[g] = _FixedBarGate(bar)
+            svc.rounds.gates[g] = _FixedBarGate(bar)
         ss = [Session(f"s{i}", [(i * 11 + j) % 97 for j in range(4)] * 2, 60, num_speculative_tokens=3,
                       max_model_len=256, drafter_needs_features=False) for i in range(2)]
         outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
@@ -125,7 +125,7 @@ def test_the_service_stops_verifying_lookup_drafts_that_keep_failing(bar):
 
     verifier, svc, ss, outs = asyncio.run(main())
     assert [o[0] for o in outs] == [reference(s.prompt, 60) for s in ss] and not verifier.errors
-    gate = svc._gates[svc.groups[0]]
+    gate = svc.rounds.gates[svc.groups[0]]
     drafted = sum(1 for _, reqs in verifier.calls for q in reqs if q.drafts)
     if bar == 0.0:
         assert gate.stats["kept"] == gate.stats["offered"] > 0 and gate.stats["probes"] == 0

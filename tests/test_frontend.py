@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 from moa_serve.app import state
 from moa_serve.app.frontend import Frontend, IncrementalDetokenizer, InputError
 from moa_serve.sampling import GREEDY
-from moa_serve.engine.service import ServiceStats, TokenEvent
+from moa_serve.engine.events import TokenEvent
+from moa_serve.engine.round_stats import ServiceStats
 from tests.conftest import SMOLLM, STORIES
 
 TRICKY = [

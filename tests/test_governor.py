@@ -84,10 +84,11 @@ def test_rounds_that_prefill_a_prompt_do_not_count_against_plain_decoding():
     timing it as a plain-decoding round made plain decoding look 4x slower than it is."""
     import asyncio
 
-    from moa_serve.drafter.proposer import DraftResult
+    from moa_serve.protocol import DraftResult
+    from moa_serve.engine.options import RoundOptions
     from moa_serve.engine.service import RoundService
     from moa_serve.engine.session import Session
-    from moa_serve.verifier.api import VerifyResult
+    from moa_serve.protocol import VerifyResult
 
     async def verify(group, reqs):
         out = []
@@ -105,7 +106,7 @@ def test_rounds_that_prefill_a_prompt_do_not_count_against_plain_decoding():
         pass
 
     async def main():
-        svc = RoundService(verify, draft, release, speculation_governor=True)
+        svc = RoundService(verify, draft, release, RoundOptions(speculation_governor=True))
         for i in range(3):
             t = svc.submit(Session(f"s{i}", list(range(40)), 4, num_speculative_tokens=2))
             async for _ in svc.stream(t):

@@ -20,7 +20,8 @@ from transformers import AutoTokenizer
 from moa_serve.app import state
 from moa_serve.app.frontend import Frontend
 from moa_serve.app.http import create_app
-from moa_serve.engine.service import QueueFullError, ServiceStats, TokenEvent
+from moa_serve.engine.events import QueueFullError, TokenEvent
+from moa_serve.engine.round_stats import ServiceStats
 from tests.conftest import SMOLLM
 
 # examples per operation: 30 keep CI to seconds; MOA_SCHEMATHESIS_EXAMPLES=2000 for a long local run

@@ -7,7 +7,9 @@ import asyncio
 import pytest
 
 from moa_serve.engine.engine import SpeculativeEngine
-from moa_serve.engine.service import QueueFullError, RoundService
+from moa_serve.engine.events import QueueFullError
+from moa_serve.engine.options import RoundOptions
+from moa_serve.engine.service import RoundService
 from moa_serve.engine.session import Session
 
 
@@ -33,7 +35,8 @@ def make_service(engine, *, drafter_fails_on=(), **kw):
             engine.release(i)
 
     kw.setdefault("speculation_governor", False)  # these tests follow every round's drafts
-    return RoundService(verify, draft, release, **kw)
+    groups = kw.pop("groups", None)
+    return RoundService(verify, draft, release, RoundOptions(**kw), groups=groups)
 
 
 def sessions(engine, n, max_new=20):

@@ -15,11 +15,14 @@ import pytest
 import torch
 
 from moa_serve.drafter.lookup import LookupTable
-from moa_serve.drafter.proposer import DraftResult
+from moa_serve.protocol import DraftResult
 from moa_serve.engine import rounds
-from moa_serve.engine.service import Observer, RoundService
+from moa_serve.engine.features import RecomputedFeatures
+from moa_serve.engine.options import RoundOptions
+from moa_serve.engine.round_stats import Observer
+from moa_serve.engine.service import RoundService
 from moa_serve.engine.session import FeatureStore, Session
-from moa_serve.verifier.api import VerifyResult
+from moa_serve.protocol import VerifyResult
 
 VOCAB = 97
 
@@ -198,7 +201,8 @@ def make_service(verifier, drafter=None, **kw):
     release = FakeRelease(*(p for p in (verifier, drafter) if p is not None))
     kw.setdefault("retry_backoff_s", 0.01)
     kw.setdefault("speculation_governor", False)  # these tests follow every round's drafts
-    return RoundService(verifier, drafter, release, **kw), release
+    extra = {k: kw.pop(k) for k in ("features", "lookup", "groups", "observer") if k in kw}
+    return RoundService(verifier, drafter, release, RoundOptions(**kw), **extra), release
 
 
 async def collect(svc, tracked) -> tuple[list[int], str]:
@@ -524,7 +528,7 @@ def test_round_profile_and_an_observer_with_the_old_signature():
 def test_group_keys_must_be_distinct():
     with pytest.raises(ValueError):
         RoundService(FakeVerifier(), None, FakeRelease(), groups=["a", "a"])
-    assert RoundService(FakeVerifier(), None, FakeRelease(), num_groups=3).groups == [0, 1, 2]
+    assert RoundService(FakeVerifier(), None, FakeRelease(), RoundOptions(num_groups=3)).groups == [0, 1, 2]
 
 
 class _ScriptedGovernor:
@@ -553,10 +557,10 @@ def test_rounds_that_will_not_draft_skip_features_and_catch_up_from_the_cache_wh
     gets every position exactly once, in order. Output is the target's own."""
     async def main():
         verifier, drafter = FakeVerifier(), FakeDrafter()
-        svc, _ = make_service(verifier, drafter, speculation_governor=True, recompute_features=True,
+        svc, _ = make_service(verifier, drafter, speculation_governor=True, features=RecomputedFeatures(),
                               speculation_token_budget=0)
         gov = _ScriptedGovernor(on_rounds={1, 2, 3, 9, 10, 11, 12, 13, 14, 15, 16})
-        svc._governors = {g: gov for g in svc.groups}
+        svc.rounds.governors = {g: gov for g in svc.groups}
         s = make_session(0, max_new=40, k=2)
         toks, finish = await collect(svc, svc.submit(s))
         await svc.stop()

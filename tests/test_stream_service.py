@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from moa_serve.engine.service import QueueFullError
+from moa_serve.engine.events import QueueFullError
 from moa_serve.engine.session import Session
 from moa_serve.engine.stream_service import StreamService
 from moa_serve.verifier.engine_loop import Update

@@ -29,7 +29,8 @@ from typing import Awaitable, Callable
 import torch
 
 from moa_serve.sampling import SamplingParams
-from moa_serve.engine.service import QueueFullError, RoundService, _Tracked
+from moa_serve.engine.events import QueueFullError, Tracked
+from moa_serve.engine.service import RoundService
 from moa_serve.engine.session import Session
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class Reply:
 
 @dataclass
 class _Entry:
-    tracked: _Tracked
+    tracked: Tracked
     want_features: bool
     feature_codec: str
     latest_only: bool  # send only the last committed position's feature (ServerIdentity.feature_positions)

@@ -1,17 +1,23 @@
-"""Single-process speculative generation: a proposer (or none) and a verifier in one process,
-sessions batched round by round."""
+"""In-process speculative generation (``moa generate``, ``moa bench``, tests): a proposer (or
+none) and a verifier in this process, driven by the cluster's round service with local pools, so
+every round runs the same code as a Router's."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import itertools
 import time
 from dataclasses import dataclass, field
 
 from moa_serve.drafter.proposer import MoAProposer
-from moa_serve.engine import rounds
+from moa_serve.engine.events import Tracked
+from moa_serve.engine.options import RoundOptions
+from moa_serve.engine.service import RoundService
 from moa_serve.sampling import GREEDY, SamplingParams
 from moa_serve.engine.session import Session
 from moa_serve.model_files import load_tokenizer, resolve_model_path
+from moa_serve.protocol import DraftRequest, DraftResult, VerifyRequest, VerifyResult
 from moa_serve.verifier.torch_runner import TorchTargetRunner
 
 
@@ -73,6 +79,53 @@ def stop_token_ids(path, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+LOCAL_CALL_LIMIT_S = 1e9  # a local call cannot be interrupted: no time limit
+
+
+class LocalPools:
+    """This process's verifier and proposer as the round service's pools. The first exception a
+    call raises is kept, so that the engine raises it (the service would turn it into a failed
+    round or a round without drafts)."""
+
+    def __init__(self, verifier: TorchTargetRunner, proposer):
+        self.verifier, self.proposer = verifier, proposer
+        self.error: BaseException | None = None
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.error = self.error or exc
+            raise
+
+    async def verify(self, group, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        return self._call(self.verifier.verify, requests)
+
+    async def draft(self, group, requests: list[DraftRequest]) -> list[DraftResult]:
+        return self._call(self.proposer.propose, requests)
+
+    async def release(self, group, session_ids: list[str]) -> None:
+        for sid in session_ids:
+            self.verifier.release(sid)
+            if self.proposer is not None:
+                self.proposer.release(sid)
+
+    def raise_first_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def _run(coro):
+    """Runs ``coro`` to completion from synchronous code, also when this thread already runs an
+    event loop (then on a thread of its own)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 class SpeculativeEngine:
     def __init__(self, verifier: TorchTargetRunner, proposer: MoAProposer | None, tokenizer=None,
                  stop_ids: frozenset[int] = frozenset(), max_batch: int = 16, speculation_token_budget: int = 0):
@@ -119,32 +172,29 @@ class SpeculativeEngine:
                        drafter_needs_features=getattr(self.proposer, "needs_features", True),
                        adaptive_speculation=adaptive_speculation)
 
-    def run_round(self, active: list[Session]) -> list[rounds.Committed]:
-        """One draft/verify/commit round with the same functions and delta protocol as the
-        cluster's RoundService: a session the verifier no longer holds (``resync``) is verified
-        again, whole, in the same round."""
-        by_id = {s.id: s for s in active}
-        drafts = {}
-        t0 = time.perf_counter()
-        if self.proposer is not None:
-            cap = rounds.speculation_cap(self.speculation_token_budget, len(active))
-            reqs = rounds.draft_requests(active, cap)
-            if reqs:
-                drafts = rounds.drafts_delivered(by_id, reqs, self.proposer.propose(reqs))
-        t1 = time.perf_counter()
-        want = self.proposer is not None
-        results = rounds.by_session(by_id, self.verifier.verify(rounds.verify_requests(active, drafts, want)))
-        again = rounds.resynced(by_id, results)
-        if again:
-            more = self.verifier.verify(rounds.verify_requests(again, drafts, want))
-            results.update(rounds.by_session({s.id: s for s in again}, more))
-        self.timings["draft_s"] += t1 - t0
-        self.timings["verify_s"] += time.perf_counter() - t1
-        done = rounds.commit(by_id, results, drafts)
-        for s in active:
-            if s.finished:
-                self.release(s.id)
-        return done
+    def _service(self, sessions: int) -> tuple[RoundService, "LocalPools"]:
+        """A round service over this process's verifier and proposer: the rounds of ``moa
+        generate`` and ``moa bench`` are the cluster's. No governor (benchmarks measure the K they
+        ask for), no retries (a failing local call is a bug: it is raised)."""
+        pools = LocalPools(self.verifier, self.proposer)
+        options = RoundOptions(max_sessions_per_round=self.max_batch, max_queued=max(1, sessions),
+                               speculation_token_budget=self.speculation_token_budget, speculation_governor=False,
+                               verify_retries=0, verify_timeout_s=LOCAL_CALL_LIMIT_S,
+                               draft_timeout_s=LOCAL_CALL_LIMIT_S, release_timeout_s=LOCAL_CALL_LIMIT_S)
+        service = RoundService(pools.verify, pools.draft if self.proposer is not None else None, pools.release,
+                               options)
+        return service, pools
+
+    def run_round(self, active: list[Session]) -> None:
+        """One round over ``active`` (sessions from ``new_session``), through the round loop;
+        finished sessions are released."""
+        async def one_round():
+            service, pools = self._service(len(active))
+            batch = [Tracked(s, group=0) for s in active]
+            await service.rounds.run(0, batch, batch)
+            pools.raise_first_error()
+            await pools.release(0, [s.id for s in active if s.finished])
+        _run(one_round())
 
     def release(self, session_id: str) -> None:
         self.verifier.release(session_id)
@@ -153,25 +203,31 @@ class SpeculativeEngine:
 
     def generate_sessions(self, sessions: list[Session]) -> list[GenerationResult]:
         """Runs sessions to completion, up to ``max_batch`` verified together each round."""
-        waiting = list(sessions)
-        active: list[Session] = []
-        started: dict[str, float] = {}
+        return _run(self._generate(sessions))
+
+    async def _generate(self, sessions: list[Session]) -> list[GenerationResult]:
+        service, pools = self._service(len(sessions))
         ended: dict[str, float] = {}
+
+        async def drain(t: Tracked) -> None:
+            async for _ in service.stream(t):
+                pass
+            ended[t.session.id] = time.perf_counter()
+
         try:
-            while waiting or active:
-                while waiting and len(active) < self.max_batch:
-                    s = waiting.pop(0)
-                    started[s.id] = time.perf_counter()
-                    active.append(s)
-                self.run_round(active)
-                for s in active:
-                    if s.finished:
-                        ended[s.id] = time.perf_counter()
-                active = [s for s in active if not s.finished]
+            tracked = [service.submit(s) for s in sessions]
+            await asyncio.gather(*(drain(t) for t in tracked))
+            pools.raise_first_error()
         finally:
-            for s in active:
+            await service.stop()
+            for s in sessions:  # the service releases before a group's next round: the last ones here
                 self.release(s.id)
-        return [self._result(s, ended[s.id] - started[s.id]) for s in sessions]
+        self.timings["draft_s"] += service.stats.draft_s
+        self.timings["verify_s"] += service.stats.verify_s
+        for t in tracked:
+            if t.session.finish_reason and t.session.finish_reason.startswith("error"):
+                raise RuntimeError(f"session {t.session.id}: {t.session.finish_reason}")
+        return [self._result(t.session, ended[t.session.id] - t.admitted) for t in tracked]
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = GREEDY,
                  num_speculative_tokens: int = 4, ignore_eos: bool = False,

@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from moa_serve.drafter.proposer import DraftRequest, DraftResult
+from moa_serve.protocol import DraftRequest, DraftResult
 from moa_serve.engine.session import Session
-from moa_serve.verifier.api import VerifyRequest, VerifyResult
+from moa_serve.protocol import VerifyRequest, VerifyResult
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from moa_serve.engine.service import QueueFullError, TokenEvent, _Tracked, error_reason, last_line, stream_events
+from moa_serve.engine.events import QueueFullError, TokenEvent, Tracked, error_reason, last_line, stream_events
 from moa_serve.engine.session import Session
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,8 @@ class StreamService:
         self.max_sessions = max_sessions
         self.max_queued = max_queued
         self.stats = StreamStats()
-        self._waiting: list[_Tracked] = []
-        self._running: dict[str, tuple[_Tracked, asyncio.Task]] = {}
+        self._waiting: list[Tracked] = []
+        self._running: dict[str, tuple[Tracked, asyncio.Task]] = {}
 
     # ------------------------------------------------------------------ the Frontend's interface
     @property
@@ -81,21 +81,21 @@ class StreamService:
     def active_sessions(self) -> int:
         return len(self._running)
 
-    def submit(self, session: Session, remote: bool = False) -> _Tracked:
+    def submit(self, session: Session, remote: bool = False) -> Tracked:
         if remote:
             raise ValueError("client-server sessions need backend: torch (the Router's rounds)")
         if len(self._waiting) >= self.max_queued and len(self._running) >= self.max_sessions:
             raise QueueFullError(f"{len(self._waiting)} requests are waiting")
-        tracked = _Tracked(session)
+        tracked = Tracked(session)
         self._waiting.append(tracked)
         self._admit()
         return tracked
 
-    def stream(self, tracked: _Tracked):
+    def stream(self, tracked: Tracked):
         """Yields TokenEvents until the session finishes; a consumer that stops aborts it."""
         return stream_events(tracked, self.abort)
 
-    def abort(self, tracked: _Tracked) -> None:
+    def abort(self, tracked: Tracked) -> None:
         s = tracked.session
         if s.finished:
             return
@@ -118,7 +118,7 @@ class StreamService:
             self.stats.admitted += 1
             self.stats.max_active = max(self.stats.max_active, len(self._running))
 
-    async def _consume(self, tracked: _Tracked) -> None:
+    async def _consume(self, tracked: Tracked) -> None:
         s = tracked.session
         try:
             for attempt in range(self.stream_retries + 1):
@@ -148,7 +148,7 @@ class StreamService:
                 del self._running[s.id]
                 self._admit()
 
-    async def _follow(self, tracked: _Tracked) -> None:
+    async def _follow(self, tracked: Tracked) -> None:
         """One stream from a verifier replica, from the session's committed tokens on (a resumed
         session is re-prefilled there: its committed tokens are its prompt), until it finishes."""
         s = tracked.session

@@ -13,6 +13,8 @@ from moa_serve.app import state
 from moa_serve.app.frontend import Frontend
 from moa_serve.cs.fingerprint import model_fingerprint
 from moa_serve.cs.sessions import ClientSessions, ServerIdentity
+from moa_serve.engine.features import AlwaysFeatures, FeaturePolicy
+from moa_serve.engine.options import RoundOptions
 from moa_serve.engine.service import RoundService
 
 
@@ -33,8 +35,8 @@ class LocalStack:
             for i in ids:
                 runner.release(i)
 
-        self.service = RoundService(verify, None, release, want_features=drafter is not None,
-                                    speculation_governor=False)
+        self.service = RoundService(verify, None, release, RoundOptions(speculation_governor=False),
+                                    features=AlwaysFeatures() if drafter is not None else FeaturePolicy())
         self.identity = ServerIdentity.build(
             model=model_name, target_fingerprint=model_fingerprint(runner.model), tokenizer=tokenizer,
             drafter=drafter, vocab_size=runner.arch.vocab_size, max_model_len=runner.max_model_len,

@@ -1,0 +1,45 @@
+"""The round service's options, in one typed object (the Router fills it from the config's
+``router:`` section; the in-process engine from its arguments)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moa_serve.engine.pool_calls import CallLimits
+
+
+@dataclass(frozen=True)
+class RoundOptions:
+    # admission: each group verifies at most this many sessions per round; this many more wait
+    # (beyond that: QueueFullError, HTTP 429)
+    max_sessions_per_round: int = 16
+    max_queued: int = 64
+    num_groups: int = 1  # session groups when the caller names none (each runs its own round loop)
+    # verify tokens per round that bound every session's K (rounds.speculation_cap); 0 = no bound
+    speculation_token_budget: int = 32
+    # a drafter pool's drafts only in rounds where they measurably pay (governor.py); lookup drafts
+    # only where each one does (draft_gate.py)
+    speculation_governor: bool = True
+    # multi-step decoding: a round without feature drafts, of at most ``multi_step_max_sessions``
+    # decoding sessions and nobody queued, asks for up to ``decode_steps`` tokens per session in
+    # one verify call (the call's transport and the round's overhead paid once)
+    decode_steps: int = 1
+    multi_step_max_sessions: int = 4
+    # pipelined verify calls for draft-free rounds (pipeliner.py)
+    lookahead: bool = False
+    # pool calls (pool_calls.py)
+    verify_retries: int = 5
+    retry_backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+    verify_timeout_s: float = 120.0
+    draft_timeout_s: float = 5.0
+    release_timeout_s: float = 5.0
+    release_attempts: int = 5
+
+    def __post_init__(self):
+        if self.decode_steps < 1:
+            raise ValueError("decode_steps must be >= 1")
+
+    def call_limits(self) -> CallLimits:
+        return CallLimits(self.verify_retries, self.retry_backoff_s, self.max_backoff_s, self.verify_timeout_s,
+                          self.draft_timeout_s, self.release_timeout_s, self.release_attempts)

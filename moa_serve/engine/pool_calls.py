@@ -1,0 +1,160 @@
+"""The round service's calls to its pools: time limits, bounded retries, releases.
+
+A failed or slow draft call degrades the round to target-only decoding; a failed or slow verify
+call is retried a bounded number of times with exponential backoff (the retry resends whole
+token lists, so another or a restarted replica re-prefills), then fails that round's sessions
+only. Finished sessions are released on both pools before their group's next round; a failed
+release is kept and retried, a bounded number of times, without hammering a failing pool (the
+pools also evict idle sessions). The pools are async callables: Ray Serve handles in the
+cluster, local objects in the in-process engine and in tests."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Hashable
+
+from moa_serve.engine import rounds
+from moa_serve.engine.round_stats import Observer, RoundProfile, ServiceStats
+from moa_serve.engine.session import Session
+from moa_serve.protocol import DraftRequest, DraftResult, VerifyRequest, VerifyResult
+
+log = logging.getLogger(__name__)
+
+DraftFn = Callable[[Hashable, list[DraftRequest]], Awaitable[list[DraftResult]]]
+VerifyFn = Callable[[Hashable, list[VerifyRequest]], Awaitable[list[VerifyResult]]]
+ReleaseFn = Callable[[Hashable, list[str]], Awaitable[None]]
+
+
+async def within(seconds: float, aw):
+    """``aw`` with a time limit. ``asyncio.timeout``, not ``wait_for``: on Python 3.11 ``wait_for``
+    swallows a cancellation that arrives as the inner call completes, and a group loop that
+    misses ``stop()``'s cancellation runs forever."""
+    async with asyncio.timeout(seconds):
+        return await aw
+
+
+@dataclass
+class CallLimits:
+    """Time limits and retry bounds of the pool calls."""
+    verify_retries: int = 5
+    retry_backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+    verify_timeout_s: float = 120.0
+    draft_timeout_s: float = 5.0
+    release_timeout_s: float = 5.0
+    release_attempts: int = 5
+
+    def backoff(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.retry_backoff_s * 2 ** attempt)
+
+
+class PoolCalls:
+    def __init__(self, verify: VerifyFn, draft: DraftFn | None, release: ReleaseFn, limits: CallLimits,
+                 groups: list[Hashable], stats: ServiceStats, observer: Observer):
+        self.verify_fn, self.draft_fn, self.release_fn = verify, draft, release
+        self.limits, self.stats, self.observer = limits, stats, observer
+        self.pending_release: dict[Hashable, dict[str, int]] = {g: {} for g in groups}  # id -> attempts
+        self._release_backoff: dict[Hashable, tuple[int, float]] = {}  # group -> (failures in a row, retry at)
+
+    # ------------------------------------------------------------------ draft
+    async def draft(self, g: Hashable, by_id: dict[str, Session], reqs: list[DraftRequest],
+                    profile: RoundProfile) -> dict[str, DraftResult]:
+        """The drafter pool's usable drafts by session id; any failure or timeout degrades the
+        round to plain target decoding (and the drafter gets everything again next time)."""
+        try:
+            res = await within(self.limits.draft_timeout_s, self.draft_fn(g, reqs))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.stats.draft_fallbacks += 1
+            self.observer.fallback(type(exc).__name__)
+            log.warning("drafter unavailable (%s): group %s verifies without drafts", type(exc).__name__, g)
+            rounds.drafts_failed(by_id, reqs)
+            return {}
+        res = [r for r in res if r.session_id in by_id]
+        self.stats.drafter_resyncs += sum(r.needs_features_from is not None for r in res)
+        n_resync = sum(r.resync for r in res)
+        self.stats.resyncs += n_resync
+        profile.resyncs += n_resync
+        return rounds.drafts_delivered(by_id, reqs, res)
+
+    # ------------------------------------------------------------------ verify
+    async def verify_round(self, g: Hashable, by_id: dict[str, Session], sessions: list[Session],
+                           drafts: dict[str, DraftResult], profile: RoundProfile,
+                           want: bool | set[str] = True, steps: int = 1) -> dict[str, VerifyResult]:
+        """One verify call for the round; sessions the replica could not place (``resync``) go
+        once more, whole, in a follow-up call of the same round."""
+        results = rounds.by_session(by_id, await self.verify(g, sessions, drafts, want, steps))
+        again = rounds.resynced(by_id, results)
+        if again:
+            self.stats.resyncs += len(again)
+            profile.resyncs += len(again)
+            more = await self.verify(g, again, drafts, want, steps)
+            results.update(rounds.by_session({s.id: s for s in again}, more))
+        return results
+
+    async def verify(self, g: Hashable, sessions: list[Session], drafts: dict[str, DraftResult],
+                     want: bool | set[str] = True, steps: int = 1) -> list[VerifyResult]:
+        """A verify call with a timeout and bounded retries (exponential backoff). A failed or timed
+        out attempt may have reached a replica that is gone: the retry sends whole token lists. A
+        ``ValueError`` means the request itself is wrong: retrying cannot help."""
+        for attempt in range(self.limits.verify_retries + 1):
+            reqs = rounds.verify_requests(sessions, drafts, want, steps)
+            try:
+                return await within(self.limits.verify_timeout_s, self.verify_fn(g, reqs))
+            except asyncio.CancelledError:
+                raise
+            except ValueError:
+                rounds.verify_failed(sessions)
+                raise
+            except Exception as exc:
+                rounds.verify_failed(sessions)
+                if attempt == self.limits.verify_retries:
+                    raise
+                self.stats.verify_retries += 1
+                self.observer.fallback("verify_retry")
+                log.warning("verify failed (%s: %s); retrying with whole token lists (attempt %d)",
+                            type(exc).__name__, exc, attempt + 1)
+                await asyncio.sleep(self.limits.backoff(attempt))
+        raise AssertionError("unreachable")
+
+    def verify_ahead(self, g: Hashable, reqs: list[VerifyRequest]) -> asyncio.Future:
+        """A verify call sent now, awaited later (lookahead): no retry, its sessions resync if it fails."""
+        return asyncio.ensure_future(within(self.limits.verify_timeout_s, self.verify_fn(g, reqs)))
+
+    # ------------------------------------------------------------------ release
+    def release_later(self, g: Hashable, session_id: str) -> None:
+        self.pending_release[g].setdefault(session_id, 0)
+
+    @property
+    def pending_releases(self) -> int:
+        return sum(len(p) for p in self.pending_release.values())
+
+    async def flush_releases(self, g: Hashable) -> None:
+        """Frees the caches of finished sessions. A failed release is kept and retried before the
+        group's later rounds, a bounded number of times (the pools also evict idle sessions)."""
+        pending = self.pending_release[g]
+        fails, retry_at = self._release_backoff.get(g, (0, 0.0))
+        if not pending or time.monotonic() < retry_at:  # a failing pool is not hammered every round
+            return
+        ids = list(pending)
+        try:
+            await within(self.limits.release_timeout_s, self.release_fn(g, ids))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.stats.release_failures += 1
+            log.warning("release failed for group %s (%s); %d sessions kept for a retry", g, exc, len(ids))
+            for sid in ids:
+                pending[sid] += 1
+                if pending[sid] >= self.limits.release_attempts:
+                    del pending[sid]
+                    self.stats.releases_dropped += 1
+            self._release_backoff[g] = (fails + 1, time.monotonic() + self.limits.backoff(fails))
+            return
+        self._release_backoff.pop(g, None)
+        for sid in ids:
+            pending.pop(sid, None)

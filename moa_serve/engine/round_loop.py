@@ -1,0 +1,249 @@
+"""One round of a session group: draft -> verify -> commit -> publish, for all of its sessions in
+one call per pool. The one round loop of the project: the cluster's Router, the in-process engine
+(``moa generate`` / ``moa bench``) and client-server sessions all run their rounds here.
+
+The pure pieces (requests as token deltas, commit, resync) are in ``rounds``; the pool calls
+with their limits and retries in ``pool_calls``; pipelined draft-free rounds in ``pipeliner``;
+which sessions ask for features in ``features``. This module decides, round by round, how many
+drafts each session may verify (the token budget's cap, the governor, the draft gate), who
+drafts (prompt lookup here, the drafter pool, or a remote client's device), how many decode steps
+the call takes, and streams what was committed.
+
+Speculation never loses at scale: a round's verify width is bounded by the token budget
+(``rounds.speculation_cap``), so K shrinks as the batch grows and turns off when verification
+stops being nearly free; each session's adaptive K still applies below that cap. Within it, a
+drafter pool's drafts are governed round by round (``governor``); prompt-lookup drafts session by
+session and token by token (``draft_gate``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable, Hashable
+
+from moa_serve.drafter.lookup import LookupTable
+from moa_serve.engine import rounds
+from moa_serve.engine.draft_gate import DraftGate
+from moa_serve.engine.events import TokenEvent, Tracked
+from moa_serve.engine.features import FeaturePolicy
+from moa_serve.engine.governor import SpeculationGovernor
+from moa_serve.engine.options import RoundOptions
+from moa_serve.engine.pipeliner import Ahead, Lookahead
+from moa_serve.engine.pool_calls import PoolCalls
+from moa_serve.engine.round_stats import Observer, RoundProfile, ServiceStats
+from moa_serve.engine.session import Session
+from moa_serve.protocol import DraftResult, VerifyResult
+
+
+class RoundLoop:
+    def __init__(self, options: RoundOptions, calls: PoolCalls, features: FeaturePolicy, lookup: LookupTable | None,
+                 groups: list[Hashable], stats: ServiceStats, observer: Observer, queued: Callable[[], bool]):
+        self.options, self.calls, self.features, self.lookup = options, calls, features, lookup
+        self.stats, self.observer, self.queued = stats, observer, queued
+        self.lookahead = Lookahead(calls, stats, options.lookahead, options.decode_steps)
+        drafter_pool = calls.draft_fn is not None
+        self.governors = ({g: SpeculationGovernor() for g in groups}
+                          if options.speculation_governor and drafter_pool else {})
+        self.gates = {g: DraftGate() for g in groups} if options.speculation_governor and lookup is not None else {}
+
+    # ------------------------------------------------------------------ one round
+    async def run(self, g: Hashable, batch: list[Tracked], active: list[Tracked], release_s: float = 0.0) -> None:
+        """One round of group ``g`` over ``batch`` (its sessions ready for a round; ``active``: all
+        of the group's sessions)."""
+        ahead = self.lookahead.take(g)
+        if ahead is not None:
+            await self._ahead_round(g, batch, active, ahead, release_s)
+            return
+        t0 = time.perf_counter()
+        by_id = {t.session.id: t.session for t in batch}
+        sessions = list(by_id.values())
+        cap = self.cap(g, len(sessions))
+        profile = RoundProfile(g, len(batch), speculation_cap=cap, release_s=release_s)
+        remote = {t.session.id: t.pending.drafts for t in batch if t.remote and t.pending.drafts.drafts}
+        matches: dict[str, int] = {}  # lookup-drafted sessions -> length of the n-gram they continue
+        local = [t.session for t in batch if not t.remote]
+        drafts = await self._drafts(g, by_id, local, cap, profile, self._decode_steps(batch, {}, False), matches)
+        drafts.update(remote)  # drafted on the clients' devices
+        rounds.trim_alternatives(drafts, len(sessions), self.options.speculation_token_budget)
+        want = self._features_wanted(g, batch, cap)
+        steps = self._decode_steps(batch, drafts, want)
+        t1 = time.perf_counter()
+        if self.lookahead.possible(batch, self._drafting(cap), drafts, want, self.queued()):
+            call = asyncio.ensure_future(self.calls.verify_round(g, by_id, sessions, drafts, profile, want, steps))
+            await asyncio.sleep(0)  # this round's call goes out first
+            bases = {s.id: len(s.tokens) + rounds.step_budget(s, len(s.tokens), steps)[0] for s in sessions}
+            self.lookahead.send(g, sessions, bases)
+            try:
+                results = await call
+            except BaseException:
+                self.lookahead.drop(g, active)
+                raise
+        else:
+            results = await self.calls.verify_round(g, by_id, sessions, drafts, profile, want, steps)
+        t2 = time.perf_counter()
+        self._observe_gate(g, results, drafts, matches, t2 - t1, profile)
+        self._note_reprefills(by_id, results, drafts, profile)
+        self._publish(batch, rounds.commit(by_id, results, drafts), profile)
+        t3 = time.perf_counter()
+        profile.draft_s, profile.verify_s, profile.commit_s = t1 - t0, t2 - t1, t3 - t2
+        profile.round_s = t3 - t0 + release_s
+        self.stats.add(profile)
+        # rounds that prefilled a prompt say nothing about decoding speed in either mode
+        # (nor rounds with remote drafts: the governor weighs this server's drafting, not a device's)
+        governor = self.governors.get(g)
+        if governor is not None and profile.prefilled_sessions == 0 and profile.resyncs == 0 and not remote:
+            governor.observe(profile.sessions, profile.drafted_sessions > 0, profile.round_s, profile.tokens)
+        self.observer.round_done(g, profile.sessions, profile.draft_s, profile.verify_s, profile.round_s)
+        self.observer.round_profile(profile)
+
+    def cap(self, g: Hashable, n: int) -> int | None:
+        """Most drafts per session in a round of ``n`` sessions: the token budget's cap, 0 while the
+        group's governor has speculation off (asking it counts a round)."""
+        governor = self.governors.get(g)
+        if governor is not None and not governor.speculate(n):
+            return 0
+        return rounds.speculation_cap(self.options.speculation_token_budget, n)
+
+    def _drafting(self, cap: int | None) -> bool:
+        """Whether a round with this cap could draft (a drafter pool or prompt lookup)."""
+        return cap != 0 and (self.calls.draft_fn is not None or self.lookup is not None)
+
+    async def _ahead_round(self, g: Hashable, batch: list[Tracked], active: list[Tracked], ahead: Ahead,
+                           release_s: float) -> None:
+        """Takes the results of the call sent ahead. If the round may look ahead again (its sessions
+        are the call's, still decoding), the next call goes out before this one's results are
+        awaited. A session's result is used only if it holds exactly what the call assumed."""
+        t0 = time.perf_counter()
+        live = [t for t in batch if t.session.id in ahead.bases and not t.session.finished]
+        profile = RoundProfile(g, len(live), speculation_cap=0, release_s=release_s)
+        cap = self.cap(g, len(batch))
+        if (len(live) == len(batch) and all(t.session.id in ahead.asked for t in live)
+                and self.lookahead.possible(batch, self._drafting(cap), {}, self._features_wanted(g, batch, cap),
+                                            self.queued())):
+            self.lookahead.send(g, [t.session for t in live],
+                                {t.session.id: ahead.bases[t.session.id] + ahead.asked[t.session.id] for t in live})
+        got = await self.lookahead.results(g, live, ahead, active)
+        if got is None:
+            return
+        by_id, results = got
+        t1 = time.perf_counter()
+        used = [t for t in live if t.session.id in by_id]
+        self._publish(used, rounds.commit(by_id, results, {}), profile)
+        if not used:  # every session of the call ended meanwhile: not a round
+            return
+        t2 = time.perf_counter()
+        profile.verify_s, profile.commit_s = t1 - t0, t2 - t1
+        profile.round_s = t2 - t0 + release_s
+        self.stats.add(profile)
+        self.observer.round_done(g, profile.sessions, 0.0, profile.verify_s, profile.round_s)
+        self.observer.round_profile(profile)
+
+    # ------------------------------------------------------------------ drafts
+    async def _drafts(self, g, by_id: dict[str, Session], sessions: list[Session], cap: int | None,
+                      profile: RoundProfile, steps: int, matches: dict[str, int]) -> dict[str, DraftResult]:
+        """Prompt-lookup drafts, then the drafter pool's for the sessions lookup left."""
+        local = self._lookup_drafts(g, sessions, cap, steps, matches)
+        if self.calls.draft_fn is None:
+            return local
+        reqs = rounds.draft_requests([s for s in sessions if s.id not in local], cap,
+                                     current_features=self.features.drafts_need_current_features)
+        if not reqs:
+            return local
+        return {**await self.calls.draft(g, by_id, reqs, profile), **local}
+
+    def _lookup_drafts(self, g: Hashable, sessions: list[Session], cap: int | None, steps: int,
+                       matches: dict[str, int]) -> dict[str, DraftResult]:
+        """Prompt-lookup drafts (one-hot: no probabilities) for the sessions whose last tokens
+        occurred before, as many of each as the group's draft gate finds worth verifying in a
+        round of this size (``matches`` gets the n-gram length each continues)."""
+        if self.lookup is None or cap == 0:
+            return {}
+        gate = self.gates.get(g)
+        bar = gate.bar(len(sessions), steps) if gate is not None else None
+        out, keep = {}, {s.id for s in sessions}
+        for s in sessions:
+            k = s.speculation_length(cap)
+            if k > 0:
+                drafts, match = self.lookup.draft_match(s.id, s.tokens, k, keep)
+                if gate is not None:
+                    drafts = drafts[:gate.keep(s.id, match, len(drafts), bar)]
+                if drafts:
+                    out[s.id] = DraftResult(s.id, drafts)
+                    matches[s.id] = match
+        return out
+
+    def _observe_gate(self, g: Hashable, results: dict[str, VerifyResult], drafts: dict[str, DraftResult],
+                      matches: dict[str, int], verify_s: float, profile: RoundProfile) -> None:
+        """Teaches the group's draft gate what the verify call cost (forwards, rows) and how the
+        lookup drafts fared."""
+        gate = self.gates.get(g)
+        if gate is None or not results:
+            return
+        for sid, match in matches.items():
+            r = results.get(sid)
+            if r is not None and r.tokens:
+                gate.observe_drafts(sid, match, len(drafts[sid].drafts), r.num_accepted)
+        if profile.resyncs == 0:  # a follow-up call would blur the timing
+            forwards = max(max(1, len(r.tokens) - r.num_accepted) for r in results.values())
+            gate.observe_call(forwards, sum(r.num_computed for r in results.values()), verify_s)
+
+    # ------------------------------------------------------------------ the verify call's shape
+    def _decode_steps(self, batch: list[Tracked], drafts: dict[str, DraftResult], want: bool | set[str]) -> int:
+        """Multi-step decoding for small batches with nobody waiting. Sessions with drafts that
+        need no features (prompt lookup) take part too: after their drafts are verified they go
+        on decoding in the same call (``rounds.verify_requests``); drafts that come with features
+        to keep up (a drafter pool) keep the whole round to single steps."""
+        o = self.options
+        feature_drafts = bool(drafts) and (want is True or (isinstance(want, set) and not want.isdisjoint(drafts)))
+        if (o.decode_steps == 1 or feature_drafts or self.queued() or len(batch) > o.multi_step_max_sessions
+                or any(t.remote or t.session.prefilling or t.session.verifier_base == 0 for t in batch)):
+            return 1
+        return o.decode_steps
+
+    def _features_wanted(self, g: Hashable, batch: list[Tracked], cap: int | None) -> bool | set[str]:
+        n = len(batch)
+        governor = self.governors.get(g)
+
+        def next_round_drafts() -> bool:
+            return (rounds.speculation_cap(self.options.speculation_token_budget, n) != 0
+                    and (governor is None or governor.next_speculates(n)))
+
+        remote = {t.session.id for t in batch if t.remote}
+        return self.features.wanted([t.session.id for t in batch], remote, cap, next_round_drafts)
+
+    # ------------------------------------------------------------------ after the call
+    def _note_reprefills(self, by_id: dict[str, Session], results: dict[str, VerifyResult],
+                         drafts: dict[str, DraftResult], profile: RoundProfile) -> None:
+        for sid, r in results.items():
+            d = drafts.get(sid)
+            # multi-step decoding computes one more position per extra token of the target's own
+            extra_steps = max(0, len(r.tokens) - 1 - r.num_accepted)
+            if r.num_computed - extra_steps > 1 + (len(d.drafts) if d else 0):  # a prompt, a chunk or a re-prefill
+                profile.prefilled_sessions += 1
+                if by_id[sid].rounds > 0 and r.tokens:
+                    self.stats.reprefills += 1
+
+    def _publish(self, batch: list[Tracked], committed: list[rounds.Committed], profile: RoundProfile) -> None:
+        """Streams each session's new tokens (matched by id) and counts the round's work."""
+        tracked = {t.session.id: t for t in batch}
+        for c in committed:
+            t = tracked[c.session.id]
+            if c.feature_gap and not t.session.finished:
+                # features the verifier computed never reached us (a timed-out call that ran there):
+                # the drafter can only get them back from a full re-prefill, so the session is
+                # released on both pools before the group's next round and resent whole
+                self.stats.resyncs += 1
+                t.session.forget_replicas()
+                self.calls.release_later(t.group, t.session.id)
+            if c.prefill:
+                profile.prefill_sessions += 1
+                continue
+            if t.session.finish_reason == "abort":
+                continue
+            if c.drafted:
+                profile.drafted_sessions += 1
+                self.observer.accepted(len(c.new_tokens))
+            profile.tokens += len(c.new_tokens)
+            t.emit(TokenEvent(c.new_tokens, t.session.finish_reason))
+            if t.session.finished:
+                self.stats.completed += 1
