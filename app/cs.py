@@ -25,7 +25,8 @@ from pydantic.json_schema import models_json_schema
 from moa_serve.app import state
 from moa_serve.app.cs_schemas import CreateSession, VerifyRound
 from moa_serve.app.frontend import InputError
-from moa_serve.app.http import Readiness, error_param, errors, retry_after, running_frontend
+from moa_serve.app.errors import error_param, errors, retry_after
+from moa_serve.app.readiness import Readiness, running_frontend
 from moa_serve.cs import wire
 from moa_serve.cs.sessions import ClientSessions, CSError, Reply
 

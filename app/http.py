@@ -26,7 +26,7 @@ from moa_serve.app.frontend import Generation, InputError
 from moa_serve.app.readiness import READY_WAIT_S, Readiness, running_frontend
 from moa_serve.app.schemas import (ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateResponse,
                                    ReadyStatus, SpeculativeStats, Usage)
-from moa_serve.engine.service import QueueFullError
+from moa_serve.engine.events import QueueFullError
 
 SSE = {"text/event-stream": {"schema": {  # one event (OpenAPI 3.1: the schema of a stream's item)
     "type": "object", "required": ["data"],
