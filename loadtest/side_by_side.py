@@ -679,6 +679,118 @@ def _install_signal_handlers() -> dict:
     return old
 
 
+def _initial_results(a, argv, repo: Path, out: Path, started, sides: list[dict]) -> dict:
+    """The results file's skeleton: the run's settings, and per side its command, log and no levels yet."""
+    results = {"meta": {"started": started.isoformat(timespec="seconds"), "finished": None,
+                        "argv": sys.argv[1:] if argv is None else argv, "repo": str(repo), "out": str(out),
+                        "client": str(a.client), "questions": str(a.questions), "users": a.users,
+                        "duration_s": a.duration, "max_tokens": a.max_tokens, "limit": a.limit,
+                        "cpus": os.cpu_count(), "loadavg_start": round(os.getloadavg()[0], 2),
+                        "interrupted": False},
+               "sides": []}
+    for s in sides:
+        env_s = " ".join(f"{k}={shlex.quote(v)}" for k, v in s["env_shown"].items())
+        results["sides"].append({"label": s["label"], "kind": s["kind"], "url": s["url"],
+                                 "command": (env_s + " " if env_s else "") + shlex.join(s["cmd"]),
+                                 "config": s.get("config"), "served_config": s.get("served_config"),
+                                 "log": str(out / f"{_safe(s['label'])}.log"), "ready_s": None,
+                                 "warmup": None, "model": None, "levels": [], "error": None})
+    return results
+
+
+def _print_dry_run(a, sides: list[dict], results: dict) -> None:
+    for s, r in zip(sides, results["sides"]):
+        print(f"{s['label']}: {r['command']}\n  ready: {s['url']}{s['ready_path']}")
+        for u in a.users:
+            print("  " + shlex.join(client_command(a, s["url"], s["model"] or "<from /v1/models>", u)))
+
+
+def _run_level(a, s: dict, model: str, u: int, out: Path, level_timeout: float) -> dict:
+    """One user level against a started side: the shared client's summary (and the streaming TTFT
+    probe's); ``error`` set when the client failed or printed no JSON."""
+    load = round(os.getloadavg()[0], 2)
+    log(f"{s['label']} users={u} duration={a.duration:g}s max_tokens={a.max_tokens} "
+        f"(load avg {load}) ...")
+    cmd = client_command(a, s["url"], model, u)
+    rc, stdout, stderr = run_client(cmd, level_timeout, out / f"{_safe(s['label'])}.client.log")
+    parsed = [o for o in parse_client_output(stdout) if "users" in o] or parse_client_output(stdout)
+    level = {"users": u, "loadavg_start": load, "client_exit": rc, "raw": None,
+             "error": None, "summary": normalize({"users": u})}
+    if parsed:
+        level["raw"] = parsed[-1]
+        level["summary"] = normalize(parsed[-1])
+    if rc != 0 or not parsed:
+        level["error"] = (f"client exit {rc}" if rc != 0 else "no JSON in client output") + \
+                         (": " + stderr.strip().splitlines()[-1][:300] if stderr.strip() else "")
+    if a.ttft_duration > 0:  # the shared client cannot see first tokens: a streaming probe
+        prc, pout, _ = run_client(ttft_command(a, s["url"], model, u), level_timeout,
+                                  out / f"{_safe(s['label'])}.ttft.log")
+        probe = parse_client_output(pout)
+        level["ttft_probe"] = probe[-1] if probe else {"error": f"probe exit {prc}"}
+        level["summary"]["ttft"] = level["ttft_probe"].get("ttft_p50_s")
+    sm = level["summary"]
+    log(f"{s['label']} users={u}: tok/s={_fmt(sm['tok_per_s'])} "
+        f"per-user={_fmt(sm['tok_per_s_per_user'])} p50={_fmt(sm['latency_p50_s'])}s "
+        f"p99={_fmt(sm['latency_p99_s'])}s TTFT p50={_fmt(sm.get('ttft'), 3)}s requests={_fmt(sm['requests'])} "
+        f"failures={_fmt(sm['failures'])}" + (f" ERROR {level['error']}" if level["error"] else ""))
+    return level
+
+
+class _Progress:
+    """What the cleanup after the sides needs to know: whether ours ran, whether a level failed,
+    and the server still running (None between sides)."""
+
+    def __init__(self):
+        self.ours_started = False
+        self.failed = False
+        self.current: Server | None = None
+
+
+def _run_side(a, s: dict, r: dict, out: Path, level_timeout: float, results: dict, progress: _Progress) -> None:
+    """Starts one side, warms it up, runs every user level against it and stops it."""
+    progress.current = Server(s["label"], s["cmd"], s["env"], s["url"] + s["ready_path"], Path(r["log"]),
+                              a.ready_timeout, "127.0.0.1", s["port"],
+                              re.compile(r"DEPLOY_FAILED|Failed to update the deployments|Deploying app .* failed")
+                              if s["kind"] == "ours" else None)
+    try:
+        progress.ours_started |= s["kind"] == "ours"
+        r["ready_s"] = round(progress.current.start(), 1)
+        model = s["model"] or first_model_id(s["url"]) or VLLM_SERVED_NAME
+        r["model"] = model
+        if not a.no_warmup:
+            r["warmup"] = warmup(s["url"], model)
+            log(f"{s['label']}: warm-up request: {r['warmup']}")
+        for u in a.users:
+            level = _run_level(a, s, model, u, out, level_timeout)
+            progress.failed |= level["error"] is not None
+            r["levels"].append(level)
+            write_reports(out, results)
+    except SideError as exc:
+        progress.failed = True
+        r["error"] = str(exc)
+        log(str(exc))
+    finally:
+        progress.current.stop()
+        progress.current = None
+
+
+def _clean_up(a, progress: _Progress, ray_before: set[int]) -> None:
+    """Stops a server left running and, where ours ran, the Ray daemons this run started."""
+    if progress.current is not None:
+        progress.current.stop()
+    if progress.ours_started:
+        left = _ray_pids() - ray_before
+        if a.ray_stop == "always" or (a.ray_stop == "auto" and left and not ray_before):
+            log("ray stop --force")
+            try:
+                subprocess.run(["ray", "stop", "--force"], check=False, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, timeout=120)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                log(f"ray stop --force failed: {exc}")
+        elif left:
+            log(f"WARNING: Ray daemons started during this run are still running: {sorted(left)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     repo = repo_root()
     a = build_parser(repo).parse_args(argv)
@@ -699,87 +811,20 @@ def main(argv: list[str] | None = None) -> int:
         log("nothing to run: give --ours, --ours-off and/or --vllm-python with --vllm-model")
         return 2
     level_timeout = a.level_timeout or a.duration + 660
-
-    results = {"meta": {"started": started.isoformat(timespec="seconds"), "finished": None,
-                        "argv": sys.argv[1:] if argv is None else argv, "repo": str(repo), "out": str(out),
-                        "client": str(a.client), "questions": str(a.questions), "users": a.users,
-                        "duration_s": a.duration, "max_tokens": a.max_tokens, "limit": a.limit,
-                        "cpus": os.cpu_count(), "loadavg_start": round(os.getloadavg()[0], 2),
-                        "interrupted": False},
-               "sides": []}
-    for s in sides:
-        env_s = " ".join(f"{k}={shlex.quote(v)}" for k, v in s["env_shown"].items())
-        results["sides"].append({"label": s["label"], "kind": s["kind"], "url": s["url"],
-                                 "command": (env_s + " " if env_s else "") + shlex.join(s["cmd"]),
-                                 "config": s.get("config"), "served_config": s.get("served_config"),
-                                 "log": str(out / f"{_safe(s['label'])}.log"), "ready_s": None,
-                                 "warmup": None, "model": None, "levels": [], "error": None})
+    results = _initial_results(a, argv, repo, out, started, sides)
     if a.dry_run:
-        for s, r in zip(sides, results["sides"]):
-            print(f"{s['label']}: {r['command']}\n  ready: {s['url']}{s['ready_path']}")
-            for u in a.users:
-                print("  " + shlex.join(client_command(a, s["url"], s["model"] or "<from /v1/models>", u)))
+        _print_dry_run(a, sides, results)
         return 0
 
     log(f"{len(sides)} side(s): {', '.join(s['label'] for s in sides)}; users {a.users}, "
         f"{a.duration:g} s per level; output {out}")
     old_handlers = _install_signal_handlers()
     ray_before = _ray_pids()
-    ours_started = False
-    failed = False
-    current: Server | None = None
+    progress = _Progress()
     write_reports(out, results)
     try:
         for s, r in zip(sides, results["sides"]):
-            log_path = Path(r["log"])
-            current = Server(s["label"], s["cmd"], s["env"], s["url"] + s["ready_path"], log_path,
-                             a.ready_timeout, "127.0.0.1", s["port"],
-                             re.compile(r"DEPLOY_FAILED|Failed to update the deployments|Deploying app .* failed")
-                             if s["kind"] == "ours" else None)
-            try:
-                ours_started |= s["kind"] == "ours"
-                r["ready_s"] = round(current.start(), 1)
-                model = s["model"] or first_model_id(s["url"]) or VLLM_SERVED_NAME
-                r["model"] = model
-                if not a.no_warmup:
-                    r["warmup"] = warmup(s["url"], model)
-                    log(f"{s['label']}: warm-up request: {r['warmup']}")
-                for u in a.users:
-                    load = round(os.getloadavg()[0], 2)
-                    log(f"{s['label']} users={u} duration={a.duration:g}s max_tokens={a.max_tokens} "
-                        f"(load avg {load}) ...")
-                    cmd = client_command(a, s["url"], model, u)
-                    rc, stdout, stderr = run_client(cmd, level_timeout, out / f"{_safe(s['label'])}.client.log")
-                    parsed = [o for o in parse_client_output(stdout) if "users" in o] or parse_client_output(stdout)
-                    level = {"users": u, "loadavg_start": load, "client_exit": rc, "raw": None,
-                             "error": None, "summary": normalize({"users": u})}
-                    if parsed:
-                        level["raw"] = parsed[-1]
-                        level["summary"] = normalize(parsed[-1])
-                    if rc != 0 or not parsed:
-                        level["error"] = (f"client exit {rc}" if rc != 0 else "no JSON in client output") + \
-                                         (": " + stderr.strip().splitlines()[-1][:300] if stderr.strip() else "")
-                        failed = True
-                    if a.ttft_duration > 0:  # the shared client cannot see first tokens: a streaming probe
-                        prc, pout, _ = run_client(ttft_command(a, s["url"], model, u), level_timeout,
-                                                  out / f"{_safe(s['label'])}.ttft.log")
-                        probe = parse_client_output(pout)
-                        level["ttft_probe"] = probe[-1] if probe else {"error": f"probe exit {prc}"}
-                        level["summary"]["ttft"] = level["ttft_probe"].get("ttft_p50_s")
-                    r["levels"].append(level)
-                    sm = level["summary"]
-                    log(f"{s['label']} users={u}: tok/s={_fmt(sm['tok_per_s'])} "
-                        f"per-user={_fmt(sm['tok_per_s_per_user'])} p50={_fmt(sm['latency_p50_s'])}s "
-                        f"p99={_fmt(sm['latency_p99_s'])}s TTFT p50={_fmt(sm.get('ttft'), 3)}s requests={_fmt(sm['requests'])} "
-                        f"failures={_fmt(sm['failures'])}" + (f" ERROR {level['error']}" if level["error"] else ""))
-                    write_reports(out, results)
-            except SideError as exc:
-                failed = True
-                r["error"] = str(exc)
-                log(str(exc))
-            finally:
-                current.stop()
-                current = None
+            _run_side(a, s, r, out, level_timeout, results, progress)
             write_reports(out, results)
     except KeyboardInterrupt as exc:
         results["meta"]["interrupted"] = True
@@ -788,25 +833,13 @@ def main(argv: list[str] | None = None) -> int:
             _kill_group(_Running.client)
         return_code = 130
     else:
-        return_code = 1 if failed else 0
+        return_code = 1 if progress.failed else 0
     finally:
         # cleanup must not be cut short by a second Ctrl-C
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, signal.SIG_IGN)
         try:
-            if current is not None:
-                current.stop()
-            if ours_started:
-                left = _ray_pids() - ray_before
-                if a.ray_stop == "always" or (a.ray_stop == "auto" and left and not ray_before):
-                    log("ray stop --force")
-                    try:
-                        subprocess.run(["ray", "stop", "--force"], check=False, stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.DEVNULL, timeout=120)
-                    except (OSError, subprocess.TimeoutExpired) as exc:
-                        log(f"ray stop --force failed: {exc}")
-                elif left:
-                    log(f"WARNING: Ray daemons started during this run are still running: {sorted(left)}")
+            _clean_up(a, progress, ray_before)
             results["meta"]["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
             write_reports(out, results)
         finally:
