@@ -11,14 +11,16 @@ import time
 from dataclasses import dataclass, field
 
 from moa_serve.drafter.proposer import MoAProposer
+from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.engine.events import Tracked
 from moa_serve.engine.options import RoundOptions
+from moa_serve.engine.round_stats import ServiceStats
 from moa_serve.engine.service import RoundService
 from moa_serve.sampling import GREEDY, SamplingParams
 from moa_serve.engine.session import Session
 from moa_serve.model_files import load_tokenizer, resolve_model_path
 from moa_serve.protocol import DraftRequest, DraftResult, VerifyRequest, VerifyResult
-from moa_serve.verifier.torch_runner import TorchTargetRunner
+from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
 
 
 @dataclass
@@ -40,43 +42,6 @@ class GenerationResult:
     @property
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-
-def load_feature_head(drafter: str | None):
-    """The verifier-side half of a drafter checkpoint (LSA + Ekv2E), or None."""
-    if drafter is None:
-        return None
-    from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter, model_checkpoint
-    from moa_serve.drafter.model import MoADrafter
-
-    drafter = model_checkpoint(drafter)  # prompt lookup needs no features
-    if drafter is None:
-        return None
-    cfg, state = load_drafter(drafter)
-    if cfg.kind != "moa":  # baselines: EAGLE-style reads the target's hidden states, independent nothing
-        from moa_serve.drafter.baselines import HiddenFeatures
-
-        return HiddenFeatures() if cfg.kind == "eagle" else None
-    moa = MoADrafter(cfg)
-    moa.load_flat_state_dict({k: v for k, v in state.items() if k != DRAFT_VOCAB_KEY})
-    head = moa.feature_head
-    # the drafter's CA reads only the freshest verified feature: the verifier computes no other one
-    head.latest_only = bool(cfg.cross_attention_latest_only)
-    return head
-
-
-def stop_token_ids(path, tokenizer) -> frozenset[int]:
-    ids = set()
-    try:
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(str(path)).eos_token_id
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    except OSError:
-        pass
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
 
 
 LOCAL_CALL_LIMIT_S = 1e9  # a local call cannot be interrupted: no time limit
@@ -139,6 +104,7 @@ class SpeculativeEngine:
         self.speculation_token_budget = speculation_token_budget
         self._ids = itertools.count()
         self.timings = {"draft_s": 0.0, "verify_s": 0.0}  # cumulative seconds, for benchmarks
+        self.last_stats = ServiceStats()  # the rounds of the last generate / run_round call
 
     @classmethod
     def load(cls, target: str, drafter: str | None, dtype="float32", device="cpu", max_sessions=16,
@@ -146,12 +112,12 @@ class SpeculativeEngine:
              matmul_precision: str = "highest", kv_cache_dtype: str = "auto") -> "SpeculativeEngine":
         path = resolve_model_path(target)
         verifier = TorchTargetRunner(str(path), dtype, device, max_sessions, max_model_len,
-                                     load_feature_head(drafter), packed_weights=packed_weights,
-                                     matmul_precision=matmul_precision, kv_cache_dtype=kv_cache_dtype)
+                                     load_feature_source(drafter),
+                                     options=RunnerOptions(packed_weights=packed_weights,
+                                                           matmul_precision=matmul_precision,
+                                                           kv_cache_dtype=kv_cache_dtype))
         proposer = None
         if drafter is not None:
-            from moa_serve.drafter.baselines import load_proposer  # picks MoA / EAGLE / independent by kind
-
             proposer = load_proposer(drafter, target=target, dtype=dtype, device=device, max_sessions=max_sessions,
                                         max_model_len=verifier.max_model_len, target_model=verifier.model)
         tok = load_tokenizer(path)
@@ -194,6 +160,7 @@ class SpeculativeEngine:
             await service.rounds.run(0, batch, batch)
             pools.raise_first_error()
             await pools.release(0, [s.id for s in active if s.finished])
+            self._account(service)
         _run(one_round())
 
     def release(self, session_id: str) -> None:
@@ -222,12 +189,16 @@ class SpeculativeEngine:
             await service.stop()
             for s in sessions:  # the service releases before a group's next round: the last ones here
                 self.release(s.id)
-        self.timings["draft_s"] += service.stats.draft_s
-        self.timings["verify_s"] += service.stats.verify_s
+        self._account(service)
         for t in tracked:
             if t.session.finish_reason and t.session.finish_reason.startswith("error"):
                 raise RuntimeError(f"session {t.session.id}: {t.session.finish_reason}")
         return [self._result(t.session, ended[t.session.id] - t.admitted) for t in tracked]
+
+    def _account(self, service: RoundService) -> None:
+        self.last_stats = service.stats
+        self.timings["draft_s"] += service.stats.draft_s
+        self.timings["verify_s"] += service.stats.verify_s
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = GREEDY,
                  num_speculative_tokens: int = 4, ignore_eos: bool = False,

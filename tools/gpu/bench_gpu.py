@@ -76,11 +76,12 @@ import torch  # noqa: E402
 
 from moa_serve.drafter.config import DrafterConfig  # noqa: E402
 from moa_serve.drafter.model import MoADrafter, TargetParts  # noqa: E402
-from moa_serve.drafter.proposer import DraftRequest, MoAProposer  # noqa: E402
+from moa_serve.drafter.proposer import MoAProposer  # noqa: E402
+from moa_serve.protocol import DraftRequest  # noqa: E402
 from moa_serve.engine.engine import SpeculativeEngine, load_feature_head  # noqa: E402
 from moa_serve.kv_cache import PackedBatch  # noqa: E402
 from moa_serve.layers import Linear, RMSNorm, Rotary  # noqa: E402
-from moa_serve.verifier.api import VerifyRequest  # noqa: E402
+from moa_serve.protocol import VerifyRequest  # noqa: E402
 from moa_serve.target_model import TargetArch, TargetModel, rotary_for  # noqa: E402
 from moa_serve.verifier.torch_runner import TorchTargetRunner  # noqa: E402
 from tools.gpu.replay import ReplayProposer, corruption_for, tau_for  # noqa: E402
@@ -688,25 +689,18 @@ def e2e_section(run: Run, models: dict, dtype: torch.dtype) -> None:
                     continue
                 proposer = ReplayProposer(prompts, refs, p, vocab, seed=int(tau * 10) + k)
                 engine = SpeculativeEngine(runner, proposer, None, frozenset(), max_batch=b)
-                rounds = [0]
-                orig = engine.run_round
-
-                def counted(active, orig=orig, rounds=rounds):
-                    rounds[0] += 1
-                    return orig(active)
-                engine.run_round = counted
                 sync(d)
                 t = time.perf_counter()
                 outs = engine.generate(prompts, n_new, num_speculative_tokens=k, ignore_eos=True)
                 sync(d)
                 s = time.perf_counter() - t
                 tps = b * n_new / s
-                row.update(tau=round(sum(o.mean_accepted_length for o in outs) / b, 3), rounds=rounds[0],
+                row.update(tau=round(sum(o.mean_accepted_length for o in outs) / b, 3), rounds=engine.last_stats.rounds,
                            tokens_per_s=round(tps, 1), s=round(s, 3), speedup=round(tps / base_tps, 3),
                            identical_to_plain=compare([o.token_ids for o in outs], refs)["identical"])
                 dm = draft_ms.get((b, k))
                 if dm is not None:
-                    est = s + rounds[0] * dm / 1e3
+                    est = s + engine.last_stats.rounds * dm / 1e3
                     row["est_moa_tok_s"] = round(b * n_new / est, 1)
                     row["est_moa_speedup"] = round(b * n_new / est / base_tps, 3)
                 run.save()
