@@ -19,6 +19,8 @@ from moa_serve.deployments.config import (AppConfig, ConfigError, GatewayConfig,
 from moa_serve.deployments.gateway import Gateway
 from moa_serve.deployments.pools import DrafterPool, VerifierPool
 from moa_serve.deployments.router import Router
+from moa_serve.deployments.vllm_pool import VllmVerifier
+from moa_serve.verifier.vllm_engine import INSTALL_HINT, vllm_available
 
 log = logging.getLogger("ray.serve")
 
@@ -71,8 +73,6 @@ def build_app(args: dict | AppConfig) -> serve.Application:
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
     validate(cfg)
     if cfg.backend == "vllm":
-        from moa_serve.verifier.vllm_engine import INSTALL_HINT, vllm_available
-
         if not vllm_available():
             raise ConfigError(f"backend: vllm, but {INSTALL_HINT}")
     plain = cfg.model_dump()
@@ -80,8 +80,6 @@ def build_app(args: dict | AppConfig) -> serve.Application:
     if cfg.drafter_checkpoint is not None:  # prompt lookup alone needs no pool: the Router drafts
         drafter = DrafterPool.options(**_options(cfg.drafter_pool), request_router_config=AFFINITY).bind(plain)
     if cfg.backend == "vllm":  # vLLM batches every user's steps; its replica calls the drafter pool
-        from moa_serve.deployments.vllm_pool import VllmVerifier
-
         # vLLM steps on its own thread: OpenMP gives a new thread OMP_NUM_THREADS (Ray: num_cpus),
         # not the main thread's setting, and vLLM's CPU attention insists both agree
         pool = cfg.verifier_pool

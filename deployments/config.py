@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from moa_serve.drafter.spec import DrafterSpec, parse_branching
+
 
 class ConfigError(ValueError):
     """A config that cannot work; the message says what to change."""
@@ -191,12 +193,15 @@ class AppConfig(_Strict):
         return self
 
     @property
+    def drafter_spec(self) -> DrafterSpec:
+        """``drafter`` parsed."""
+        return DrafterSpec.parse(self.drafter)
+
+    @property
     def drafter_checkpoint(self) -> str | None:
         """The trained drafter the drafter pool serves (None: no pool; pure prompt lookup runs in
         the Router)."""
-        from moa_serve.drafter.checkpoint import model_checkpoint
-
-        return model_checkpoint(self.drafter)
+        return self.drafter_spec.checkpoint
 
     @property
     def feature_drafter(self) -> str | None:
@@ -207,9 +212,7 @@ class AppConfig(_Strict):
     @property
     def prompt_lookup(self) -> bool:
         """The Router drafts by prompt lookup (``lookup`` / ``hybrid:<checkpoint>``, ``+outputs`` too)."""
-        from moa_serve.drafter.checkpoint import split_drafter_spec
-
-        return self.drafter is not None and split_drafter_spec(self.drafter)[0]
+        return self.drafter_spec.lookup
 
     def pools(self) -> dict[str, PoolConfig]:
         return {"verifier_pool": self.verifier_pool,
@@ -240,9 +243,6 @@ def session_problems(cfg: AppConfig) -> list[str]:
 
 def backend_problems(cfg: AppConfig) -> list[str]:
     """What the vLLM backend cannot serve (and a tree shape that does not parse)."""
-    from moa_serve.drafter.checkpoint import uses_output_store
-    from moa_serve.drafter.proposer import parse_branching
-
     try:
         tree = parse_branching(cfg.branching)
     except ValueError as exc:
@@ -258,7 +258,7 @@ def backend_problems(cfg: AppConfig) -> list[str]:
     if cfg.kv_cache_dtype != "auto":
         out.append(f"kv_cache_dtype {cfg.kv_cache_dtype!r} is a torch-backend setting; with backend vllm the KV cache "
                    "follows dtype")
-    if uses_output_store(cfg.drafter) and cfg.drafter_checkpoint is None:
+    if cfg.drafter_spec.outputs and cfg.drafter_checkpoint is None:
         out.append(f"drafter {cfg.drafter!r}: the output store is looked up in the Router's rounds (backend torch); "
                    "with backend vllm use 'lookup' (vLLM's n-gram proposer)")
     if cfg.drafter is not None and cfg.prompt_lookup and cfg.drafter_checkpoint is not None:
@@ -273,13 +273,12 @@ def backend_problems(cfg: AppConfig) -> list[str]:
 
 def client_problems(cfg: AppConfig) -> list[str]:
     """What ``client_drafter`` cannot be: the verifier runs one drafter's feature head."""
-    from moa_serve.drafter.checkpoint import split_drafter_spec
-
     if cfg.client_drafter is None:
         return []
     out = []
-    lookup, checkpoint = split_drafter_spec(cfg.client_drafter)
-    if lookup:
+    client = DrafterSpec.parse(cfg.client_drafter)
+    checkpoint = client.checkpoint
+    if client.lookup:
         out.append(f"client_drafter {cfg.client_drafter!r}: name the trained checkpoint devices draft with (a device "
                    "puts prompt lookup in front of it itself: moa client generate --drafter hybrid:<checkpoint>)")
     if cfg.backend != "torch":

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moa_serve.deployments.config import AppConfig, ConfigError, PoolConfig
+from moa_serve.drafter.spec import FORMAT, PACKAGED, DrafterSpec
+from moa_serve.model_files import read_config, resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +107,6 @@ def _numel(shape) -> int:
 
 def _local_drafter(name: str) -> Path | None:
     """The drafter's folder if it is on this machine (no hub download at build time)."""
-    from moa_serve.drafter.checkpoint import PACKAGED
-
     cands = [Path(name).expanduser(), PACKAGED / name]
     if os.environ.get("MOA_MODEL_DIR"):
         base = Path(os.environ["MOA_MODEL_DIR"]).expanduser()
@@ -118,9 +118,7 @@ def _local_drafter(name: str) -> Path | None:
 
 
 def drafter_shape(name: str, target: ModelShape) -> DrafterShape:
-    from moa_serve.drafter.checkpoint import split_drafter_spec
-
-    lookup, ckpt = split_drafter_spec(name)
+    ckpt = DrafterSpec.parse(name).checkpoint
     if ckpt is None:  # prompt lookup: token lists only, no weights
         return DrafterShape("lookup", 0, 0, 0, 0)
     name = ckpt
@@ -130,7 +128,7 @@ def drafter_shape(name: str, target: ModelShape) -> DrafterShape:
     raw = json.loads((path / "config.json").read_text())
     shapes = _safetensors_shapes(path / "model.safetensors")
     draft_vocab = _numel(shapes.get("draft_vocab_ids", [0])) if "draft_vocab_ids" in shapes else 0
-    kind = raw.get("kind", "moa") if raw.get("format") == "moa-serve-drafter" else "moa"
+    kind = raw.get("kind", "moa") if raw.get("format") == FORMAT else "moa"
     tli = int(raw.get("target_layer_inference", 0))
     if kind == "moa":
         head = sum(_numel(s) for k, s in shapes.items() if k.startswith(("self_attention.", "cross_attention.")))
@@ -235,8 +233,6 @@ def drafter_fit(cfg: AppConfig, target: ModelShape, drafter: DrafterShape) -> Fi
 
 
 def target_shape(cfg: AppConfig) -> ModelShape:
-    from moa_serve.model_files import read_config, resolve_model_path
-
     return ModelShape.from_hf(read_config(resolve_model_path(cfg.target, weights=False)))
 
 

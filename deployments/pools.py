@@ -20,31 +20,26 @@ import concurrent.futures
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Any
 
+import torch
 from ray import serve
 
+from moa_serve.cs.fingerprint import model_fingerprint
 from moa_serve.deployments.autoscaling import SESSIONS_METRIC
 from moa_serve.deployments.config import AppConfig, PoolConfig
+from moa_serve.deployments.metrics import PoolMetrics
+from moa_serve.drafter.checkpoint import load_draft_vocab
+from moa_serve.drafter.registry import load_feature_source, load_proposer
+from moa_serve.drafter.spec import parse_branching
+from moa_serve.protocol import PoolReply
+from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
 
 log = logging.getLogger("ray.serve")
 
 ACTIVE_WINDOW_S = 15.0  # a session used within this window counts as held by the replica
 
 
-@dataclass
-class PoolReply:
-    """What a pool call returns: the backend's results plus who did the work and how long it took."""
-    results: Any
-    replica: str
-    compute_s: float  # on the replica's worker thread
-    queued_s: float  # waiting for the worker thread (behind other groups' calls)
-
-
 def _threads(pool: PoolConfig) -> None:
-    import torch
-
     torch.set_num_threads(pool.threads())
 
 
@@ -59,8 +54,6 @@ class _Pool:
     pool_name = "pool"
 
     def __init__(self):
-        from moa_serve.deployments.metrics import PoolMetrics
-
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moa-forward")
         self._replica = _replica_name()
         self._metrics = PoolMetrics(self.pool_name)
@@ -125,22 +118,15 @@ class VerifierPool(_Pool):
 
     def __init__(self, cfg: dict):
         super().__init__()
-        from moa_serve.cs.fingerprint import model_fingerprint
-        from moa_serve.drafter.checkpoint import load_draft_vocab
-        from moa_serve.engine.engine import load_feature_head
-        from moa_serve.verifier.torch_runner import TorchTargetRunner
-
         self.cfg = AppConfig.model_validate(cfg)
         pool = self.cfg.verifier_pool
         _threads(pool)
+        options = RunnerOptions(max_num_batched_tokens=pool.max_num_batched_tokens,
+                                packed_weights=self.cfg.packed_weights, prefix_caching=pool.prefix_caching,
+                                matmul_precision=self.cfg.matmul_precision, kv_cache_dtype=self.cfg.kv_cache_dtype)
         self.runner = TorchTargetRunner(self.cfg.target, self.cfg.dtype, self.cfg.device, pool.max_sessions,
-                                        self.cfg.max_model_len, load_feature_head(self.cfg.feature_drafter),
-                                        max_num_batched_tokens=pool.max_num_batched_tokens,
-                                        packed_weights=self.cfg.packed_weights, prefix_caching=pool.prefix_caching,
-                                        matmul_precision=self.cfg.matmul_precision,
-                                        kv_cache_dtype=self.cfg.kv_cache_dtype,
-                                        draft_vocab=load_draft_vocab(self.cfg.feature_drafter)
-                                        if self.cfg.feature_drafter else None)
+                                        self.cfg.max_model_len, load_feature_source(self.cfg.feature_drafter),
+                                        draft_vocab=load_draft_vocab(self.cfg.feature_drafter), options=options)
         self.target_fingerprint = model_fingerprint(self.runner.model)  # client-server handshake
         log.info("VerifierPool %s ready: %s", self._replica, self.cfg.target)
 
@@ -165,9 +151,6 @@ class DrafterPool(_Pool):
 
     def __init__(self, cfg: dict):
         super().__init__()
-        from moa_serve.drafter.baselines import load_proposer
-        from moa_serve.drafter.proposer import parse_branching
-
         self.cfg = AppConfig.model_validate(cfg)
         pool = self.cfg.drafter_pool
         _threads(pool)

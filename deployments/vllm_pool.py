@@ -22,11 +22,15 @@ import uuid
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from moa_serve.deployments import fit
 from moa_serve.deployments.autoscaling import SESSIONS_METRIC
 from moa_serve.deployments.config import AppConfig
 from moa_serve.deployments.pools import _replica_name, _threads
 from moa_serve.deployments.stats import CallStats
+from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.sampling import SamplingParams
+from moa_serve.verifier.engine_loop import EngineLoop
+from moa_serve.verifier.vllm_engine import VllmEngine, VllmOptions
 
 log = logging.getLogger("ray.serve")
 
@@ -59,10 +63,6 @@ class PoolDraftSource:
 @serve.deployment(name="VllmVerifier")
 class VllmVerifier:
     def __init__(self, cfg: dict, drafter: DeploymentHandle | None = None):
-        from moa_serve.deployments import fit
-        from moa_serve.verifier.engine_loop import EngineLoop
-        from moa_serve.verifier.vllm_engine import VllmEngine
-
         self.cfg = AppConfig.model_validate(cfg)
         pool = self.cfg.verifier_pool
         self._replica = _replica_name()
@@ -71,13 +71,16 @@ class VllmVerifier:
         _threads(pool)
         kv_gib = fit.vllm_kv_bytes(self.cfg, fit.target_shape(self.cfg)) / fit.GiB
         self.source = PoolDraftSource(drafter, self._replica) if drafter is not None else None
-        self.engine = VllmEngine(
-            self.cfg.target, self.cfg.drafter_checkpoint, num_speculative_tokens=self.cfg.num_speculative_tokens,
-            ngram=self.cfg.drafter == "lookup", dtype=self.cfg.dtype, max_model_len=self.cfg.max_model_len,
-            max_num_seqs=pool.max_sessions, kv_cache_gib=kv_gib, max_num_batched_tokens=pool.max_num_batched_tokens,
-            draft_source=self.source,
+        options = VllmOptions(
+            num_speculative_tokens=self.cfg.num_speculative_tokens, ngram=self.cfg.drafter == "lookup",
+            dtype=self.cfg.dtype, max_model_len=self.cfg.max_model_len, max_num_seqs=pool.max_sessions,
+            kv_cache_gib=kv_gib, max_num_batched_tokens=pool.max_num_batched_tokens,
             retry_after_s=self.cfg.router.retry_after_s, speculation_governor=self.cfg.router.speculation_governor,
             device=self.cfg.device, prefix_caching=pool.prefix_caching)
+        checkpoint = self.cfg.drafter_checkpoint
+        self.engine = VllmEngine(self.cfg.target, checkpoint, options,
+                                 features=load_feature_source(checkpoint) if checkpoint is not None else None,
+                                 draft_source=self.source, proposer_factory=load_proposer)
         self.loop = EngineLoop(self.engine, name="vllm-steps").start()
         log.info("VllmVerifier %s ready: %s (drafter %s)", self._replica, self.cfg.target, self.cfg.drafter)
 

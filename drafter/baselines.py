@@ -21,13 +21,13 @@ from torch import nn
 
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.model import TargetParts
-from moa_serve.drafter.proposer import DraftRequest, ProposerBase, last_position, load_for_drafting
+from moa_serve.drafter.proposer import ProposerBase, last_position, load_for_drafting
+from moa_serve.protocol import DraftRequest
 from moa_serve.kv_cache import SlotKVCache
 from moa_serve.layers import DecoderLayer, RMSNorm
 
 
 class EagleDrafter(nn.Module):
-    feature_kind = "hidden"
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -44,7 +44,6 @@ class EagleDrafter(nn.Module):
 
 
 class IndependentDrafter(nn.Module):
-    feature_kind = "none"
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -204,44 +203,3 @@ class IndependentProposer(_BaselineProposer):
 
     def _inputs(self, ctx, batch, tokens, step, feed):
         return self.parts.embed_tokens(tokens)
-
-
-class HiddenFeatures(nn.Module):
-    """The verifier-side "feature head" of EAGLE-style drafters: the target's last hidden state
-    (after the final norm) of each newly verified position, passed through unchanged."""
-
-    input_kind = "hidden"
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
-
-
-def load_proposer(drafter: str, target: str | None = None, dtype="float32", device="cpu", max_sessions: int = 16,
-                  max_model_len: int = 2048, target_model=None) -> ProposerBase:
-    """The proposer of a drafter spec: a checkpoint by its config's ``kind`` (MoA, EAGLE-style or
-    independent), ``lookup`` (prompt lookup) or ``hybrid:<checkpoint>`` (both); ``lookup+outputs`` /
-    ``hybrid+outputs:<checkpoint>`` add the target's earlier replies to the lookup. With ``target_model`` (the in-process engine) it shares that model's
-    embeddings / LM head / layers; without (a drafter replica) it reads only those tensors from
-    ``target`` (default: the checkpoint's ``target_name_or_path``), never the whole target."""
-    from moa_serve.drafter.checkpoint import drafter_kind, split_drafter_spec, uses_output_store
-    from moa_serve.drafter.lookup import HybridProposer, PromptLookupProposer
-    from moa_serve.drafter.proposer import MoAProposer
-
-    lookup, ckpt = split_drafter_spec(drafter)
-    if lookup:
-        model = None if ckpt is None else load_proposer(ckpt, target, dtype, device, max_sessions, max_model_len,
-                                                        target_model)
-        store, gate = None, None
-        if uses_output_store(drafter):
-            from moa_serve.drafter.outputs import GATE_ALONE, GATE_BEFORE_MODEL, output_store_for
-
-            store = output_store_for(target or (model.cfg.target_name_or_path if model is not None else None))
-            gate = GATE_ALONE if model is None else GATE_BEFORE_MODEL
-        # the lookup copy never evicts before the model's (it would force needless resyncs)
-        lk = PromptLookupProposer(max_sessions=4 * max_sessions, max_model_len=max_model_len, store=store,
-                                  store_gate=gate)
-        return lk if model is None else HybridProposer(lk, model)
-    kind = drafter_kind(drafter)
-    cls = {"moa": MoAProposer, "eagle": EagleProposer, "independent": IndependentProposer}[kind]
-    return cls.load(drafter, target=target, dtype=dtype, device=device, max_sessions=max_sessions,
-                    max_model_len=max_model_len, target_model=target_model)

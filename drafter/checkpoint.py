@@ -17,37 +17,17 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from moa_serve.drafter.config import FORMAT, DrafterConfig
+from moa_serve.drafter.model import MoADrafter, init_weights
+from moa_serve.drafter.spec import DrafterSpec, resolve_drafter_path
+from moa_serve.model_files import read_config, resolve_model_path
 from moa_serve.target_model import TargetArch
 
-PACKAGED = Path(__file__).resolve().parent / "checkpoints"
 DRAFT_VOCAB_KEY = "draft_vocab_ids"
 _PARTS = ("layer_self_attention", "self_attention", "cross_attention")
-
-
-class DrafterNotFoundError(ValueError):
-    pass
-
-
-def resolve_drafter_path(name_or_path: str) -> Path:
-    p = Path(name_or_path).expanduser()
-    for cand in (p, PACKAGED / str(name_or_path)):
-        if (cand / "config.json").is_file() and (cand / "model.safetensors").is_file():
-            return cand.resolve()
-    if str(name_or_path).count("/") == 1 and not p.exists():
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(str(name_or_path)))
-        except Exception as exc:
-            raise DrafterNotFoundError(
-                f"drafter {name_or_path!r} is neither a local checkpoint folder nor one packaged with "
-                f"moa-serve ({', '.join(sorted(x.name for x in PACKAGED.glob('*')) or ['none'])}), and the hub "
-                f"could not provide it ({type(exc).__name__})") from exc
-    raise DrafterNotFoundError(
-        f"drafter {name_or_path!r} not found: expected config.json and model.safetensors in that folder")
 
 
 def _state(path: Path) -> dict[str, torch.Tensor]:
@@ -95,76 +75,13 @@ def load_drafter(name_or_path: str) -> tuple[DrafterConfig, dict[str, torch.Tens
     return cfg, state
 
 
-# drafter specs beside checkpoint names: "lookup" (prompt lookup, no model) and
-# "hybrid:<checkpoint>" (prompt lookup where the text repeats, the checkpoint's drafts elsewhere);
-# "+outputs" after either ("lookup+outputs", "hybrid+outputs:<checkpoint>") looks the target's
-# earlier replies up too where the context has no match (drafter/outputs.py)
-LOOKUP = "lookup"
-HYBRID_PREFIX = "hybrid:"
-OUTPUTS = "+outputs"
-LOOKUP_OUTPUTS = LOOKUP + OUTPUTS
-HYBRID_OUTPUTS_PREFIX = "hybrid" + OUTPUTS + ":"
-
-
-def split_drafter_spec(spec: str) -> tuple[bool, str | None]:
-    """(uses prompt lookup, the model checkpoint or None) of a drafter spec."""
-    spec = str(spec)
-    if spec in (LOOKUP, LOOKUP_OUTPUTS):
-        return True, None
-    for prefix in (HYBRID_PREFIX, HYBRID_OUTPUTS_PREFIX):
-        if spec.startswith(prefix):
-            ckpt = spec[len(prefix):]
-            if not ckpt:
-                raise DrafterNotFoundError(f"drafter {spec!r}: name a checkpoint after {prefix!r}, "
-                                           f"e.g. {prefix}smollm2-135m-instruct-moa")
-            return True, ckpt
-    return False, spec
-
-
-def uses_output_store(spec: str | None) -> bool:
-    """Whether a drafter spec's lookup reads the target's earlier replies too (``+outputs``)."""
-    return spec is not None and (str(spec) == LOOKUP_OUTPUTS or str(spec).startswith(HYBRID_OUTPUTS_PREFIX))
-
-
-def model_checkpoint(spec: str | None) -> str | None:
-    """The trained drafter checkpoint a spec loads (None for none or pure prompt lookup)."""
-    return None if spec is None else split_drafter_spec(spec)[1]
-
-
-def drafter_kind(name_or_path: str) -> str:
-    """The kind of a drafter ("moa", "eagle", "independent") from its checkpoint's config alone
-    (the reference layout is always MoA); "lookup" for prompt lookup. A hybrid spec has its
-    checkpoint's kind (that is what decides the features it needs)."""
-    raw = _raw_config(name_or_path)
-    if raw is None:
-        return LOOKUP
-    return raw.get("kind", "moa") if raw.get("format") == FORMAT else "moa"
-
-
-def reads_latest_feature_only(name_or_path: str | None) -> bool:
-    """Whether a drafter's cross-attention reads only the freshest verified feature (an MoA drafter
-    trained with ``cross_attention_latest_only``): then a position's feature is needed only while
-    it is the latest, and the features of older positions need not travel."""
-    raw = _raw_config(name_or_path)
-    return raw is not None and raw.get("format") == FORMAT and raw.get("kind", "moa") == "moa" \
-        and bool(raw.get("cross_attention_latest_only", False))
-
-
-def _raw_config(name_or_path: str | None) -> dict | None:
-    """The ``config.json`` of the checkpoint a drafter spec loads (None: none or prompt lookup)."""
-    ckpt = model_checkpoint(name_or_path)
-    return None if ckpt is None else json.loads((resolve_drafter_path(ckpt) / "config.json").read_text())
-
-
-def load_draft_vocab(drafter: str) -> torch.Tensor | None:
+def load_draft_vocab(drafter: "str | DrafterSpec | None") -> torch.Tensor | None:
     """The draft vocabulary of a drafter checkpoint: target token ids (long, [V'], on CPU) whose
     rows the drafter's LM head keeps, in the order of its outputs; ``None`` when the drafter
     drafts over the whole target vocabulary. When sampling, a drafter ships q as [K, V'] over
     this vocabulary: ``q_full[:, vocab] = q`` (every other token has probability 0). Reads only
     that tensor of the checkpoint."""
-    from safetensors import safe_open
-
-    drafter = model_checkpoint(drafter)
+    drafter = DrafterSpec.parse(drafter).checkpoint
     if drafter is None:
         return None
     path = resolve_drafter_path(drafter)
@@ -188,9 +105,6 @@ def save_drafter(out_dir: str | Path, cfg: DrafterConfig, state: dict[str, torch
 def init_drafter(target: str, out_dir: str | Path, seed: int = 0, target_layer_inference: int = 0,
                  **sizes) -> Path:
     """Writes an untrained MoA drafter sized for ``target`` (the starting point of training)."""
-    from moa_serve.drafter.model import MoADrafter, init_weights
-    from moa_serve.model_files import read_config, resolve_model_path
-
     path = resolve_model_path(target)
     arch = TargetArch.from_hf_config(read_config(path))
     cfg = DrafterConfig(target=arch, target_name_or_path=str(target),

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from moa_serve.layers import LayerShape
+from moa_serve.drafter.spec import FORMAT
 from moa_serve.target_model import TargetArch
 
-FORMAT = "moa-serve-drafter"
 KINDS = ("moa", "eagle", "independent")
 
 

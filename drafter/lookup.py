@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from moa_serve.drafter.proposer import DraftRequest, DraftResult
+from moa_serve.protocol import DraftRequest, DraftResult
 
 
 class NgramIndex:

@@ -23,6 +23,7 @@ from torch import nn
 
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.layers import MLP, Attention, DecoderLayer, LayerShape, RMSNorm, Rotary, attend
+from moa_serve.model_files import load_selected_tensors, read_config, resolve_model_path
 from moa_serve.target_model import TargetArch, TargetModel, assign_weights
 
 
@@ -153,8 +154,6 @@ class TargetParts(nn.Module):
              device: str | torch.device = "cpu") -> "TargetParts":
         """Reads only the tensors the parts need from the target's weight files (never the whole
         target: for an 8B target, embeddings + LM head are about 1/8 of it)."""
-        from moa_serve.model_files import load_selected_tensors, read_config, resolve_model_path
-
         path = resolve_model_path(target)
         hf_config = read_config(path)
         arch = TargetArch.from_hf_config(hf_config)

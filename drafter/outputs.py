@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 
-from moa_serve.drafter.training.regenerate import pack_replies
+from moa_serve.model_files import load_tokenizer, resolve_model_path
+
 
 # How sure the store must be, by what stands behind it (tuned on Spec-Bench, README "Output store"):
 # with no model (``lookup+outputs``) any suffix of 2+ tokens and its most frequent continuation
@@ -171,6 +173,11 @@ def reply_files(source: str | Path) -> list[Path]:
     return files
 
 
+def pack_replies(entry: dict) -> list[str]:
+    """The target's replies a pack line holds (``reply``: one; ``replies``: several, in turn order)."""
+    return entry["replies"] if "replies" in entry else [entry["reply"]]
+
+
 def read_replies(source: str | Path) -> list[str]:
     """The replies in ``.jsonl`` / ``.jsonl.gz`` files (or a folder of them): lines with ``reply``
     or ``replies`` (``moa regenerate --pack``) or chat ``messages`` (its unpacked output: the
@@ -221,10 +228,6 @@ def output_store_for(target: str | None) -> OutputStore:
     """The output store a ``+outputs`` drafter spec reads for ``target``: the files or folder in
     ``$MOA_OUTPUTS`` if set, else the packs shipped for that target. Built once per process (every
     session and proposer shares it)."""
-    import os
-
-    from moa_serve.model_files import load_tokenizer, resolve_model_path
-
     if not target:
         raise ValueError("an output store needs the target's name (its tokenizer and its packed replies)")
     source = os.environ.get("MOA_OUTPUTS") or None

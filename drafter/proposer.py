@@ -25,43 +25,13 @@ import torch
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.model import DraftHead, MoADrafter, TargetParts
-from moa_serve.sampling import GREEDY, SamplingParams
+from moa_serve.drafter.spec import TreeShape
+from moa_serve.protocol import DraftRequest, DraftResult
+from moa_serve.sampling import generator_for, sample, warp_probs
 from moa_serve.kernels.packed import FusedStack, fuse_projections, pack_bf16_exact, packed_lm_head
 from moa_serve.kv_cache import SlotKVCache
 from moa_serve.model_files import load_selected_tensors, read_config, resolve_model_path, target_dtype
-from moa_serve.verifier.acceptance import generator_for, sample, warp_probs
 from moa_serve.target_model import TargetArch, TargetModel
-
-
-@dataclass
-class DraftRequest:
-    """One session's share of a draft call. Like ``VerifyRequest``, tokens travel as deltas: the
-    session's committed tokens are ``replica_copy[:base] + tokens`` (``base=0``: the whole list)."""
-    session_id: str
-    tokens: list[int]  # committed tokens from position ``base`` on
-    num_drafts: int
-    feature_start: int = 0
-    # [n, H] for positions feature_start ... A drafter that reads only the latest verified feature
-    # (MoA with cross_attention_latest_only) takes them past a gap: the positions skipped are
-    # never read, so a verifier may send just the newest one
-    features: torch.Tensor | None = None
-    sampling: SamplingParams = GREEDY
-    base: int = 0
-
-
-@dataclass
-class DraftResult:
-    session_id: str
-    drafts: list[int]
-    # [K, V'] over the checkpoint's draft vocabulary (or [K, V] without one) when sampling
-    probs: torch.Tensor | None = None
-    # tree drafts (greedy, a proposer with ``branching``): per draft, the drafter's runners-up at
-    # that depth, verified beside it (``VerifyRequest.alternatives``)
-    alternatives: list[list[int]] = field(default_factory=list)
-    needs_features_from: int | None = None  # features missing: resend from this position
-    # the replica does not hold ``base`` committed tokens: resend with base=0 (nothing changed;
-    # needs_features_from then says how many features it holds: 0 for a session it lacks)
-    resync: bool = False
 
 
 @dataclass
@@ -99,66 +69,6 @@ def load_for_drafting(drafter: str, target: str | None, dtype, device, target_mo
 def _check_target(cfg: DrafterConfig, arch: TargetArch) -> None:
     if arch != cfg.target:
         raise ValueError(f"the drafter was made for another target: {cfg.target} != {arch}")
-
-
-MAX_BRANCHING = 16
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """Tree drafts: ``widths`` = candidates per draft depth (``(4, 2)``: the drafter's top 4 at the
-    first depth, its top 2 at the second, the top 1 beyond; the top one is drafted on, the others
-    are verified beside it as leaves); ``min_value`` > 0 makes the tree dynamic (EAGLE-2's idea): a
-    candidate goes only if the drafter's own estimate that it is the target's token there (the
-    product of the chain's top-1 probabilities before its depth, times its probability) reaches it."""
-    widths: tuple[int, ...] = ()
-    min_value: float = 0.0
-
-    def __bool__(self) -> bool:
-        return bool(self.widths)
-
-    @property
-    def label(self) -> str:
-        if not self.widths:
-            return "chain"
-        return "-".join(map(str, self.widths)) + (f"@{self.min_value:g}" if self.min_value > 0 else "")
-
-
-def parse_branching(text: "str | TreeShape | tuple | list | None") -> TreeShape:
-    """``"4-2-2"`` (fixed widths per depth), ``"8-3-2@0.05"`` (the same, candidates worth less than
-    0.05 dropped: ``TreeShape.min_value``); ``""``, ``"1"`` or ``"chain"``: a plain chain."""
-    if isinstance(text, TreeShape):
-        return text
-    if text is None:
-        return TreeShape()
-    min_value = 0.0
-    if isinstance(text, (tuple, list)):
-        widths = [int(w) for w in text]
-    else:
-        text = str(text).strip()
-        if text in ("", "chain"):
-            return TreeShape()
-        shape, _, value = text.partition("@")
-        try:
-            widths = [int(w) for w in shape.split("-")]
-            min_value = float(value) if value else 0.0
-        except ValueError:
-            raise ValueError(f"branching must look like 4-2-2 or 8-3-2@0.05 (candidates per draft depth, "
-                             f"optionally the least worth of a candidate); got {text!r}") from None
-    if any(not 1 <= w <= MAX_BRANCHING for w in widths):
-        raise ValueError(f"branching widths must be between 1 and {MAX_BRANCHING}; got {widths}")
-    if not 0.0 <= min_value < 1.0:
-        raise ValueError(f"branching: a candidate's least worth (after @) must be in [0, 1); got {min_value}")
-    while widths and widths[-1] == 1:
-        widths.pop()
-    return TreeShape(tuple(widths), min_value if widths else 0.0)
-
-
-def parse_branchings(text: str | None, keywords: tuple[str, ...] = ()) -> list:
-    """Comma-separated shapes (``"chain,4-2,8-3-2@0.05"``), each once, in order; empty: a chain.
-    A word in ``keywords`` (a caller's own choice, e.g. the client's ``auto``) stays that string."""
-    return list(dict.fromkeys(b.strip() if b.strip() in keywords else parse_branching(b)
-                              for b in (text or "chain").split(",")))
 
 
 def rollback_point(fed: list[int], committed: list[int]) -> int:

@@ -8,7 +8,7 @@ import torch
 from moa_serve import kernels
 from moa_serve.kernels.packed import PackedLinear, PackedMatrix, pack_target
 from moa_serve.kv_cache import PackedBatch
-from moa_serve.verifier.api import VerifyRequest
+from moa_serve.protocol import VerifyRequest
 from moa_serve.verifier.torch_runner import TorchTargetRunner
 from tests.test_kernels import assert_rows_batch_invariant
 

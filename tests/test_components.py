@@ -10,10 +10,11 @@ from safetensors.torch import save_file
 from moa_serve.drafter.checkpoint import load_drafter, save_drafter
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.model import MoADrafter, TargetParts, init_weights
-from moa_serve.drafter.proposer import DraftRequest, MoAProposer
+from moa_serve.drafter.proposer import MoAProposer
+from moa_serve.protocol import DraftRequest
 from moa_serve.kv_cache import PackedBatch
 from moa_serve.model_files import load_state_dict, read_config
-from moa_serve.verifier.api import VerifyRequest
+from moa_serve.protocol import VerifyRequest
 from moa_serve.target_model import TargetArch, TargetModel
 from moa_serve.verifier.torch_runner import TorchTargetRunner
 

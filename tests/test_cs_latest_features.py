@@ -6,7 +6,8 @@ drafts when it receives them all, so the output stays the target's and only byte
 import pytest
 
 from moa_serve.client import DeviceDrafter
-from moa_serve.drafter.checkpoint import init_drafter, reads_latest_feature_only
+from moa_serve.drafter.checkpoint import init_drafter
+from moa_serve.drafter.spec import DrafterSpec
 from moa_serve.engine.engine import SpeculativeEngine
 from tests.cs_harness import serving
 from tests.test_cs_client import generator
@@ -29,7 +30,8 @@ def server(stories_path, latest_drafter):
 def test_only_the_freshest_feature_travels_and_the_drafts_do_not_change(server, stories_path, latest_drafter,
                                                                          stories_drafter):
     srv, uv = server
-    assert reads_latest_feature_only(str(latest_drafter)) and not reads_latest_feature_only(str(stories_drafter))
+    assert DrafterSpec.parse(str(latest_drafter)).latest_feature_only \
+        and not DrafterSpec.parse(str(stories_drafter)).latest_feature_only
     assert srv.identity.feature_positions == "latest"
     plain = SpeculativeEngine.load(str(stories_path), None, "float32")
     device = DeviceDrafter.load(str(latest_drafter), str(stories_path), "float32", 512)

@@ -13,7 +13,7 @@ import torch
 from moa_serve import kernels
 from moa_serve.layers import DecoderLayer, LayerShape, fuse_dense_projections
 from tools.gpu.replay import ReplayProposer, corruption_for, tau_for
-from moa_serve.drafter.proposer import DraftRequest
+from moa_serve.protocol import DraftRequest
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,11 +7,12 @@ import random
 import pytest
 import torch
 
-from moa_serve.drafter.baselines import load_proposer
-from moa_serve.drafter.checkpoint import DrafterNotFoundError, drafter_kind, load_draft_vocab, split_drafter_spec
+from moa_serve.drafter.checkpoint import load_draft_vocab
+from moa_serve.drafter.registry import load_feature_source, load_proposer
+from moa_serve.drafter.spec import DrafterNotFoundError, DrafterSpec
 from moa_serve.drafter.lookup import HybridProposer, NgramIndex, PromptLookupProposer
-from moa_serve.drafter.proposer import DraftRequest, DraftResult
-from moa_serve.engine.engine import SpeculativeEngine, load_feature_head
+from moa_serve.protocol import DraftRequest, DraftResult
+from moa_serve.engine.engine import SpeculativeEngine
 from moa_serve.sampling import SamplingParams
 from moa_serve.verifier.acceptance import accept_sampling
 from tests.test_lossless import NEW_TOKENS, STORY_PROMPTS, hf_greedy
@@ -127,6 +128,15 @@ def test_hybrid_starts_both_copies_over_on_resync():
     assert r.resync and r.drafts == []
 
 
+def split_drafter_spec(text):
+    spec = DrafterSpec.parse(text)
+    return spec.lookup, spec.checkpoint
+
+
+def drafter_kind(text):
+    return DrafterSpec.parse(text).kind
+
+
 def test_drafter_specs():
     assert split_drafter_spec("lookup") == (True, None)
     assert split_drafter_spec("hybrid:smollm2-135m-instruct-moa") == (True, "smollm2-135m-instruct-moa")
@@ -135,7 +145,7 @@ def test_drafter_specs():
         split_drafter_spec("hybrid:")
     assert drafter_kind("lookup") == "lookup"
     assert drafter_kind("hybrid:smollm2-135m-instruct-eagle") == "eagle"
-    assert load_draft_vocab("lookup") is None and load_feature_head("lookup") is None
+    assert load_draft_vocab("lookup") is None and load_feature_source("lookup") is None
     assert isinstance(load_proposer("lookup", max_sessions=2), PromptLookupProposer)
 
 

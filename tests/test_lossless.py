@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moa_serve.drafter.proposer import DraftResult
+from moa_serve.protocol import DraftResult
 from moa_serve.engine.engine import SpeculativeEngine
 
 STORY_PROMPTS = [

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from moa_serve.drafter.checkpoint import (DrafterNotFoundError, split_drafter_spec, uses_output_store)
+from moa_serve.drafter.spec import DrafterNotFoundError, DrafterSpec
 from moa_serve.drafter.lookup import LookupTable, PromptLookupProposer
 from moa_serve.drafter.outputs import OutputStore, load_output_store, read_replies
-from moa_serve.drafter.proposer import DraftRequest
+from moa_serve.protocol import DraftRequest
 from moa_serve.engine.engine import SpeculativeEngine
 from tests.test_lossless import NEW_TOKENS, STORY_PROMPTS, hf_greedy
 
@@ -109,6 +109,15 @@ def test_prompt_lookup_falls_back_on_the_store_where_the_context_has_no_match():
     assert r.drafts == [13, 14]
 
 
+def split_drafter_spec(text):
+    spec = DrafterSpec.parse(text)
+    return spec.lookup, spec.checkpoint
+
+
+def uses_output_store(text):
+    return DrafterSpec.parse(text).outputs
+
+
 def test_drafter_specs_with_outputs():
     assert split_drafter_spec("lookup+outputs") == (True, None)
     assert split_drafter_spec("hybrid+outputs:x-moa") == (True, "x-moa")
@@ -196,7 +205,7 @@ def test_the_router_looks_the_store_up_only_for_outputs_specs():
 
 # ---------------------------------------------------------------------- tree drafts from the store
 def test_the_store_offers_its_runners_up_as_alternatives():
-    from moa_serve.drafter.proposer import TreeShape
+    from moa_serve.drafter.spec import TreeShape
 
     store = OutputStore([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 5], [1, 2, 7, 8], [1, 2, 6]], min_n=2, max_n=2)
     # after "1 2": 3 (3 of 5), then 6 and 7 once each (ties: the smaller id first); after "1 2 3": 5, then 4
@@ -216,7 +225,7 @@ def test_the_store_offers_its_runners_up_as_alternatives():
 
 def test_lookup_proposers_send_store_alternatives_for_greedy_sessions_only():
     from moa_serve.drafter.lookup import HybridProposer
-    from moa_serve.drafter.proposer import TreeShape
+    from moa_serve.drafter.spec import TreeShape
     from moa_serve.sampling import SamplingParams
     from tests.test_lookup import RecordingModel
 
@@ -245,7 +254,7 @@ def test_tree_drafts_from_the_store_are_lossless_and_rescue_rounds(stories_path,
     """A store whose majority is wrong every third token and whose runner-up is the target's: the
     alternatives are accepted, and greedy output stays the target's."""
     import moa_serve.drafter.outputs as outputs
-    from moa_serve.drafter.proposer import TreeShape
+    from moa_serve.drafter.spec import TreeShape
 
     tok, prompts, ref = stories_ref
     vocab = 512  # stories260k

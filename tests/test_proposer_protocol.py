@@ -5,10 +5,13 @@ target tensors they need (any drafter kind)."""
 import pytest
 import torch
 
-from moa_serve.drafter.baselines import EagleProposer, IndependentProposer, load_proposer
-from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, drafter_kind, load_draft_vocab, load_drafter
+from moa_serve.drafter.baselines import EagleProposer, IndependentProposer
+from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_draft_vocab, load_drafter
+from moa_serve.drafter.registry import load_proposer
+from moa_serve.drafter.spec import DrafterSpec
 from moa_serve.drafter.model import TargetParts
-from moa_serve.drafter.proposer import DraftRequest, MoAProposer
+from moa_serve.drafter.proposer import MoAProposer
+from moa_serve.protocol import DraftRequest
 from moa_serve.sampling import SamplingParams
 from moa_serve.model_files import load_state_dict, read_config
 from moa_serve.target_model import TargetModel
@@ -280,7 +283,7 @@ def test_any_drafter_kind_drafts_the_same_loaded_either_way(kind, smollm_target)
     """A drafter replica (target tensors read selectively) drafts exactly what the in-process
     engine's proposer (sharing the verifier's full target) drafts."""
     d = smollm_drafter(kind)
-    assert drafter_kind(d) == kind
+    assert DrafterSpec.parse(d).kind == kind
     alone = load_proposer(d, target="HuggingFaceTB/SmolLM2-135M-Instruct", max_sessions=2, max_model_len=64)
     shared = load_proposer(d, target_model=smollm_target, max_sessions=2, max_model_len=64)
     assert type(alone) is type(shared) and type(alone).__name__.lower().startswith(kind[:3])
@@ -371,7 +374,7 @@ def test_tree_drafts_add_the_runners_up_of_greedy_sessions_only(stories_drafter,
         assert greedy.drafts[depth] not in alts and len(set(alts)) == len(alts)
     assert sampled.alternatives == [] and len(sampled.drafts) == 4
     # a dynamic tree keeps a subset of those: the candidates the drafter rates highly enough
-    from moa_serve.drafter.proposer import TreeShape
+    from moa_serve.drafter.spec import TreeShape
 
     kept = {}
     for least in (1e-9, 0.01, 0.999):
@@ -384,7 +387,7 @@ def test_tree_drafts_add_the_runners_up_of_greedy_sessions_only(stories_drafter,
 
 
 def test_branching_is_parsed_and_checked():
-    from moa_serve.drafter.proposer import parse_branching
+    from moa_serve.drafter.spec import parse_branching
 
     assert parse_branching("4-2-2").widths == (4, 2, 2) and parse_branching("4-1-1").widths == (4,)
     assert parse_branching("chain") == parse_branching("") == parse_branching("1") == parse_branching(None)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moa_serve.engine.engine import SpeculativeEngine
-from moa_serve.sampling import SamplingParams
+from moa_serve.sampling import SamplingParams, warp_probs
 from moa_serve.kv_cache import PackedBatch
-from moa_serve.verifier.acceptance import accept_sampling, warp_probs
+from moa_serve.verifier.acceptance import accept_sampling
 
 
 def tv_bound(p: torch.Tensor, n: int, sigmas: float = 4.0) -> float:

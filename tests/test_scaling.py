@@ -19,7 +19,8 @@ ray = pytest.importorskip("ray")
 from moa_serve.deployments.affinity import SessionGroupRouter  # noqa: E402
 from moa_serve.deployments.assignment import GroupAssignment  # noqa: E402
 from moa_serve.deployments.autoscaling import SessionsPolicy  # noqa: E402
-from moa_serve.deployments.pools import PoolReply, _Pool  # noqa: E402
+from moa_serve.deployments.pools import _Pool  # noqa: E402
+from moa_serve.protocol import PoolReply  # noqa: E402
 from moa_serve.deployments.stats import CallStats  # noqa: E402
 
 

@@ -3,7 +3,7 @@ draft source, without vLLM."""
 
 import torch
 
-from moa_serve.drafter.proposer import DraftResult
+from moa_serve.protocol import DraftResult
 from moa_serve.engine.governor import SpeculationGovernor
 from moa_serve.verifier.prefix_features import PrefixFeatures
 from moa_serve.verifier.step_drafting import FeatureBuffer, StepDrafting, StepRow

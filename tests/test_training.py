@@ -149,7 +149,7 @@ def test_eagle_incremental_drafting_equals_parallel_pass(trained_baselines, stor
     also after a rollback round."""
     from moa_serve.drafter.baselines import EagleProposer
     from moa_serve.drafter.model import TargetParts
-    from moa_serve.drafter.proposer import DraftRequest
+    from moa_serve.protocol import DraftRequest
     from moa_serve.model_files import load_state_dict, read_config
     from moa_serve.target_model import TargetModel
 
@@ -431,7 +431,7 @@ def test_value_readout_starts_from_the_targets_state_and_round_trips(tmp_path, s
     from moa_serve.drafter.training.data import batches
     from moa_serve.drafter.model import MoADrafter
     from moa_serve.drafter.training.train import Trainer
-    from moa_serve.engine.engine import load_feature_head
+    from moa_serve.drafter.registry import load_feature_source
 
     paper = Trainer(_tiny_cfg(tmp_path / "a", stories_path, drafters=["moa"], max_steps=3))
     paper.train(progress_bar=False)
@@ -461,7 +461,7 @@ def test_value_readout_starts_from_the_targets_state_and_round_trips(tmp_path, s
     assert "ground" in tr.history[-1]["moa"]
     dcfg, state = load_drafter(str(tmp_path / "b" / "export" / "tiny-moa"))
     assert dcfg.value_readout_layers == 2 and "value_readout.weight" in state
-    served = load_feature_head(str(tmp_path / "b" / "export" / "tiny-moa"))  # what the verifier runs
+    served = load_feature_source(str(tmp_path / "b" / "export" / "tiny-moa"))  # what the verifier runs
     with torch.no_grad():
         assert torch.allclose(served(kv), tr.models["moa"].feature_head(kv), atol=0.05, rtol=0.05)  # bf16 copy
     with pytest.raises(ValueError, match="no place for"):

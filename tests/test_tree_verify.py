@@ -7,11 +7,11 @@ cache left behind (hence every later token and feature) must be the one plain de
 
 import pytest
 import torch
-from torch import nn
 
 from moa_serve import kernels
+from moa_serve.drafter.features import HiddenFeatures
 from moa_serve.model_files import load_state_dict, read_config
-from moa_serve.verifier.api import VerifyRequest
+from moa_serve.protocol import VerifyRequest
 from moa_serve.target_model import TargetModel
 from moa_serve.verifier.torch_runner import TorchTargetRunner
 
@@ -21,21 +21,13 @@ def target(stories_path):
     return TargetModel.from_state_dict(read_config(stories_path), load_state_dict(stories_path), torch.float32)
 
 
-class HiddenFeatures(nn.Module):
-    """A feature head that passes the target's hidden states through (as an EAGLE-style head reads)."""
-    input_kind = "hidden"
-
-    def forward(self, x):
-        return x.clone()
-
-
 def miss(t: int) -> int:
     return (t + 1) % 512
 
 
 def runner_for(target, path: str, features: bool = True) -> TorchTargetRunner:
     r = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=256,
-                          feature_head=HiddenFeatures() if features else None)
+                          features=HiddenFeatures() if features else None)
     if path == "torch":
         r.attention_kernel = False  # masks over torch's attention instead of the kernel's store_at
     elif not r.attention_kernel:
@@ -144,7 +136,7 @@ def test_alternatives_without_room_in_the_context_are_dropped(target):
 
 
 def test_a_rounds_alternatives_are_trimmed_deepest_first_to_its_budget():
-    from moa_serve.drafter.proposer import DraftResult
+    from moa_serve.protocol import DraftResult
     from moa_serve.engine.rounds import trim_alternatives
 
     def round_():

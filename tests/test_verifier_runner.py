@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moa_serve.model_files import load_state_dict, read_config
-from moa_serve.verifier.api import VerifyRequest
+from moa_serve.protocol import VerifyRequest
 from moa_serve.target_model import TargetModel
-from moa_serve.verifier.torch_runner import ContextTooLongError, TorchTargetRunner, common_prefix
+from moa_serve.verifier.torch_runner import ContextTooLongError, RunnerOptions, TorchTargetRunner, common_prefix
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def decode(runner: TorchTargetRunner, sessions: dict[str, list[int]], steps: int
 
 
 def test_prompts_longer_than_the_chunk_match_hf_greedy(target, hf):
-    runner = TorchTargetRunner("unused", model=target, max_sessions=4, max_model_len=256, max_num_batched_tokens=40)
+    runner = TorchTargetRunner("unused", model=target, max_sessions=4, max_model_len=256, options=RunnerOptions(max_num_batched_tokens=40))
     prompts = {"long": prompt_of(150, 1), "mid": prompt_of(70, 2), "short": prompt_of(9, 3)}
     got = decode(runner, prompts, 12)
     for sid, p in prompts.items():
@@ -67,7 +67,7 @@ def test_prompts_longer_than_the_chunk_match_hf_greedy(target, hf):
 
 
 def test_a_long_prefill_does_not_stall_a_decoding_session(target):
-    runner = TorchTargetRunner("unused", model=target, max_sessions=4, max_model_len=256, max_num_batched_tokens=64)
+    runner = TorchTargetRunner("unused", model=target, max_sessions=4, max_model_len=256, options=RunnerOptions(max_num_batched_tokens=64))
     short = prompt_of(8, 4)
     (r,) = runner.verify([VerifyRequest("d", short)])
     committed = short + r.tokens
@@ -113,11 +113,11 @@ def test_full_cache_evicts_the_least_recently_used_idle_session(target, hf):
 def test_skipped_features_are_recomputed_from_the_cache(target, stories_drafter):
     """A session that skipped drafter features for some rounds asks for them from where it stopped
     (``features_from``): they equal, position by position, the ones computed round by round."""
-    from moa_serve.engine.engine import load_feature_head
+    from moa_serve.drafter.registry import load_feature_source
 
     def run(skip: set[int]) -> torch.Tensor:
         runner = TorchTargetRunner("unused", torch.float32, model=target, max_sessions=2, max_model_len=256,
-                                   feature_head=load_feature_head(str(stories_drafter)))
+                                   features=load_feature_source(str(stories_drafter)))
         prompt, held, feats = prompt_of(20, 3), 0, {}
         tokens = list(prompt)
         for step in range(8):
@@ -181,7 +181,7 @@ def test_a_released_sessions_prefix_is_reused_and_decodes_the_same(target, hf):
     assert r.num_computed == 6 + 1
     assert runner.stats["prefix_hits"] == 1 and runner.stats["prefix_tokens"] == len(shared) + 3
     got = decode(runner, {"b": follow_up}, 6)["b"]  # "b" continues from what it holds
-    plain = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=256, prefix_caching=False)
+    plain = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=256, options=RunnerOptions(prefix_caching=False))
     assert got == decode(plain, {"b": follow_up}, 6)["b"] == hf_greedy(hf, follow_up, 6)
     assert plain.stats["prefix_hits"] == 0 and not plain.retained
 
@@ -243,14 +243,14 @@ def test_retained_slots_give_way_to_new_sessions(target):
 def test_a_reused_prefix_still_sends_every_positions_features(target, stories_drafter):
     """MoA features come from the cache: a session that reused a prefix gets the features of every
     position from 0, equal to those of a session that prefilled it all."""
-    from moa_serve.engine.engine import load_feature_head
+    from moa_serve.drafter.registry import load_feature_source
 
-    head = load_feature_head(str(stories_drafter))
+    head = load_feature_source(str(stories_drafter))
     prompt = prompt_of(20, 13)
     feats = {}
     for caching in (True, False):
         runner = TorchTargetRunner("unused", torch.float32, model=target, max_sessions=2, max_model_len=128,
-                                   feature_head=head, prefix_caching=caching)
+                                   features=head, options=RunnerOptions(prefix_caching=caching))
         runner.verify([VerifyRequest("a", prompt[:15], want_features=True, features_from=0)])
         runner.release("a")
         (r,) = runner.verify([VerifyRequest("b", prompt, want_features=True, features_from=0)])
@@ -265,16 +265,16 @@ def test_a_latest_only_feature_head_computes_only_each_spans_last_feature(target
     last position of each span (the prompt, each round's accepted drafts) — equal to the full
     head's there — and zeros for the others, which that drafter never reads."""
     from moa_serve.drafter.checkpoint import init_drafter
-    from moa_serve.engine.engine import load_feature_head
+    from moa_serve.drafter.registry import load_feature_source
 
     ckpt = init_drafter(str(stories_path), tmp_path / "latest", seed=2, cross_attention_latest_only=True)
-    head = load_feature_head(str(ckpt))
+    head = load_feature_source(str(ckpt))
     assert head.latest_only
     runs = {}
     for latest in (True, False):
         head.latest_only = latest
         runner = TorchTargetRunner("unused", torch.float32, model=target, max_sessions=2, max_model_len=128,
-                                   feature_head=head)
+                                   features=head)
         assert runner.latest_feature_only is latest
         prompt = prompt_of(20, 7)
         (r0,) = runner.verify([VerifyRequest("s", prompt, want_features=True, features_from=0)])
@@ -328,12 +328,12 @@ def test_features_read_a_bf16_kv_cache(stories_path, stories_drafter):
     """A float32 target over a bfloat16 KV cache (kv_cache_dtype) hands the MoA feature head the
     cached K/V widened back to float32: features of every prompt position, float32, close to those
     of a float32 cache (the K/V differ by one bf16 rounding)."""
-    from moa_serve.engine.engine import load_feature_head
+    from moa_serve.drafter.registry import load_feature_source
 
     feats = {}
     for kv in ("float32", "bfloat16"):
         runner = TorchTargetRunner(str(stories_path), "float32", max_sessions=1, max_model_len=128,
-                                   feature_head=load_feature_head(str(stories_drafter)), kv_cache_dtype=kv)
+                                   features=load_feature_source(str(stories_drafter)), options=RunnerOptions(kv_cache_dtype=kv))
         assert runner.cache.k.dtype == getattr(torch, kv)
         prompt = prompt_of(12, 1)
         (r,) = runner.verify([VerifyRequest("s", prompt)])

@@ -10,49 +10,15 @@ and drafter, so the output follows the target's warped distribution exactly.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
-from moa_serve.sampling import SamplingParams
+from moa_serve.sampling import sample
 
 
-def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [N, V] -> probabilities [N, V] (float32) after temperature, top-k and top-p."""
-    logits = logits.float() / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
-        drop_sorted = before >= params.top_p  # keeps the smallest prefix whose mass reaches top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def generator_for(params: SamplingParams, position: int, stream: str, device="cpu") -> torch.Generator | None:
-    """A generator that depends only on (seed, position, stream): reproducible across replicas
-    and rounds; ``None`` (global RNG) when the request has no seed."""
-    if params.seed is None:
-        return None
-    digest = hashlib.blake2b(f"{params.seed}:{position}:{stream}".encode(), digest_size=8).digest()
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF)
-    return gen
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
-    """target_logits [K+1, V] at the positions predicting each draft and the bonus.
-    Returns (number of drafts accepted, the target's next token)."""
-    choice = target_logits.argmax(-1).tolist()
+def accept_greedy(choice: list[int], drafts: list[int]) -> tuple[int, int]:
+    """choice: the target's argmax at the positions predicting each draft and the bonus (K+1
+    token ids, computed once for a whole verify call). Returns (number of drafts accepted, the
+    target's next token)."""
     n = 0
     while n < len(drafts) and drafts[n] == choice[n]:
         n += 1

@@ -1,66 +1,15 @@
-"""The narrow boundary of a verifier backend (torch today, vLLM later): plain data that
-crosses process boundaries (Ray) unchanged."""
+"""What a verifier backend is to the rest of the system, beside the wire data of
+:mod:`moa_serve.protocol`: the calls the round scheduler makes (``TargetBackend``), and the
+verifier-side half of a drafter (``FeatureSource``), which the drafter registry builds per drafter
+kind so that a verifier never needs to know which drafter it serves."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import torch
 
-from moa_serve.sampling import GREEDY, SamplingParams
-
-
-@dataclass
-class VerifyRequest:
-    """One session's share of a verify call. Token lists travel as deltas: the session's committed
-    tokens are ``replica_copy[:base] + tokens``, where ``replica_copy`` is what the replica already
-    holds of the session (its previous committed tokens plus the tokens it returned last round).
-    ``base=0`` sends the whole committed list (a new session, or a resync)."""
-    session_id: str
-    tokens: list[int]  # committed tokens from position ``base`` on
-    drafts: list[int] = field(default_factory=list)
-    # drafter distributions when sampling: [K, V] over the target vocabulary, or [K, V'] over the
-    # drafter checkpoint's draft vocabulary (the verifier loads that vocabulary); None: the drafts
-    # are treated as one-hot (q = 1 at each draft). That is what greedy acceptance assumes, and for
-    # sampling it is exact for deterministic drafts (prompt lookup) and still lossless for any
-    # draft (accept x with probability p(x), else draw from p without x), at lower acceptance
-    draft_probs: torch.Tensor | None = None
-    sampling: SamplingParams = GREEDY
-    want_features: bool = True
-    base: int = 0
-    # tree drafts (greedy only; ignored when sampling): alternatives[i] are tokens verified beside
-    # drafts[i], each as a leaf (the drafter's runners-up at that depth). When drafts[i] is rejected
-    # and the target's token is one of them, it is accepted and the target's token after it added
-    alternatives: list[list[int]] = field(default_factory=list)
-    # the sender holds features only up to this position (it skipped them while not speculating):
-    # features start here instead of at the first newly cached position, recomputed from the
-    # K/V cache (MoA's per-layer K/V features; ignored for features the cache cannot give back)
-    features_from: int | None = None
-    # multi-step decoding: the forwards this session takes part in (the first, which verifies its
-    # drafts, included): after its accepted drafts and correction, one token of the target's own
-    # per further forward, stopping after a stop token or at ``max_tokens``; with drafts only when
-    # no features are wanted. Accepted drafts thus add to the tokens of the call, not replace them.
-    decode_steps: int = 1
-    max_tokens: int = 0  # most tokens this call may return (room left in output and context); 0: no limit
-    stop_token_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class VerifyResult:
-    session_id: str
-    # accepted drafts followed by one token of the target's own; with tree drafts the last
-    # accepted one may be an alternative (then tokens[num_accepted - 1] is not that draft)
-    tokens: list[int]
-    num_accepted: int
-    feature_start: int  # position of features[0]
-    features: torch.Tensor | None  # [n, F] MoA features of positions newly in the target cache
-    num_computed: int = 0  # tokens the target forward processed for this session (prefill included)
-    # the replica does not hold ``base`` committed tokens of this session (new replica, evicted
-    # session): nothing was computed; resend with base=0
-    resync: bool = False
-    # chunked prefill: the prompt is not fully in the cache yet; ``tokens`` is empty (nothing is
-    # committed this round) and this many committed tokens still wait to be prefilled
-    prefill_remaining: int = 0
+from moa_serve.protocol import VerifyRequest, VerifyResult
 
 
 class TargetBackend:
@@ -71,3 +20,50 @@ class TargetBackend:
 
     def release(self, session_id: str) -> None:
         raise NotImplementedError
+
+
+class FeatureSource(Protocol):
+    """How a drafter's features come out of the target: what is read for the positions a verify
+    call newly holds in its cache, and the head that turns it into the features sent to the drafter.
+
+    ``from_cache``: the inputs are read back from the K/V cache (MoA's per-layer K/V), so the
+    features of any cached position can be recomputed: a reused prefix, a catch-up from
+    ``features_from``, positions decoded in multi-step calls. Otherwise (EAGLE-style hidden states)
+    only the positions the call's forward computed have them.
+    ``latest_only``: the drafter reads only the freshest verified feature; the others in a span are
+    never read (zeros stand in for them)."""
+
+    from_cache: bool
+    latest_only: bool
+
+    def prepared(self, device: torch.device, dtype: torch.dtype) -> FeatureSource:
+        """This source on the verifier's device and dtype, ready for inference."""
+
+    def inputs(self, cache, slot: int, start: int, end: int,
+               hidden: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The head's inputs [n, ...] for positions ``start``..``end`` of the session in cache ``slot``
+        (n = end - start, or fewer, the last ones, with ``latest_only``); ``hidden()`` gives the
+        target's final hidden states [end - start, H] of those positions, computed in this call."""
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Features [n, F] from the inputs."""
+
+
+class NoFeatures:
+    """The source of a drafter that reads no target features (prompt lookup, an independent
+    drafter, no drafter): nothing is read, nothing computed."""
+
+    from_cache = True  # nothing to recompute: every position's (absent) features are available
+    latest_only = False
+
+    def prepared(self, device, dtype) -> NoFeatures:
+        return self
+
+    def inputs(self, cache, slot, start, end, hidden) -> torch.Tensor:
+        return torch.empty(0)
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        return inputs
+
+
+NO_FEATURES = NoFeatures()

@@ -31,7 +31,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from moa_serve.drafter.proposer import DraftRequest, DraftResult
+from moa_serve.protocol import DraftRequest, DraftResult
 from moa_serve.sampling import GREEDY
 from moa_serve.verifier.prefix_features import PrefixFeatures
 

@@ -32,15 +32,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moa_serve.drafter.model import FeatureHead
-from moa_serve.sampling import SamplingParams
+from moa_serve.sampling import SamplingParams, generator_for, warp_probs
 from moa_serve import kernels
-from moa_serve.kernels.packed import for_inference, pack_target
+from moa_serve.kernels.packed import pack_target
 from moa_serve.kv_cache import PackedBatch
 from moa_serve.layers import fuse_dense_projections
 from moa_serve.model_files import load_state_dict, read_config, resolve_model_path, target_dtype
-from moa_serve.verifier.acceptance import accept_sampling, generator_for, warp_probs
-from moa_serve.verifier.api import TargetBackend, VerifyRequest, VerifyResult
+from moa_serve.verifier.acceptance import accept_greedy, accept_sampling
+from moa_serve.verifier.api import NO_FEATURES, FeatureSource, TargetBackend
+from moa_serve.protocol import VerifyRequest, VerifyResult
 from moa_serve.target_model import TargetModel
 
 log = logging.getLogger(__name__)
@@ -119,12 +119,26 @@ def _with_alternatives(req: VerifyRequest, tokens: list[int]) -> tuple[list[int]
     return tokens + [a for _, a in alts], [i for i, _ in alts]
 
 
+@dataclass(frozen=True)
+class RunnerOptions:
+    """The tuning knobs of a torch verifier (what the pool config sets beside the model)."""
+    max_num_batched_tokens: int = 512  # per-forward token budget (chunked prefill)
+    packed_weights: str = "auto"  # "auto": the packed CPU kernels where they apply; "off"
+    prefix_caching: bool = True
+    matmul_precision: str = "highest"
+    kv_cache_dtype: str = "auto"  # "auto" (the target's dtype) or one of KV_CACHE_DTYPES
+
+
 class TorchTargetRunner(TargetBackend):
+    """``features``: the verifier-side half of the drafter served (the drafter registry's
+    ``load_feature_source``); None: no features."""
+
     def __init__(self, target: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
-                 max_sessions: int = 16, max_model_len: int = 2048, feature_head: FeatureHead | None = None,
-                 model: TargetModel | None = None, max_num_batched_tokens: int = 512,
-                 draft_vocab: torch.Tensor | None = None, packed_weights: str = "auto",
-                 prefix_caching: bool = True, matmul_precision: str = "highest", kv_cache_dtype: str = "auto"):
+                 max_sessions: int = 16, max_model_len: int = 2048, features: FeatureSource | None = None,
+                 model: TargetModel | None = None, draft_vocab: torch.Tensor | None = None,
+                 options: RunnerOptions = RunnerOptions()):
+        packed_weights, matmul_precision = options.packed_weights, options.matmul_precision
+        kv_cache_dtype = options.kv_cache_dtype
         path = resolve_model_path(target) if model is None else None
         self.dtype = target_dtype(dtype, device, path, model)
         self.device = torch.device(device)
@@ -140,7 +154,7 @@ class TorchTargetRunner(TargetBackend):
         self.model = model
         self.arch = model.arch
         self.max_model_len = min(max_model_len, self.arch.max_position_embeddings)
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_batched_tokens = options.max_num_batched_tokens
         kv_dtype = self.dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES.get(kv_cache_dtype)
         if kv_dtype is None:
             raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
@@ -153,14 +167,13 @@ class TorchTargetRunner(TargetBackend):
         if kv_dtype != self.dtype and not self.attention_kernel:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype} with a {str(self.dtype).removeprefix('torch.')} target "
                              f"needs the CPU attention kernel ({kernels.unavailable_reason() or 'not for this device'})")
-        self.feature_head = (for_inference(feature_head, self.device, self.dtype) if feature_head is not None
-                             else None)
+        self.features = (features or NO_FEATURES).prepared(self.device, self.dtype)
         # a drafter that reads only the freshest feature: each span's last position is computed,
         # zeros stand in for the others (never read), so a prefill pays the LSA once, not per token
-        self.latest_feature_only = bool(getattr(feature_head, "latest_only", False))
+        self.latest_feature_only = self.features.latest_only
         self.draft_vocab = draft_vocab  # maps a drafter's [K, V'] probabilities back to the vocabulary
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
-        self.prefix_caching = prefix_caching
+        self.prefix_caching = options.prefix_caching
         # slot -> the tokens whose K/V a released session left in it, least recently used first
         self.retained: OrderedDict[int, list[int]] = OrderedDict()
         self.stats = {"forwards": 0, "tokens": 0, "forward_s": 0.0, "evictions": 0, "resyncs": 0,
@@ -248,8 +261,8 @@ class TorchTargetRunner(TargetBackend):
             if req.base > 0:
                 return None
             if s is None:
-                # an EAGLE-style head needs the hidden states of every position: it cannot reuse
-                reuse = not (req.want_features and self.feature_kind == "hidden")
+                # features that only a forward computes (EAGLE-style hidden states) rule out reuse
+                reuse = not (req.want_features and not self.features.from_cache)
                 s = self._new_session(req.session_id, keep, list(req.tokens), reuse)
         self.sessions.move_to_end(req.session_id)
         committed = s.committed[:req.base] + list(req.tokens)
@@ -343,7 +356,7 @@ class TorchTargetRunner(TargetBackend):
         substitute for later steps. Features of these positions are not attached: the sender asks
         for them later (``features_from``), so a feature head that cannot recompute them (hidden
         states) keeps single steps."""
-        can_features = self.feature_kind != "hidden"
+        can_features = self.features.from_cache
         live = [w for w in work if w.done and w.req.decode_steps > 1
                 and (not w.req.want_features or (can_features and not w.req.drafts))]
         # the steps after the verified drafts sample from the target alone
@@ -466,10 +479,7 @@ class TorchTargetRunner(TargetBackend):
         params: SamplingParams = req.sampling
         drafts = list(req.drafts)
         if params.greedy:
-            n = 0
-            while n < len(drafts) and drafts[n] == choice[n]:
-                n += 1
-            return n, choice[n]
+            return accept_greedy(choice, drafts)
         p = warp_probs(logits, params)
         if position is None:
             position = len(req.tokens) + req.base
@@ -495,47 +505,38 @@ class TorchTargetRunner(TargetBackend):
         full[:, self.draft_vocab.cpu()] = q
         return full
 
-    @property
-    def feature_kind(self) -> str:
-        """What the feature head reads: "per_layer_kv" (MoA's FeatureHead), "hidden" (EAGLE-style:
-        the target's last hidden state, after its final norm, of newly verified positions) or
-        "none" (no features)."""
-        if self.feature_head is None:
-            return "none"
-        return getattr(self.feature_head, "input_kind", "per_layer_kv")
-
     def _attach_features(self, work: list[_Work], results: list[VerifyResult], hidden: torch.Tensor) -> None:
         """Features of the positions each session newly holds in the cache (prefill chunks too)."""
-        if self.feature_head is None:
-            return
+        source = self.features
         spans, offset, rows = [], 0, []
-        from_cache = self.feature_kind == "per_layer_kv"
         for w in work:
             start = w.start
             # a new session (base 0) wants features from position 0, reused prefix included
             want_from = w.req.features_from if w.req.features_from is not None else (0 if w.req.base == 0 else None)
-            if w.req.want_features and from_cache and want_from is not None:
+            if w.req.want_features and source.from_cache and want_from is not None:
                 start = max(0, min(start, want_from))  # catch up from the cache
             end = w.session.cached if w.req.want_features else start
             spans.append((start, end))
             rows.append(offset)
             offset += len(w.fed)
-        latest = self.latest_feature_only and self.feature_kind == "per_layer_kv"
-        if self.feature_kind == "hidden":
-            kv = []
-            for w, o, (a, e) in zip(work, rows, spans):
-                chunk = hidden[o:o + (e - a)]
-                if w.accepted_alt is not None and e > a:  # the last position holds the accepted alternative
-                    chunk = torch.cat((chunk[:-1], hidden[o + w.chain + w.accepted_alt][None]))
-                kv.append(chunk)
-        else:
-            kv = [self.cache.per_layer_kv(w.session.slot, max(a, e - 1) if latest else a, e)
-                  for w, (a, e) in zip(work, spans)]
-        sizes = [x.shape[0] for x in kv]
+        inputs = [source.inputs(self.cache, w.session.slot, a, e, self._hidden_rows(hidden, w, o, e - a))
+                  for w, o, (a, e) in zip(work, rows, spans)]
+        sizes = [x.shape[0] for x in inputs]
         if sum(sizes) == 0:
             return
-        feats = self.feature_head(torch.cat(kv).to(self.dtype)).cpu()  # a bfloat16 cache widens here
+        feats = source(torch.cat(inputs).to(self.dtype)).cpu()  # a bfloat16 cache widens here
         for r, (a, e), chunk in zip(results, spans, torch.split(feats, sizes)):
-            if latest and e - a > len(chunk):
+            if e - a > len(chunk):  # latest_only: zeros for the positions never read
                 chunk = torch.cat([chunk.new_zeros(e - a - len(chunk), chunk.shape[1]), chunk])
             r.feature_start, r.features = a, (chunk if len(chunk) else None)
+
+    @staticmethod
+    def _hidden_rows(hidden: torch.Tensor, w: _Work, offset: int, n: int):
+        """The target's hidden states of a session's ``n`` newly cached positions, ``offset`` its
+        first row in the call's forward: the last one is that of the accepted alternative if any."""
+        def rows() -> torch.Tensor:
+            chunk = hidden[offset:offset + n]
+            if w.accepted_alt is not None and n > 0:  # the last position holds the accepted alternative
+                chunk = torch.cat((chunk[:-1], hidden[offset + w.chain + w.accepted_alt][None]))
+            return chunk
+        return rows

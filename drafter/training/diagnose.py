@@ -23,10 +23,14 @@ import sys
 
 import torch
 
+from moa_serve.drafter.baselines import build_baseline
 from moa_serve.drafter.training import masks
-from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter, resolve_drafter_path
+from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
+from moa_serve.drafter.spec import resolve_drafter_path
 from moa_serve.drafter.training.data import batches, build_examples, load_conversations
 from moa_serve.drafter.model import MoADrafter, TargetParts
+from moa_serve.model_files import load_state_dict, load_tokenizer, read_config, resolve_model_path
+from moa_serve.target_model import TargetModel
 
 
 def _load(spec: str):
@@ -36,8 +40,6 @@ def _load(spec: str):
         m = MoADrafter(cfg)
         m.load_flat_state_dict(state)
     elif cfg.kind == "eagle":
-        from moa_serve.drafter.baselines import build_baseline
-
         m = build_baseline(cfg)
         m.load_state_dict(state)
     else:
@@ -49,9 +51,6 @@ def _load(spec: str):
 def diagnose(target_name: str, drafters: list[str], data_dir: str, batches_: int = 30, batch_size: int = 8,
              period: int = 6, max_len: int = 128, max_prompt: int = 48, progress: bool = True) -> list[dict]:
     from tqdm import tqdm
-
-    from moa_serve.model_files import load_state_dict, load_tokenizer, read_config, resolve_model_path
-    from moa_serve.target_model import TargetModel
 
     path = resolve_model_path(target_name)
     target = TargetModel.from_state_dict(read_config(path), load_state_dict(path), torch.float32).eval()

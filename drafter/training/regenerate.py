@@ -41,6 +41,11 @@ import json
 import time
 from pathlib import Path
 
+from moa_serve.drafter.outputs import pack_replies
+from moa_serve.drafter.training.data import default_system_prompt, load_conversations, prompt_ids, read_rows
+from moa_serve.engine.engine import SpeculativeEngine
+from moa_serve.verifier.vllm_engine import VllmEngine, VllmOptions, release_process_state
+
 
 def _prompt_key(message: dict) -> str:
     return f"{message.get('role')}\x00{message.get('content')}"
@@ -52,8 +57,6 @@ def _first_user(messages: list[dict]) -> dict:
 
 def answered_prompts(self_dir: Path) -> set[str]:
     """The first user messages of the conversations already regenerated into ``self_dir``."""
-    from moa_serve.drafter.training.data import read_rows
-
     return {_prompt_key(_first_user(row["messages"])) for p in sorted(self_dir.glob("*.jsonl"))
             for row in read_rows(p)}
 
@@ -93,8 +96,6 @@ def pack(out: str, path: str) -> int:
     """Writes ``<out>/self``'s conversations as (source, prompt digest, [system,] replies) lines,
     gzipped; returns how many (conversations without a recorded source are left out). A
     first-turn conversation without a system prompt keeps the short line format (``reply``)."""
-    from moa_serve.drafter.training.data import read_rows
-
     n = 0
     with gzip.open(path, "wt", encoding="utf-8") as f:
         for shard in sorted(Path(out, "self").glob("*.jsonl")):
@@ -116,15 +117,8 @@ def pack(out: str, path: str) -> int:
     return n
 
 
-def pack_replies(entry: dict) -> list[str]:
-    """The target's replies a pack line holds (``reply``: one; ``replies``: several, in turn order)."""
-    return entry["replies"] if "replies" in entry else [entry["reply"]]
-
-
 def unpack(path: str, data_dir: str, out: str) -> Path:
     """Rebuilds ``<out>/self`` and ``<out>/original`` from a pack and the corpus it refers to."""
-    from moa_serve.drafter.training.data import read_rows
-
     root = Path(out)
     self_path, orig_path = _new_shard(root)
     sources: dict[str, list[dict]] = {}
@@ -158,15 +152,11 @@ def unpack(path: str, data_dir: str, out: str) -> Path:
 def _engine(backend: str, target: str, dtype: str, device: str, batch: int):
     """The batched engine that writes the replies: ours (torch) or stock vLLM, no drafter."""
     if backend == "vllm":
-        from moa_serve.verifier.vllm_engine import VllmEngine
-
         if device != "cpu":
             raise ValueError("--backend vllm picks its platform itself: leave --device at cpu")
-        return VllmEngine(target, None, dtype=dtype, max_model_len=2048, max_num_seqs=batch)
+        return VllmEngine(target, None, VllmOptions(dtype=dtype, max_model_len=2048, max_num_seqs=batch))
     if backend != "torch":
         raise ValueError(f"unknown backend {backend!r} (torch or vllm)")
-    from moa_serve.engine.engine import SpeculativeEngine
-
     return SpeculativeEngine.load(target, None, dtype, device, max_sessions=batch, max_model_len=2048)
 
 
@@ -175,8 +165,6 @@ def answer(engine, convs: list[list[dict]], max_new_tokens: int) -> tuple[list[l
     its own earlier replies (a leading system message is kept); turn t of every conversation that
     has one is one batched ``engine.generate``. Returns the conversations with the target's replies
     in place of the dataset's, and the number of tokens written."""
-    from moa_serve.drafter.training.data import prompt_ids
-
     heads = [[m for m in c[:1] if m["role"] == "system"] for c in convs]
     users = [[m for m in c if m["role"] == "user"] for c in convs]
     keep = engine.max_model_len - max_new_tokens - 1
@@ -195,8 +183,6 @@ def regenerate(target: str, data_dir: str, out: str, per_file: int, max_new_toke
                limit: int = 0, backend: str = "torch", all_turns: bool = False,
                system_prompt_share: float = 0.0) -> Path:
     from tqdm import tqdm
-
-    from moa_serve.drafter.training.data import default_system_prompt, load_conversations
 
     if per_file < 1 or max_new_tokens < 1 or batch < 1 or limit < 0:
         raise ValueError("per_file, max_new_tokens and batch must be >= 1 and limit >= 0")
@@ -285,7 +271,5 @@ def _cmd(a) -> int:
         print(regenerate(a.target, a.data_dir, a.out, a.per_file, a.max_new_tokens, a.batch, a.dtype, a.device,
                          a.seed, a.limit, a.backend, a.all_turns, a.system_prompt_share))
         if a.backend == "vllm":
-            from moa_serve.verifier.vllm_engine import release_process_state
-
             release_process_state()
     return 0

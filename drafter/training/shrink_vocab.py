@@ -15,19 +15,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from pathlib import Path
 
 import torch
 
-from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter, resolve_drafter_path, save_drafter
+from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter, save_drafter
+from moa_serve.drafter.spec import resolve_drafter_path
+from moa_serve.model_files import load_tokenizer, resolve_model_path
 from moa_serve.drafter.training.data import build_examples, load_conversations, response_counts, stop_token_ids
 
 
 def shrink_draft_vocab(drafter: str, size: int, data_dir: str, out_dir: str, max_len: int = 256) -> dict:
     """Writes ``drafter`` with its ``size`` most frequent draft-vocabulary tokens to ``out_dir``;
     returns what was kept: sizes and the share of ``data_dir``'s reply tokens each vocabulary holds."""
-    from moa_serve.model_files import load_tokenizer, resolve_model_path
-
     src = resolve_drafter_path(drafter)
     cfg, state = load_drafter(str(src))
     old = state.get(DRAFT_VOCAB_KEY)

@@ -10,6 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from moa_serve.cs.fingerprint import drafter_fingerprint, model_fingerprint, tokenizer_fingerprint
+from moa_serve.drafter.lookup import HybridProposer
+from moa_serve.drafter.registry import load_proposer
+from moa_serve.drafter.spec import DrafterSpec
+from moa_serve.model_files import load_tokenizer, resolve_model_path
 
 
 @dataclass
@@ -24,24 +28,18 @@ class DeviceDrafter:
 
     def __post_init__(self):
         if self.model is None:
-            from moa_serve.drafter.lookup import HybridProposer
-
             self.model = self.proposer.model if isinstance(self.proposer, HybridProposer) else self.proposer
 
     @classmethod
     def load(cls, drafter: str, target: str | None = None, dtype: str = "float32",
              max_model_len: int = 2048, device: str = "cpu") -> "DeviceDrafter":
-        from moa_serve.drafter.baselines import load_proposer
-        from moa_serve.drafter.checkpoint import split_drafter_spec
-        from moa_serve.model_files import load_tokenizer, resolve_model_path
-
-        lookup, checkpoint = split_drafter_spec(drafter)
-        if checkpoint is None:
+        spec = DrafterSpec.parse(drafter)
+        if spec.checkpoint is None:
             raise ValueError(f"drafter {drafter!r}: a device drafts with a trained checkpoint (a checkpoint, or "
                              "hybrid:<checkpoint> for prompt lookup in front of it), not prompt lookup alone")
-        proposer = load_proposer(drafter, target=target, dtype=dtype, device=device, max_sessions=1,
+        proposer = load_proposer(spec, target=target, dtype=dtype, device=device, max_sessions=1,
                                  max_model_len=max_model_len)
-        model = proposer.model if lookup else proposer  # a hybrid's trained drafter
+        model = proposer.model if spec.lookup else proposer  # a hybrid's trained drafter
         tokenizer = load_tokenizer(resolve_model_path(target or model.cfg.target_name_or_path, weights=False))
         prints = {"target": model_fingerprint(model.parts), "tokenizer": tokenizer_fingerprint(tokenizer),
                   "drafter": drafter_fingerprint(drafter)}

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from moa_serve.drafter.spec import DrafterSpec, resolve_drafter_path
 from moa_serve.target_model import TargetArch
 
 DIGEST_CHARS = 16
@@ -62,9 +63,7 @@ def drafter_fingerprint(drafter: str | Path) -> str:
     """Of what the server's features depend on: the trained checkpoint of a drafter spec
     (``hybrid:<checkpoint>`` fingerprints as its checkpoint — prompt lookup changes which
     drafts the device proposes, not the features it reads; pure ``lookup`` reads none)."""
-    from moa_serve.drafter.checkpoint import resolve_drafter_path, split_drafter_spec
-
-    _, ckpt = split_drafter_spec(str(drafter))
+    ckpt = DrafterSpec.parse(str(drafter)).checkpoint
     if ckpt is None:
         return _digest(hashlib.sha256(b"lookup+"))
     h = hashlib.sha256()

@@ -28,6 +28,9 @@ from typing import Awaitable, Callable
 
 import torch
 
+from moa_serve.cs.fingerprint import drafter_fingerprint, tokenizer_fingerprint
+from moa_serve.drafter.checkpoint import load_draft_vocab
+from moa_serve.drafter.spec import DrafterSpec
 from moa_serve.sampling import SamplingParams
 from moa_serve.engine.events import QueueFullError, Tracked
 from moa_serve.engine.service import RoundService
@@ -93,16 +96,14 @@ class ServerIdentity:
               max_model_len: int, stop_token_ids) -> "ServerIdentity":
         """From what the Router holds (the tokenizer, the drafter's name) and the target's
         fingerprint (computed where the weights are: the verifier)."""
-        from moa_serve.cs.fingerprint import drafter_fingerprint, tokenizer_fingerprint
-        from moa_serve.drafter.checkpoint import drafter_kind, load_draft_vocab, reads_latest_feature_only
-
+        spec = DrafterSpec.parse(drafter)
         vocab = load_draft_vocab(drafter) if drafter else None
         return cls(model=model, target=target_fingerprint, tokenizer=tokenizer_fingerprint(tokenizer),
                    drafter=drafter_fingerprint(drafter) if drafter else None,
-                   drafter_kind=drafter_kind(drafter) if drafter else None, vocab_size=vocab_size,
+                   drafter_kind=spec.kind, vocab_size=vocab_size,
                    draft_vocab_size=len(vocab) if vocab is not None else None, max_model_len=max_model_len,
                    stop_token_ids=sorted(stop_token_ids),
-                   feature_positions="latest" if reads_latest_feature_only(drafter) else "all")
+                   feature_positions="latest" if spec.latest_feature_only else "all")
 
 
 @dataclass

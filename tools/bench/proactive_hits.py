@@ -10,7 +10,7 @@ import json
 import sys
 
 from moa_serve.engine.engine import SpeculativeEngine
-from moa_serve.drafter.proposer import DraftRequest
+from moa_serve.protocol import DraftRequest
 from moa_serve.tools.bench import load_questions, DEFAULT_QUESTIONS
 from moa_serve.drafter.training.data import prompt_ids
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from moa_serve.drafter.proposer import DraftRequest, DraftResult
+from moa_serve.protocol import DraftRequest, DraftResult
 
 
 def tau_for(accept: float, k: int) -> float:
