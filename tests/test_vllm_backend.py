@@ -13,7 +13,8 @@ require_vllm()
 
 from moa_serve.drafter.training.data import prompt_ids  # noqa: E402
 from moa_serve.sampling import SamplingParams  # noqa: E402
-from moa_serve.verifier.vllm_engine import VllmEngine  # noqa: E402
+from moa_serve.drafter.registry import load_feature_source, load_proposer  # noqa: E402
+from moa_serve.verifier.vllm_engine import VllmEngine, VllmOptions  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +32,15 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def plain():
-    engine = VllmEngine(str(SMOLLM), None, dtype="float32", max_model_len=1024, max_num_seqs=8)
+    engine = VllmEngine(str(SMOLLM), None, VllmOptions(dtype="float32", max_model_len=1024, max_num_seqs=8))
     yield engine
     engine.close()
 
 
 def speculative_engine(drafter: str, **kw) -> VllmEngine:
-    return VllmEngine(str(SMOLLM), drafter, num_speculative_tokens=K, dtype="float32", max_model_len=1024,
-                      max_num_seqs=8, **kw)
+    options = VllmOptions(num_speculative_tokens=K, dtype="float32", max_model_len=1024, max_num_seqs=8, **kw)
+    return VllmEngine(str(SMOLLM), drafter, options, features=load_feature_source(drafter),
+                      proposer_factory=load_proposer)
 
 
 def untrained_drafter(tmp_path_factory, name: str, seed: int, **options) -> str:
@@ -353,8 +355,9 @@ def test_sampling_follows_the_targets_distribution(tmp_path_factory, request):
     drafter = init_drafter(str(tiny), tiny / "drafter", seed=3)
     params = SamplingParams(temperature=1.0)
     exact = exact_two_token_distribution(SpeculativeEngine.load(str(tiny), None, "float32"), [1, 5, 9], params)
-    eng = VllmEngine(str(tiny), str(drafter), num_speculative_tokens=3, dtype="float32", max_model_len=64,
-                     max_num_seqs=64, kv_cache_gib=0.25)
+    eng = VllmEngine(str(tiny), str(drafter), VllmOptions(num_speculative_tokens=3, dtype="float32", max_model_len=64,
+                                                          max_num_seqs=64, kv_cache_gib=0.25),
+                     features=load_feature_source(str(drafter)), proposer_factory=load_proposer)
     request.addfinalizer(eng.close)
     n = 1500
     counts = torch.zeros(16 * 16)
