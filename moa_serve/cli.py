@@ -7,106 +7,52 @@ import json
 import logging
 import sys
 
-DEFAULT_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
-DEFAULT_DRAFTER = "smollm2-135m-instruct-moa"
-
-
-class CLIError(Exception):
-    pass
-
-
-def _model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET, help="Hugging Face id or path of the target LLM")
-    if drafter:
-        p.add_argument("--drafter", default=DEFAULT_DRAFTER,
-                       help="MoA drafter checkpoint folder (or a packaged one's name); 'none' = target only")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="auto: bfloat16 on GPUs and CPUs with native bf16, float32 elsewhere")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--packed-weights", choices=["auto", "off"], default="auto",
-                   help="auto: a float32 CPU target from a GGUF keeps its 4/8-bit blocks, de-quantized in registers")
-    p.add_argument("--matmul-precision", choices=["highest", "medium"], default="highest",
-                   help="packed CPU target (torch backend): medium multiplies bfloat16-rounded activations and "
-                        "weights (float32 sums) on CPUs with AVX512-BF16; highest multiplies in float32")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="torch backend: the target's KV cache dtype (auto = the target's dtype; bfloat16 halves it)")
-
-
-def _sampling(args):
-    from pydantic import ValidationError
-
-    from moa_serve.sampling import SamplingParams
-
-    try:
-        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        raise CLIError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
-
-
-def _drafter_arg(value: str | None) -> str | None:
-    return None if value is None or value.lower() == "none" else value
-
-
-def prompt_tokens(tokenizer, prompt: str, chat: bool) -> list[int]:
-    if chat:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                  add_generation_prompt=True, tokenize=True, return_dict=False))
-    return tokenizer.encode(prompt)
-
-
-def check_generation_args(args) -> None:
-    """The length arguments every generating command shares."""
-    if args.num_speculative_tokens < 1:
-        raise CLIError("--num-speculative-tokens must be >= 1")
-    if args.max_new_tokens < 1:
-        raise CLIError("--max-new-tokens must be >= 1")
+from moa_serve.cli_args import (CLIError, add_model_args, check_generation_args, drafter_arg, prompt_tokens,
+                                sampling_params, tree_shape)
+from moa_serve.client.cli import register as register_client
+from moa_serve.drafter.checkpoint import init_drafter
+from moa_serve.drafter.registry import load_feature_source, load_proposer
+from moa_serve.drafter.training.diagnose import register as register_diagnose
+from moa_serve.drafter.training.regenerate import register as register_regenerate
+from moa_serve.drafter.training.shrink_vocab import register as register_shrink_vocab
+from moa_serve.drafter.training.train import register as register_train
+from moa_serve.engine.engine import SpeculativeEngine
+from moa_serve.loadtest.runner import LoadTestError, add_arguments as add_loadtest_arguments, run as run_loadtest
+from moa_serve.tools.bench import register as register_bench
+from moa_serve.tools.cs_bench import register as register_cs_bench
+from moa_serve.tools.netem import register as register_netem
+from moa_serve.tools.vllm_bench import register as register_vllm_bench
+from moa_serve.verifier.vllm_engine import INSTALL_HINT, VllmEngine, VllmOptions, vllm_available
 
 
 def _load_engine(args):
     """The generating engine of ``--backend``."""
     if args.backend == "vllm":
-        from moa_serve.verifier.vllm_engine import INSTALL_HINT, VllmEngine, vllm_available
-
         if not vllm_available():
             raise CLIError(f"--backend vllm: {INSTALL_HINT}")
         if (args.device != "cpu" or args.adaptive_k or args.matmul_precision != "highest"
                 or args.kv_cache_dtype != "auto"):
             raise CLIError("--backend vllm: --device, --adaptive-k, --matmul-precision and --kv-cache-dtype are "
                            "torch-backend options (vLLM picks its platform itself; its KV cache follows --dtype)")
-        return VllmEngine(args.target, _drafter_arg(args.drafter), num_speculative_tokens=args.num_speculative_tokens,
-                          dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
-                          seed=args.seed or 0)
-    from moa_serve.engine.engine import SpeculativeEngine
-
-    return SpeculativeEngine.load(args.target, _drafter_arg(args.drafter), args.dtype, args.device,
+        drafter = drafter_arg(args.drafter)
+        return VllmEngine(args.target, drafter,
+                          VllmOptions(num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
+                                      max_model_len=args.max_model_len, max_num_seqs=1, seed=args.seed or 0),
+                          features=load_feature_source(drafter), proposer_factory=load_proposer)
+    return SpeculativeEngine.load(args.target, drafter_arg(args.drafter), args.dtype, args.device,
                                   max_sessions=1, max_model_len=args.max_model_len,
                                   packed_weights=args.packed_weights, matmul_precision=args.matmul_precision,
                                   kv_cache_dtype=args.kv_cache_dtype)
 
 
-def _tree(args):
-    """``--branching`` as a TreeShape (a CLIError naming the option when it does not parse or cannot run)."""
-    from moa_serve.drafter.proposer import parse_branching
-
-    try:
-        shape = parse_branching(args.branching)
-    except ValueError as exc:
-        raise CLIError(f"--branching: {exc}") from None
-    if shape and getattr(args, "backend", "torch") == "vllm":
-        raise CLIError("--branching: tree drafts run on --backend torch (vLLM verifies chains)")
-    return shape
-
-
 def cmd_generate(args) -> int:
     check_generation_args(args)
-    sampling = _sampling(args)
-    shape = _tree(args)
+    sampling = sampling_params(args)
+    shape = tree_shape(args)
     engine = _load_engine(args)
     if shape:
         if not getattr(engine.proposer, "branches", False):
-            raise CLIError(f"--branching: the drafter {_drafter_arg(args.drafter)!r} drafts chains only "
+            raise CLIError(f"--branching: the drafter {drafter_arg(args.drafter)!r} drafts chains only "
                            "(tree drafts need a trained drafter, hybrid:<checkpoint>, or lookup+outputs)")
         engine.proposer.set_tree(shape)
     prompt = prompt_tokens(engine.tokenizer, args.prompt, args.chat)
@@ -121,7 +67,7 @@ def cmd_generate(args) -> int:
             "mean_accepted_length": round(res.mean_accepted_length, 4),
             "drafted_tokens": res.drafted_tokens, "accepted_tokens": res.accepted_tokens,
             "elapsed_s": round(res.elapsed_s, 4), "tokens_per_s": round(res.tokens_per_s, 2),
-            "target": args.target, "drafter": _drafter_arg(args.drafter),
+            "target": args.target, "drafter": drafter_arg(args.drafter),
             "dtype": str(engine.dtype if args.backend == "vllm" else engine.verifier.dtype).removeprefix("torch."),
             "backend": args.backend, "branching": shape.label,
             **({} if args.backend == "vllm" else
@@ -136,8 +82,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_drafter_init(args) -> int:
-    from moa_serve.drafter.checkpoint import init_drafter
-
     if args.target_layer_inference < 0:
         raise CLIError("--target-layer-inference must be >= 0")
     out = init_drafter(args.target, args.out, seed=args.seed, target_layer_inference=args.target_layer_inference)
@@ -151,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text in one process (speculative or plain)")
-    _model_args(g)
+    add_model_args(g)
     g.add_argument("--backend", choices=["torch", "vllm"], default="torch",
                    help="who runs the target: MoA-Serve's PyTorch runner, or stock vLLM with the drafter "
                         "plugged in as its proposer (needs the [vllm] extra)")
@@ -180,9 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("--seed", type=int, default=0)
     di.add_argument("--target-layer-inference", type=int, default=0, choices=[0, 1, 2, 3])
     di.set_defaults(func=cmd_drafter_init)
-    from moa_serve.drafter.training.diagnose import register as register_diagnose
-    from moa_serve.drafter.training.shrink_vocab import register as register_shrink_vocab
-
     register_diagnose(dsub)
     register_shrink_vocab(dsub)
 
@@ -192,32 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands() -> list:
-    from moa_serve.tools.bench import register as register_bench
-    from moa_serve.client.cli import register as register_client
-    from moa_serve.tools.cs_bench import register as register_cs_bench
-    from moa_serve.drafter.training.regenerate import register as register_regenerate
-    from moa_serve.drafter.training.train import register as register_train
-    from moa_serve.tools.netem import register as register_netem
-    from moa_serve.tools.vllm_bench import register as register_vllm_bench
-
     return [register_train, register_bench, register_regenerate, _register_loadtest, register_netem, register_client,
             register_cs_bench, register_vllm_bench]
 
 
+def _cmd_loadtest(args) -> int:
+    try:
+        return run_loadtest(args)
+    except LoadTestError as exc:
+        raise CLIError(str(exc)) from None
+
+
 def _register_loadtest(sub) -> None:
-    def cmd_loadtest(args) -> int:
-        from moa_serve.loadtest.runner import LoadTestError, run
-
-        try:
-            return run(args)
-        except LoadTestError as exc:
-            raise CLIError(str(exc)) from None
-
-    from moa_serve.loadtest.runner import add_arguments
-
     lt = sub.add_parser("loadtest", help="Locust load test at several user levels (starts a cluster from --config)")
-    add_arguments(lt)
-    lt.set_defaults(func=cmd_loadtest)
+    add_loadtest_arguments(lt)
+    lt.set_defaults(func=_cmd_loadtest)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,15 +18,15 @@ from typing import Callable
 
 import torch
 
+from moa_serve import kernels
+from moa_serve.kernels.packed import gguf_file
+from moa_serve.local_cache import cache_dir
+
 log = logging.getLogger(__name__)
 
 
 class ModelNotFoundError(ValueError):
     pass
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MOA_CACHE_DIR", Path.home() / ".cache" / "moa-serve"))
 
 
 # what a hub download fetches: config, tokenizer and safetensors weights (never .bin/.pth/ONNX/GGUF
@@ -177,9 +177,6 @@ def load_selected_tensors(path: Path, keep: Callable[[str], bool]) -> dict[str, 
 
 def _runs_packed(path: Path) -> bool:
     """Whether a float32 target in ``path`` would run through the packed GGUF kernels."""
-    from moa_serve import kernels
-    from moa_serve.kernels.packed import gguf_file
-
     return path.is_dir() and gguf_file(path) is not None and kernels.library() is not None
 
 
@@ -227,3 +224,18 @@ def target_dtype(name: str | torch.dtype, device: str | torch.device = "cpu", pa
     if name == "auto" and model is not None:
         return next(model.parameters()).dtype
     return parse_dtype(name, device, path)
+
+
+def stop_token_ids(path, tokenizer) -> frozenset[int]:
+    """The target's end-of-sequence ids: its generation config's and its tokenizer's."""
+    from transformers import GenerationConfig
+
+    ids = set()
+    try:
+        eos = GenerationConfig.from_pretrained(str(path)).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:
+        pass
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -97,3 +97,30 @@ def tiny_model(tmp_path_factory) -> Path:
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(STORIES / f, out / f)  # any tokenizer decodes ids < 16
     return out
+
+
+# ---------------------------------------------------------------------- client-server mode
+# over stories260k: a module that needs another server or device defines its own fixture of the name
+@pytest.fixture(scope="module")
+def server(stories_path, stories_drafter):
+    """The client-server stack of ``tests/cs_harness.py`` served on 127.0.0.1: (server, uvicorn)."""
+    from tests.cs_harness import serving
+
+    with serving(stories_path, stories_drafter) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def device(stories_path, stories_drafter):
+    """The device side: the drafter and the target parts it borrows."""
+    from moa_serve.client import DeviceDrafter
+
+    return DeviceDrafter.load(str(stories_drafter), str(stories_path), "float32", 512)
+
+
+@pytest.fixture(scope="module")
+def plain(stories_path):
+    """Plain target decoding: the engine with drafter none (``moa generate --drafter none``)."""
+    from moa_serve.engine.engine import SpeculativeEngine
+
+    return SpeculativeEngine.load(str(stories_path), None, "float32")

@@ -7,11 +7,16 @@ from __future__ import annotations
 import contextlib
 
 import httpx
+import torch
 
+from moa_serve.app import state
+from moa_serve.app.http import create_app
+from moa_serve.drafter.checkpoint import load_draft_vocab
+from moa_serve.drafter.registry import load_feature_source
+from moa_serve.model_files import load_tokenizer, resolve_model_path, stop_token_ids
+from moa_serve.protocol import DraftResult
 from moa_serve.tools import cs_local_stack as local_server
 from moa_serve.tools.cs_local_stack import LocalStack
-from moa_serve.engine.engine import load_feature_head, stop_token_ids
-from moa_serve.model_files import load_tokenizer, resolve_model_path
 from moa_serve.verifier.torch_runner import TorchTargetRunner
 
 
@@ -20,11 +25,9 @@ class Server(LocalStack):
     knows no session). Records every verify call; ``verify_hook(requests)`` runs before each."""
 
     def __init__(self, target, drafter, *, ttl_s: float = 300.0, max_model_len: int = 512, verify_hook=None):
-        from moa_serve.drafter.checkpoint import load_draft_vocab
-
         path = resolve_model_path(str(target))
         runner = TorchTargetRunner(str(path), "float32", "cpu", max_sessions=8, max_model_len=max_model_len,
-                                   feature_head=load_feature_head(str(drafter) if drafter else None),
+                                   features=load_feature_source(str(drafter) if drafter else None),
                                    draft_vocab=load_draft_vocab(str(drafter)) if drafter else None)
         self.tokenizer = load_tokenizer(path)
         self.verify_calls: list[list] = []
@@ -42,9 +45,6 @@ class Server(LocalStack):
 def serving(target, drafter, **kw):
     """A ``Server`` installed in the app and served by uvicorn: yields (server, uvicorn); then
     stops it and uninstalls it."""
-    from moa_serve.app import state
-    from moa_serve.app.http import create_app
-
     srv = Server(target, drafter, **kw).install()
     uv = Uvicorn(create_app())
     try:
@@ -150,8 +150,6 @@ class OracleProposer(_Copies):
         self.branching = shape.widths
 
     def propose(self, reqs):
-        from moa_serve.drafter.proposer import DraftResult
-
         out = []
         for r in reqs:
             c = self._take(r)
@@ -178,18 +176,12 @@ class ToySampler(_Copies):
     engine and a client-server run see the same drafts and distributions."""
 
     def __init__(self, vocab: int, guide=None, seed: int = 0):
-        import torch
-
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.table = torch.randn(vocab, vocab, generator=g)
         self.guide = guide
 
     def propose(self, reqs):
-        import torch
-
-        from moa_serve.drafter.proposer import DraftResult
-
         out = []
         for r in reqs:
             c = self._take(r)

@@ -14,26 +14,9 @@ from moa_serve.cli import main
 from moa_serve.client import (DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, Transport)
 from moa_serve.engine.engine import SpeculativeEngine
 from moa_serve.sampling import SamplingParams
-from tests.cs_harness import FaultyTransport, OracleProposer, Server, ToySampler, http_client, serving
+from tests.cs_harness import FaultyTransport, OracleProposer, Server, ToySampler, http_client
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily went to the park and"]
-
-
-@pytest.fixture(scope="module")
-def server(stories_path, stories_drafter):
-    with serving(stories_path, stories_drafter) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def device(stories_path, stories_drafter):
-    return DeviceDrafter.load(str(stories_drafter), str(stories_path), "float32", 512)
-
-
-@pytest.fixture(scope="module")
-def plain(stories_path):
-    """Plain target decoding: the engine with drafter none (``moa generate --drafter none``)."""
-    return SpeculativeEngine.load(str(stories_path), None, "float32")
 
 
 def reference(plain, prompt, n):
@@ -109,7 +92,7 @@ def test_auto_branching_drafts_trees_only_over_slow_round_trips(server, device, 
     (here: the threshold moved around loopback's), token-identical either way; a device reused by
     a later run starts that run with chains again."""
     import moa_serve.client.generate as client
-    from moa_serve.drafter.proposer import TreeShape
+    from moa_serve.drafter.spec import TreeShape
 
     # a fixed shape: the untrained drafter rates every candidate far below the dynamic tree's bound
     monkeypatch.setattr(client, "AUTO_TREE", TreeShape((3, 2)))

@@ -13,9 +13,8 @@ import pytest
 
 from moa_serve.client import DeviceDrafter, RemoteGenerator, Transport, Unreachable
 from moa_serve.client.deadline import CallDeadline, percentile
-from moa_serve.engine.engine import SpeculativeEngine
 from moa_serve.tools.netem import netem_proxy
-from tests.cs_harness import OracleProposer, serving
+from tests.cs_harness import OracleProposer
 
 PROMPT = "Lily went to the park and"
 MAX_NEW = 48
@@ -98,22 +97,6 @@ def test_fast_failures_are_retried_within_the_deadline():
 
 
 # ---------------------------------------------------------------------- a cut link through netem
-@pytest.fixture(scope="module")
-def server(stories_path, stories_drafter):
-    with serving(stories_path, stories_drafter) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def device(stories_path, stories_drafter):
-    return DeviceDrafter.load(str(stories_drafter), str(stories_path), "float32", 512)
-
-
-@pytest.fixture(scope="module")
-def plain(stories_path):
-    return SpeculativeEngine.load(str(stories_path), None, "float32")
-
-
 class CutRun:
     """Generates through a netem proxy: cuts the link once ``CUT_AFTER_TOKENS`` are verified,
     restores it ``OUTAGE_S`` after the first offline token; records when each happened."""

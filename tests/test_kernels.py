@@ -153,7 +153,7 @@ def test_smollm2_gguf_target_is_packed_and_decodes_like_float32():
     assert report["bytes"] * 4 < report["dense_bytes"]
     assert isinstance(packed.verifier.model.model.layers[0].mlp.down_proj, PackedLinear)
     assert plain.verifier.packing["packed"] == 0
-    from moa_serve.cli import prompt_tokens
+    from moa_serve.cli_args import prompt_tokens
 
     prompts = [prompt_tokens(packed.tokenizer, q, chat=True)
                for q in ("What is the capital of France?", "Write a haiku about the sea.")]
@@ -174,7 +174,7 @@ def test_smollm2_with_bf16_products_speculates_losslessly(kv):
     """Matmul precision medium (and a bfloat16 KV cache) changes the target (bf16-rounded
     operands, K/V), not the guarantee: greedy speculative decoding (prompt lookup, drafts accepted)
     gives the same tokens as that target decoding alone, several sessions sharing each forward."""
-    from moa_serve.cli import prompt_tokens
+    from moa_serve.cli_args import prompt_tokens
     from moa_serve.engine.engine import SpeculativeEngine
     from moa_serve.sampling import SamplingParams
     from moa_serve.model_files import resolve_model_path
@@ -345,12 +345,12 @@ def test_auto_dtype_on_a_cpu_is_float32_for_a_gguf_target_even_with_native_bf16(
 def test_a_bf16_kv_cache_needs_the_attention_kernel_under_a_float32_target(tiny_model, monkeypatch):
     """torch's attention over a bf16 cache would need float32 queries cast down: a float32 runner is
     refused a bf16 cache where the kernels do not run, and an unknown cache dtype is refused by name."""
-    from moa_serve.verifier.torch_runner import TorchTargetRunner
+    from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        TorchTargetRunner(str(tiny_model), "float32", max_sessions=1, kv_cache_dtype="fp8")
-    runner = TorchTargetRunner(str(tiny_model), "float32", max_sessions=1, kv_cache_dtype="bfloat16")
+        TorchTargetRunner(str(tiny_model), "float32", max_sessions=1, options=RunnerOptions(kv_cache_dtype="fp8"))
+    runner = TorchTargetRunner(str(tiny_model), "float32", max_sessions=1, options=RunnerOptions(kv_cache_dtype="bfloat16"))
     assert runner.cache.k.dtype == torch.bfloat16 and runner.attention_kernel
     monkeypatch.setattr(kernels, "library", lambda: None)
     with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 with a float32 target needs the CPU attention kernel"):
-        TorchTargetRunner(str(tiny_model), "float32", max_sessions=1, kv_cache_dtype="bfloat16")
+        TorchTargetRunner(str(tiny_model), "float32", max_sessions=1, options=RunnerOptions(kv_cache_dtype="bfloat16"))

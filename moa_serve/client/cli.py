@@ -6,17 +6,18 @@ from __future__ import annotations
 import json
 import sys
 
+from moa_serve.cli_args import (DEFAULT_DRAFTER, CLIError, add_model_args, check_generation_args, prompt_tokens,
+                                sampling_params, tree_shape)
+from moa_serve.client import DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, ServerError, Transport
+from moa_serve.client.generate import AUTO
+
 
 def cmd_client_generate(args) -> int:
-    from moa_serve.cli import CLIError, _sampling, _tree, check_generation_args, prompt_tokens
-    from moa_serve.client import DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, ServerError, Transport
-    from moa_serve.client.generate import AUTO
-
     check_generation_args(args)
     if args.timeout is not None and not args.timeout > 0:
         raise CLIError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    sampling = _sampling(args)
-    branching = AUTO if args.branching == AUTO else _tree(args)
+    sampling = sampling_params(args)
+    branching = AUTO if args.branching == AUTO else tree_shape(args)
     device = DeviceDrafter.load(args.drafter, args.target, args.dtype, args.max_model_len, args.device)
     transport = Transport(args.server, timeout_s=args.timeout)
     gen = RemoteGenerator(device, transport, num_speculative_tokens=args.num_speculative_tokens,
@@ -44,13 +45,11 @@ def cmd_client_generate(args) -> int:
 
 
 def register(sub) -> None:
-    from moa_serve.cli import DEFAULT_DRAFTER, _model_args
-
     c = sub.add_parser("client", help="client-server mode: draft on this device, verify on a MoA-Serve server")
     csub = c.add_subparsers(dest="client_command", required=True)
     g = csub.add_parser("generate", help="generate through a server's /v1/cs API")
     g.add_argument("--server", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
-    _model_args(g, drafter=False)
+    add_model_args(g, drafter=False)
     g.set_defaults(target=None)
     g.add_argument("--drafter", default=f"hybrid+outputs:{DEFAULT_DRAFTER}",
                    help="drafter checkpoint (the server's: the handshake checks), or hybrid:<checkpoint>: prompt "

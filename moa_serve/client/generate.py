@@ -29,7 +29,8 @@ from moa_serve.client.adaptive import KController
 from moa_serve.client.device import DeviceDrafter
 from moa_serve.client.transport import ResyncError, ServerError, Transport, Unreachable
 from moa_serve.cs import wire
-from moa_serve.drafter.proposer import DraftRequest, TreeShape, parse_branching
+from moa_serve.drafter.spec import TreeShape, parse_branching
+from moa_serve.protocol import DraftRequest
 from moa_serve.sampling import GREEDY, SamplingParams
 from moa_serve.engine.session import FeatureStore
 

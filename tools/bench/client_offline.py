@@ -20,16 +20,17 @@ import threading
 import time
 
 from moa_serve.app.http import create_app
-from moa_serve.cli import DEFAULT_DRAFTER, DEFAULT_TARGET, prompt_tokens
+from moa_serve.cli_args import DEFAULT_DRAFTER, DEFAULT_TARGET, prompt_tokens
 from moa_serve.client import DeviceDrafter, RemoteGenerator, Transport
 from moa_serve.client.generate import AUTO
 from moa_serve.tools.cs_local_stack import UvicornThread
 from moa_serve.tools.cs_bench import server_stack
-from moa_serve.drafter.checkpoint import model_checkpoint
-from moa_serve.engine.engine import SpeculativeEngine, stop_token_ids
+from moa_serve.drafter.spec import DrafterSpec
+from moa_serve.engine.engine import SpeculativeEngine
 from moa_serve.sampling import GREEDY
 from moa_serve.kernels.packed import pack_target
-from moa_serve.model_files import load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path
+from moa_serve.model_files import (load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path,
+                                   stop_token_ids)
 from moa_serve.tools.netem import netem_proxy
 from moa_serve.target_model import TargetModel
 from moa_serve.verifier.torch_runner import TorchTargetRunner
@@ -68,7 +69,7 @@ class Server:
         stops = stop_token_ids(path, self.tok)
         self.plain = SpeculativeEngine(TorchTargetRunner(str(path), dt, "cpu", 1, args.max_model_len, None,
                                                          model=self.tm), None, self.tok, stops, 1)
-        server_stack(path, self.tm, dt, self.tok, stops, model_checkpoint(args.drafter), args.max_model_len,
+        server_stack(path, self.tm, dt, self.tok, stops, DrafterSpec.parse(args.drafter).checkpoint, args.max_model_len,
                      args.target).install()
         self.http = UvicornThread(create_app(), PORTS)
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import importlib.util
 import json
-import math
 import os
 import platform
 import random
@@ -47,7 +47,7 @@ def _import_project() -> None:
     """Makes ``moa_serve.<part>`` importable from this checkout when the project is not installed
     (the GPU machine runs the checkout as it is): the package-dir mapping of pyproject.toml."""
     try:
-        import moa_serve.target_model  # noqa: F401
+        importlib.import_module("moa_serve.target_model")
         return
     except ModuleNotFoundError as e:
         if not (e.name or "").startswith("moa_serve"):
@@ -55,7 +55,7 @@ def _import_project() -> None:
     import tomllib
 
     sys.path.insert(0, str(ROOT))
-    import moa_serve
+    moa_serve = importlib.import_module("moa_serve")
 
     dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     for name, folder in dirs.items():
@@ -74,17 +74,21 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from moa_serve.deployments import fit  # noqa: E402
+from moa_serve.deployments.config import AppConfig  # noqa: E402
+from moa_serve.drafter.checkpoint import init_drafter  # noqa: E402
 from moa_serve.drafter.config import DrafterConfig  # noqa: E402
+from moa_serve.drafter.features import MoAFeatures  # noqa: E402
 from moa_serve.drafter.model import MoADrafter, TargetParts  # noqa: E402
 from moa_serve.drafter.proposer import MoAProposer  # noqa: E402
 from moa_serve.protocol import DraftRequest  # noqa: E402
-from moa_serve.engine.engine import SpeculativeEngine, load_feature_head  # noqa: E402
+from moa_serve.engine.engine import SpeculativeEngine  # noqa: E402
 from moa_serve.kv_cache import PackedBatch  # noqa: E402
-from moa_serve.layers import Linear, RMSNorm, Rotary  # noqa: E402
+from moa_serve.layers import RMSNorm, Rotary  # noqa: E402
 from moa_serve.protocol import VerifyRequest  # noqa: E402
 from moa_serve.target_model import TargetArch, TargetModel, rotary_for  # noqa: E402
-from moa_serve.verifier.torch_runner import TorchTargetRunner  # noqa: E402
-from tools.gpu.replay import ReplayProposer, corruption_for, tau_for  # noqa: E402
+from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner  # noqa: E402
+from tools.gpu.replay import ReplayProposer, corruption_for  # noqa: E402
 
 GiB = 2 ** 30
 
@@ -293,8 +297,6 @@ def stories_path() -> Path:
 
 def correctness_section(run: Run, dtypes: list[str]) -> None:
     """Greedy speculative output against plain decoding on a real checkpoint."""
-    from moa_serve.drafter.checkpoint import init_drafter
-
     sec = run.section("correctness")
     path = stories_path()
     n_new, n_one = run.sizes["correct_new"], run.sizes["correct_one"]
@@ -414,10 +416,28 @@ def invariance_probe(runner: TorchTargetRunner, sizes: list[int], device: torch.
     return res
 
 
-def production_section(run: Run, shape: dict, dtype: torch.dtype) -> dict:
-    """Verify and drafting latency at production shape; returns the models for later sections."""
-    sec = run.section("production")
-    d, sz = run.device, run.sizes
+def _rows(run: Run, rows: list, cells: list[dict], min_left_s: float):
+    """Yields a row per cell (each appended to ``rows``); a cell reached with less than
+    ``min_left_s`` seconds left is marked skipped instead."""
+    for cell in cells:
+        row = dict(cell)
+        rows.append(row)
+        if run.left() < min_left_s:
+            row["skipped"] = "out of time"
+            continue
+        yield row
+
+
+def _add_device_busy(row: dict, fn, device: torch.device) -> None:
+    """The device's busy time in one call of ``fn``, and the host's share of the row's wall time."""
+    row["device_busy_ms"] = device_busy_ms(fn, device)
+    if isinstance(row["device_busy_ms"], float):
+        row["host_overhead_ms"] = round(row["ms"] - row["device_busy_ms"], 3)
+
+
+def _build_production_models(run: Run, sec: dict, shape: dict, dtype: torch.dtype):
+    """The random target and MoA drafter at ``shape``: their sizes and the memory they take."""
+    d = run.device
     free(d)
     t = time.monotonic()
     target = random_target(shape, dtype, d)
@@ -431,92 +451,81 @@ def production_section(run: Run, shape: dict, dtype: torch.dtype) -> dict:
     sec["moa_draft_head_gib"] = round(param_bytes(moa.draft_head) / GiB, 3)
     sec["memory_after_build"] = memory(d)
     run.save()
-    bmax, ctx = max(sz["verify_b"]), sz["context"]
-    room = ctx + 8 * (sz["reps"] + 3) + 16
-    runner = TorchTargetRunner("", dtype, str(d), max_sessions=bmax, max_model_len=room,
-                               feature_head=moa.feature_head, model=target, max_num_batched_tokens=8192,
-                               prefix_caching=False)
-    sec["verifier_fused_projections"] = runner.packing.get("fused_projections", 0)
-    sec["verifier_attention_kernel"] = runner.attention_kernel
-    g = random.Random(0)
-    vocab = shape["vocab_size"]
-    prompts = [[g.randrange(vocab) for _ in range(ctx)] for _ in range(bmax)]
-    ids = [f"v{i}" for i in range(bmax)]
+    return target, moa
+
+
+def _prefill(runner: TorchTargetRunner, sec: dict, ids: list[str], prompts: list[list[int]], d) -> None:
     t = time.monotonic()
     pending = [VerifyRequest(i, p, want_features=False) for i, p in zip(ids, prompts)]
     while pending:
         results = runner.verify(pending)
         pending = [q for q, r in zip(pending, results) if r.prefill_remaining > 0]
     sync(d)
-    sec["prefill"] = {"sessions": bmax, "tokens_each": ctx, "s": round(time.monotonic() - t, 2)}
+    sec["prefill"] = {"sessions": len(ids), "tokens_each": len(prompts[0]), "s": round(time.monotonic() - t, 2)}
+
+
+def _verify_rows(run: Run, sec: dict, runner: TorchTargetRunner, target: TargetModel, ids: list[str],
+                 g: random.Random, vocab: int) -> None:
+    """Verify latency for B sessions x K+1 tokens, and the target's forward alone at that shape."""
+    d, sz, ctx, reps = run.device, run.sizes, run.sizes["context"], run.sizes["reps"]
     sec["verify"] = []
     run.save()
-    reps = sz["reps"]
-    for b in sz["verify_b"]:
-        for width in sz["verify_t"]:
-            row = {"B": b, "K+1": width}
-            sec["verify"].append(row)
-            if run.left() < 10:
-                row["skipped"] = "out of time"
-                continue
-            reqs = [VerifyRequest(ids[i], [], drafts=[g.randrange(vocab) for _ in range(width - 1)], base=ctx)
-                    for i in range(b)]
+    cells = [{"B": b, "K+1": width} for b in sz["verify_b"] for width in sz["verify_t"]]
+    for row in _rows(run, sec["verify"], cells, 10):
+        b, width = row["B"], row["K+1"]
+        reqs = [VerifyRequest(ids[i], [], drafts=[g.randrange(vocab) for _ in range(width - 1)], base=ctx)
+                for i in range(b)]
 
-            def call(reqs=reqs):
-                return runner.verify(reqs)
-            row.update(timed(call, d, reps, warmup=2))
-            row["tokens_per_s_verified"] = round(b * width / row["ms"] * 1e3, 1)
-            # the target's forward alone (no planning, acceptance or features): what the device must do
-            batch_args = ([runner.sessions[i].slot for i in ids[:b]], [ctx - 1] * b, [width] * b)
-            tokens = torch.randint(0, vocab, (b * width,), device=d)
+        def call(reqs=reqs):
+            return runner.verify(reqs)
+        row.update(timed(call, d, reps, warmup=2))
+        row["tokens_per_s_verified"] = round(b * width / row["ms"] * 1e3, 1)
+        # the target's forward alone (no planning, acceptance or features): what the device must do
+        batch_args = ([runner.sessions[i].slot for i in ids[:b]], [ctx - 1] * b, [width] * b)
+        tokens = torch.randint(0, vocab, (b * width,), device=d)
 
-            def forward(tokens=tokens, batch_args=batch_args):
-                batch = PackedBatch(runner.cache, *batch_args, d, kernel=runner.attention_kernel)
-                return target.lm_head(target.forward_packed(tokens, batch)).argmax(-1)
-            row["forward_only"] = timed(forward, d, reps, warmup=1)
-            row["device_busy_ms"] = device_busy_ms(call, d)
-            if isinstance(row["device_busy_ms"], float):
-                row["host_overhead_ms"] = round(row["ms"] - row["device_busy_ms"], 3)
-            run.save()
+        def forward(tokens=tokens, batch_args=batch_args):
+            batch = PackedBatch(runner.cache, *batch_args, d, kernel=runner.attention_kernel)
+            return target.lm_head(target.forward_packed(tokens, batch)).argmax(-1)
+        row["forward_only"] = timed(forward, d, reps, warmup=1)
+        _add_device_busy(row, call, d)
+        run.save()
     for i in ids:
         runner.release(i)
-    # drafting latency per K: a paper-sized MoA draft head over the target's embeddings and LM head
-    proposer = MoAProposer(DrafterConfig(target=target.arch), moa.draft_head,
-                           TargetParts(target, 0), max_sessions=bmax, max_model_len=room)
+
+
+def _draft_rows(run: Run, sec: dict, proposer: MoAProposer, prompts: list[list[int]], hidden: int,
+                dtype: torch.dtype) -> None:
+    """Drafting latency per K: a paper-sized MoA draft head over the target's embeddings and LM head."""
+    d, sz, ctx = run.device, run.sizes, run.sizes["context"]
+    bmax = len(prompts)
     sec["draft"] = []
     t = time.monotonic()
-    feats = torch.randn(ctx, shape["hidden_size"]).to(dtype)
+    feats = torch.randn(ctx, hidden).to(dtype)
     proposer.propose([DraftRequest(f"d{i}", prompts[i], 1, 0, feats) for i in range(bmax)])
     sync(d)
     sec["draft_setup_s"] = round(time.monotonic() - t, 2)
-    for b in sz["verify_b"]:
-        for k in sz["draft_k"]:
-            row = {"B": b, "K": k}
-            sec["draft"].append(row)
-            if run.left() < 8:
-                row["skipped"] = "out of time"
-                continue
-            reqs = [DraftRequest(f"d{i}", [], k, feature_start=ctx, base=ctx) for i in range(b)]
+    cells = [{"B": b, "K": k} for b in sz["verify_b"] for k in sz["draft_k"]]
+    for row in _rows(run, sec["draft"], cells, 8):
+        b, k = row["B"], row["K"]
+        reqs = [DraftRequest(f"d{i}", [], k, feature_start=ctx, base=ctx) for i in range(b)]
 
-            def call(reqs=reqs):
-                return proposer.propose(reqs)
-            row.update(timed(call, d, reps, warmup=1))
-            row["ms_per_step"] = round(row["ms"] / k, 3)
-            row["device_busy_ms"] = device_busy_ms(call, d)
-            if isinstance(row["device_busy_ms"], float):
-                row["host_overhead_ms"] = round(row["ms"] - row["device_busy_ms"], 3)
-            run.save()
+        def call(reqs=reqs):
+            return proposer.propose(reqs)
+        row.update(timed(call, d, sz["reps"], warmup=1))
+        row["ms_per_step"] = round(row["ms"] / k, 3)
+        _add_device_busy(row, call, d)
+        run.save()
     for i in range(bmax):
         proposer.release(f"d{i}")
-    # one engine round (draft + verify with features + commit), K = 4 as gpu.yaml
-    engine = SpeculativeEngine(runner, proposer, None, frozenset(), max_batch=bmax)
+
+
+def _round_rows(run: Run, sec: dict, engine: SpeculativeEngine, prompts: list[list[int]]) -> None:
+    """One engine round (draft + verify with features + commit), K = 4 as gpu.yaml."""
+    d, sz, ctx, reps = run.device, run.sizes, run.sizes["context"], run.sizes["reps"]
     sec["round"] = []
-    for b in sz["verify_b"]:
-        row = {"B": b, "K": 4}
-        sec["round"].append(row)
-        if run.left() < 10:
-            row["skipped"] = "out of time"
-            continue
+    for row in _rows(run, sec["round"], [{"B": b, "K": 4} for b in sz["verify_b"]], 10):
+        b = row["B"]
         sessions = [engine.new_session(prompts[i][:ctx // 2], 10 ** 6, num_speculative_tokens=4, ignore_eos=True)
                     for i in range(b)]
         for _ in range(50):  # prefill (chunked), then rounds until every session drafts with features
@@ -528,12 +537,35 @@ def production_section(run: Run, shape: dict, dtype: torch.dtype) -> dict:
         n = reps + 1
         row["draft_ms"] = round((engine.timings["draft_s"] - d0) / n * 1e3, 3)
         row["verify_ms"] = round((engine.timings["verify_s"] - v0) / n * 1e3, 3)
-        row["device_busy_ms"] = device_busy_ms(lambda: engine.run_round(sessions), d)
-        if isinstance(row["device_busy_ms"], float):
-            row["host_overhead_ms"] = round(row["ms"] - row["device_busy_ms"], 3)
+        _add_device_busy(row, lambda: engine.run_round(sessions), d)
         for s in sessions:
             engine.release(s.id)
         run.save()
+
+
+def production_section(run: Run, shape: dict, dtype: torch.dtype) -> dict:
+    """Verify and drafting latency at production shape; returns the models for later sections."""
+    sec = run.section("production")
+    d, sz = run.device, run.sizes
+    target, moa = _build_production_models(run, sec, shape, dtype)
+    bmax, ctx = max(sz["verify_b"]), sz["context"]
+    room = ctx + 8 * (sz["reps"] + 3) + 16
+    runner = TorchTargetRunner("", dtype, str(d), max_sessions=bmax, max_model_len=room,
+                               features=MoAFeatures(moa.feature_head), model=target,
+                               options=RunnerOptions(max_num_batched_tokens=8192, prefix_caching=False))
+    sec["verifier_fused_projections"] = runner.packing.get("fused_projections", 0)
+    sec["verifier_attention_kernel"] = runner.attention_kernel
+    g = random.Random(0)
+    vocab = shape["vocab_size"]
+    prompts = [[g.randrange(vocab) for _ in range(ctx)] for _ in range(bmax)]
+    ids = [f"v{i}" for i in range(bmax)]
+    _prefill(runner, sec, ids, prompts, d)
+    _verify_rows(run, sec, runner, target, ids, g, vocab)
+    proposer = MoAProposer(DrafterConfig(target=target.arch), moa.draft_head,
+                           TargetParts(target, 0), max_sessions=bmax, max_model_len=room)
+    _draft_rows(run, sec, proposer, prompts, shape["hidden_size"], dtype)
+    engine = SpeculativeEngine(runner, proposer, None, frozenset(), max_batch=bmax)
+    _round_rows(run, sec, engine, prompts)
     sec["memory"] = memory(d)
     if dtype == torch.bfloat16 or run.toy:
         run.results["sections"].setdefault("invariance", {})["production_shape"] = \
@@ -552,9 +584,6 @@ def fit_section(run: Run, models: dict) -> None:
     try:
         import yaml
 
-        from moa_serve.deployments import fit
-        from moa_serve.deployments.config import AppConfig
-
         args = yaml.safe_load((ROOT / "deployments" / "configs" / "gpu.yaml").read_text())["applications"][0]["args"]
         cfg = AppConfig.model_validate(args)
         tshape = fit.ModelShape.from_hf(llama_config(LLAMA3_8B))
@@ -568,7 +597,7 @@ def fit_section(run: Run, models: dict) -> None:
                                 "max_num_batched_tokens": cfg.verifier_pool.max_num_batched_tokens,
                                 "num_speculative_tokens": cfg.num_speculative_tokens,
                                 "drafter_max_sessions": cfg.drafter_pool.max_sessions}
-    except Exception as exc:  # noqa: BLE001 - a missing package must not cost the other sections
+    except Exception as exc:  # noqa: BLE001 - a failure here (e.g. no PyYAML) must not cost the other sections
         sec["fit_py_error"] = f"{type(exc).__name__}: {exc}"
         cfg = None
     run.save()
@@ -650,7 +679,7 @@ def e2e_section(run: Run, models: dict, dtype: torch.dtype) -> None:
     n_new, plen = sz["e2e_new"], sz["e2e_prompt"]
     bmax = max(sz["e2e_b"])
     runner = TorchTargetRunner("", dtype, str(d), max_sessions=bmax, max_model_len=plen + n_new + 16, model=target,
-                               max_num_batched_tokens=8192, prefix_caching=False)
+                               options=RunnerOptions(max_num_batched_tokens=8192, prefix_caching=False))
     g = random.Random(2)
     prompts_all = [[g.randrange(vocab) for _ in range(plen)] for _ in range(bmax)]
     draft_ms = {(r["B"], r["K"]): r["ms"] for r in run.results["sections"].get("production", {}).get("draft", [])
