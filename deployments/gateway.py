@@ -29,7 +29,6 @@ from moa_serve.app.frontend import Frontend
 from moa_serve.app.http import create_app
 from moa_serve.deployments.config import AppConfig
 from moa_serve.deployments.router import detached, load_target_info
-from moa_serve.drafter.checkpoint import drafter_kind
 from moa_serve.engine.lanes import LaneLink
 from moa_serve.engine.session import Session
 from moa_serve.engine.stream_service import StreamService
@@ -112,7 +111,7 @@ class Gateway:
         self.service = StreamService(self._stream, max_sessions=lanes * r.session_groups * r.max_sessions_per_round,
                                      max_queued=r.max_queued_requests, stream_retries=RESUME_RETRIES,
                                      retry_backoff_s=0.5)
-        kind = drafter_kind(self.cfg.drafter) if self.cfg.drafter else None
+        kind = self.cfg.drafter_spec.kind
         state.install(
             cs=RouterSessions(router) if self.cfg.backend == "torch" else None,
             cs_unavailable="client-server mode needs backend: torch (this server runs backend: vllm)",

@@ -28,14 +28,15 @@ from moa_serve.deployments import assignment
 from moa_serve.deployments.config import AppConfig
 from moa_serve.deployments.metrics import CallMetrics, PrometheusObserver
 from moa_serve.deployments.stats import CallStats
-from moa_serve.drafter.checkpoint import drafter_kind
 from moa_serve.drafter.lookup import LookupTable
-from moa_serve.engine.lanes import LaneHub
+from moa_serve.drafter.outputs import GATE_ALONE, GATE_BEFORE_MODEL, output_store_for
 from moa_serve.engine.features import feature_policy
+from moa_serve.engine.lanes import LaneHub
 from moa_serve.engine.options import RoundOptions
 from moa_serve.engine.service import RoundService
 from moa_serve.engine.session import Session
 from moa_serve.engine.stream_service import StreamService
+from moa_serve.model_files import load_tokenizer, read_config, resolve_model_path, stop_token_ids
 
 log = logging.getLogger("ray.serve")
 
@@ -72,10 +73,7 @@ def router_lookup(cfg: AppConfig, max_sessions: int, max_model_len: int) -> Look
     the target's earlier replies behind it), None when its drafter does not look up."""
     if not cfg.prompt_lookup:
         return None
-    from moa_serve.drafter.checkpoint import uses_output_store
-    from moa_serve.drafter.outputs import GATE_ALONE, GATE_BEFORE_MODEL, output_store_for
-
-    store = output_store_for(cfg.target) if uses_output_store(cfg.drafter) else None
+    store = output_store_for(cfg.target) if cfg.drafter_spec.outputs else None
     return LookupTable(max_sessions=max_sessions, max_model_len=max_model_len, store=store,
                        store_gate=GATE_ALONE if cfg.drafter_checkpoint is None else GATE_BEFORE_MODEL)
 
@@ -95,9 +93,6 @@ class TargetInfo:
 
 
 def load_target_info(cfg: AppConfig) -> TargetInfo:
-    from moa_serve.engine.engine import stop_token_ids
-    from moa_serve.model_files import load_tokenizer, read_config, resolve_model_path
-
     path = resolve_model_path(cfg.target, weights=False)  # tokenizer + config only
     tokenizer = load_tokenizer(path)
     hf_config = read_config(path)
@@ -117,7 +112,7 @@ class Router:
         self.groups = group_keys(self.replica, r.session_groups)
         self.calls = CallStats()
         self._call_metrics = CallMetrics()
-        kind = drafter_kind(self.cfg.drafter) if self.cfg.drafter else None
+        kind = self.cfg.drafter_spec.kind
         if self.cfg.backend == "vllm":  # vLLM's scheduler batches the steps: one stream per session
             self.service = StreamService(self._stream, max_sessions=r.session_groups * r.max_sessions_per_round,
                                          max_queued=r.max_queued_requests)

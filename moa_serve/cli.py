@@ -13,7 +13,7 @@ from moa_serve.client.cli import register as register_client
 from moa_serve.drafter.checkpoint import init_drafter
 from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.drafter.training.diagnose import register as register_diagnose
-from moa_serve.drafter.training.regenerate import register as register_regenerate
+from moa_serve.tools.regenerate import register as register_regenerate
 from moa_serve.drafter.training.shrink_vocab import register as register_shrink_vocab
 from moa_serve.drafter.training.train import register as register_train
 from moa_serve.engine.engine import SpeculativeEngine

@@ -99,7 +99,7 @@ def test_remote_sessions_share_verify_calls_with_local_ones(stories_path, storie
     ref = [reference(p, 24) for p in prompts]
 
     async def main():
-        svc = RoundService(verify, draft, release, speculation_governor=False)
+        svc = RoundService(verify, draft, release, RoundOptions(speculation_governor=False))
         local = [Session(f"local{i}", p, 24, num_speculative_tokens=3, max_model_len=512) for i, p in enumerate(prompts[:2])]
         remote = Session("remote0", prompts[2], 24, max_model_len=512)
         tracked = [svc.submit(s) for s in local]

@@ -184,7 +184,7 @@ def test_regenerate_writes_target_replies_and_matching_originals(tmp_path, stori
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from moa_serve.drafter.training.data import prompt_ids
-    from moa_serve.drafter.training.regenerate import regenerate
+    from moa_serve.tools.regenerate import regenerate
 
     data = tmp_path / "data"
     data.mkdir()
@@ -216,7 +216,7 @@ def test_regenerate_all_turns_answers_each_turn_in_the_context_of_its_own_replie
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from moa_serve.drafter.training.data import load_conversations, prompt_ids
-    from moa_serve.drafter.training.regenerate import pack, regenerate, unpack
+    from moa_serve.tools.regenerate import pack, regenerate, unpack
 
     data = tmp_path / "data"
     data.mkdir()
@@ -259,7 +259,7 @@ def test_system_prompt_share_picks_a_stable_share_and_round_trips_through_a_pack
 
     from conftest import SMOLLM
     from moa_serve.drafter.training.data import default_system_prompt, encode_turns, load_conversations, render_segments
-    from moa_serve.drafter.training.regenerate import gets_system_prompt, pack, unpack
+    from moa_serve.tools.regenerate import gets_system_prompt, pack, unpack
 
     tok = AutoTokenizer.from_pretrained(SMOLLM)
     system = default_system_prompt(tok)
@@ -324,7 +324,7 @@ def test_regenerate_goes_on_where_an_earlier_run_stopped(tmp_path, stories_path)
     """--limit answers part of the sample; the next run answers only the prompts not yet answered,
     into a new shard; a third run has nothing left to do."""
     from moa_serve.drafter.training.data import load_conversations
-    from moa_serve.drafter.training.regenerate import regenerate
+    from moa_serve.tools.regenerate import regenerate
 
     data = tmp_path / "data"
     data.mkdir()
@@ -347,7 +347,7 @@ def test_regenerate_goes_on_where_an_earlier_run_stopped(tmp_path, stories_path)
     assert orig == sorted(json.dumps(c) for c in convs)
 
     # pack: sources + replies only (no corpus text); unpack rebuilds the same data from the corpus
-    from moa_serve.drafter.training.regenerate import pack, unpack
+    from moa_serve.tools.regenerate import pack, unpack
 
     packed = tmp_path / "pack.jsonl.gz"
     assert pack(str(out), str(packed)) == 7

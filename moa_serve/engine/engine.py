@@ -18,7 +18,7 @@ from moa_serve.engine.round_stats import ServiceStats
 from moa_serve.engine.service import RoundService
 from moa_serve.sampling import GREEDY, SamplingParams
 from moa_serve.engine.session import Session
-from moa_serve.model_files import load_tokenizer, resolve_model_path
+from moa_serve.model_files import load_tokenizer, resolve_model_path, stop_token_ids
 from moa_serve.protocol import DraftRequest, DraftResult, VerifyRequest, VerifyResult
 from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
 
