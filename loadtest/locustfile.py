@@ -232,6 +232,13 @@ class _LLMUser(User):
             exception=exc, context={"moa": metrics}, response=None, url=self.route, start_time=metrics["t_start"])
 
     def _read_whole(self, data: dict, metrics: dict) -> None:
+        usage = data.get("usage") or {}
+        n = usage.get("completion_tokens")
+        metrics["output_tokens"] = int(n if n is not None else self._tokens_without_usage(data))
+        metrics.update(_speculative_stats(data))
+
+    def _tokens_without_usage(self, data: dict) -> int:
+        """The output tokens of a whole response that reports no usage."""
         raise NotImplementedError
 
     def _events(self, resp: requests.Response):
@@ -249,6 +256,34 @@ class _LLMUser(User):
             yield obj
 
     def _read_stream(self, resp, t0: float, metrics: dict) -> int:
+        """Reads a stream: when the first and the last token came, the output tokens (the usage's
+        count where the server sends one, else those the events carried) and the speculative
+        stats; returns the number of events."""
+        tokens = 0
+        usage_tokens = None
+        n_events = 0
+        for obj in self._events(resp):
+            now_ms = (time.perf_counter() - t0) * 1000.0
+            n_events += 1
+            carried = self._event_tokens(obj)
+            if carried:
+                tokens += carried
+                if metrics["ttft_ms"] is None:
+                    metrics["ttft_ms"] = now_ms
+                metrics["_last_token_ms"] = now_ms
+            if self._closing_event(obj):
+                if obj.get("usage"):
+                    usage_tokens = obj["usage"].get("completion_tokens")
+                metrics.update(_speculative_stats(obj))
+        metrics["output_tokens"] = int(usage_tokens) if usage_tokens is not None else tokens
+        return n_events
+
+    def _event_tokens(self, obj: dict) -> int:
+        """The output tokens one stream event carries (0: none)."""
+        raise NotImplementedError
+
+    def _closing_event(self, obj: dict) -> bool:
+        """Whether the event is the one with the usage and the speculative stats."""
         raise NotImplementedError
 
 
@@ -265,30 +300,15 @@ class _OpenAIUser(_LLMUser):
     def _delta_text(self, choice: dict) -> str:
         raise NotImplementedError
 
-    def _read_whole(self, data, metrics):
-        usage = data.get("usage") or {}
-        metrics["output_tokens"] = int(usage.get("completion_tokens") or 0)
-        metrics.update(_speculative_stats(data))
+    def _tokens_without_usage(self, data):
+        return 0
 
-    def _read_stream(self, resp, t0, metrics) -> int:
-        chunks = 0
-        usage_tokens = None
-        nbytes = 0
-        for obj in self._events(resp):
-            now_ms = (time.perf_counter() - t0) * 1000.0
-            nbytes += 1
-            for choice in obj.get("choices") or []:
-                if self._delta_text(choice):
-                    chunks += 1
-                    if metrics["ttft_ms"] is None:
-                        metrics["ttft_ms"] = now_ms
-                    metrics["_last_token_ms"] = now_ms
-            if obj.get("usage"):
-                usage_tokens = obj["usage"].get("completion_tokens")
-                metrics.update(_speculative_stats(obj))
-        # tokens: from the usage chunk when the server sends one, else one per text chunk
-        metrics["output_tokens"] = int(usage_tokens) if usage_tokens is not None else chunks
-        return nbytes
+    def _event_tokens(self, obj):
+        # without a usage chunk, one token per text chunk
+        return sum(1 for choice in obj.get("choices") or [] if self._delta_text(choice))
+
+    def _closing_event(self, obj):
+        return bool(obj.get("usage"))
 
 
 class ChatUser(_OpenAIUser):
@@ -341,31 +361,15 @@ class GenerateUser(_LLMUser):
             b["num_speculative_tokens"] = self.opts.num_speculative_tokens
         return b
 
-    def _read_whole(self, data, metrics):
-        usage = data.get("usage") or {}
-        n = usage.get("completion_tokens")
-        metrics["output_tokens"] = int(n if n is not None else len(data.get("token_ids") or []))
-        metrics.update(_speculative_stats(data))
+    def _tokens_without_usage(self, data):
+        return len(data.get("token_ids") or [])
 
-    def _read_stream(self, resp, t0, metrics) -> int:
-        tokens = 0
-        usage_tokens = None
-        events_ = 0
-        for obj in self._events(resp):
-            now_ms = (time.perf_counter() - t0) * 1000.0
-            events_ += 1
-            ids = obj.get("token_ids") or []
-            if ids or obj.get("text"):
-                tokens += len(ids) if ids else 1
-                if metrics["ttft_ms"] is None:
-                    metrics["ttft_ms"] = now_ms
-                metrics["_last_token_ms"] = now_ms
-            if obj.get("finish_reason") is not None or "usage" in obj:
-                if obj.get("usage"):
-                    usage_tokens = obj["usage"].get("completion_tokens")
-                metrics.update(_speculative_stats(obj))
-        metrics["output_tokens"] = int(usage_tokens) if usage_tokens is not None else tokens
-        return events_
+    def _event_tokens(self, obj):
+        ids = obj.get("token_ids") or []
+        return len(ids) if ids else int(bool(obj.get("text")))
+
+    def _closing_event(self, obj):
+        return obj.get("finish_reason") is not None or "usage" in obj
 
 
 

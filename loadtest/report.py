@@ -153,6 +153,24 @@ def plot_runs(summaries: list[dict], out_dir: str | Path, title: str = "") -> li
 
     all_users = sorted({lv["users"] for s in summaries for lv in s["levels"]})
 
+    def users_axes(axes):
+        """Concurrent users on a log2 x axis; values from 0."""
+        for ax in axes:
+            ax.set_xlabel("concurrent users")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(all_users, [str(u) for u in all_users])
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+
+    def save(fig, name: str) -> None:
+        if title:
+            fig.suptitle(title)
+        fig.tight_layout()
+        p = out / name
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+
     # throughput: aggregate and per user
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for s in summaries:
@@ -162,20 +180,10 @@ def plot_runs(summaries: list[dict], out_dir: str | Path, title: str = "") -> li
             ax.plot(xs, ys, marker="o", label=label)
     axes[0].set_title("aggregate output tokens/s")
     axes[1].set_title("output tokens/s per user")
+    users_axes(axes)
     for ax in axes:
-        ax.set_xlabel("concurrent users")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(all_users, [str(u) for u in all_users])
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
         ax.legend()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    p = out / "throughput.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
+    save(fig, "throughput.png")
 
     # latency: TTFT and end-to-end, p50 solid / p99 dashed
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -189,21 +197,11 @@ def plot_runs(summaries: list[dict], out_dir: str | Path, title: str = "") -> li
                     ax.plot(xs, ys, style, marker="o", color=color, label=f"{label} {q}")
     axes[0].set_title("time to first token (ms)")
     axes[1].set_title("request latency (ms)")
+    users_axes(axes)
     for ax in axes:
-        ax.set_xlabel("concurrent users")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(all_users, [str(u) for u in all_users])
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    p = out / "latency.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
+    save(fig, "latency.png")
     return written
 
 

@@ -166,10 +166,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(b, heads, t, hd)
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm Llama decoder layer. ``forward`` takes a function that, given this step's
-    rope'd keys/values, returns all keys/values to attend to plus the mask (cache policy
-    belongs to the caller)."""
+class PreNormLayer(nn.Module):
+    """The parts of a pre-norm Llama layer, under the checkpoints' names: attention, MLP and the
+    RMSNorms before each. Subclasses say what the attention reads."""
 
     def __init__(self, shape: LayerShape):
         super().__init__()
@@ -177,6 +176,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(shape.hidden_size, shape.intermediate_size)
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+
+class DecoderLayer(PreNormLayer):
+    """Pre-norm Llama decoder layer. ``forward`` takes a function that, given this step's
+    rope'd keys/values, returns all keys/values to attend to plus the mask (cache policy
+    belongs to the caller)."""
 
     def forward_packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention) -> torch.Tensor:
         """The same layer over tokens of many sequences packed along one axis: x [N, hidden],

@@ -295,11 +295,17 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def cmd_bench(args) -> int:
-    r = run_bench(args)
-    print(markdown(r))
-    print(f"wrote {args.out}")
-    return 0
+def printing_command(run, table):
+    """A benchmark's subcommand: runs it, prints its Markdown table and where the results went."""
+    def cmd(args) -> int:
+        print(table(run(args)))
+        print(f"wrote {args.out}")
+        return 0
+
+    return cmd
+
+
+cmd_bench = printing_command(run_bench, markdown)
 
 
 def register(sub) -> None:

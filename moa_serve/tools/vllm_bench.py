@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from moa_serve.cli_args import DEFAULT_TARGET
 from moa_serve.drafter.training.data import prompt_ids
-from moa_serve.tools.bench import DEFAULT_QUESTIONS, load_questions
+from moa_serve.tools.bench import DEFAULT_QUESTIONS, load_questions, printing_command
 from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.verifier.vllm_engine import VllmEngine, VllmOptions
 
@@ -150,13 +150,6 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cmd(args) -> int:
-    r = run(args)
-    print(markdown(r))
-    print(f"wrote {args.out}")
-    return 0
-
-
 def register(sub) -> None:
     p = sub.add_parser("vllm-bench", help="the vLLM backend under closed-loop load: none vs n-gram vs drafters")
     p.add_argument("--target", default=DEFAULT_TARGET)
@@ -172,4 +165,4 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--out", default="vllm-bench.json")
-    p.set_defaults(func=cmd)
+    p.set_defaults(func=printing_command(run, markdown))

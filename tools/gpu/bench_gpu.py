@@ -351,6 +351,23 @@ def _row_invariance(fn, x: torch.Tensor, sizes: list[int]) -> dict:
     return out
 
 
+def _session_invariance(fn, sizes: list[int], slots: int, width: int, argmax: bool = False) -> dict:
+    """``fn(n)`` computes ``width`` rows for each of the first ``n`` sessions: are the first ``m``
+    sessions' rows the same computed alone as beside all ``slots`` sessions?"""
+    full = fn(slots)
+    out = {}
+    for m in sizes:
+        if m > slots:
+            continue
+        part = fn(m)
+        r = m * width
+        out[str(m)] = {"bitwise": bool(torch.equal(part, full[:r])),
+                       "max_abs_diff": (part.float() - full[:r].float()).abs().max().item()}
+        if argmax:
+            out[str(m)]["argmax_equal"] = bool(torch.equal(part.argmax(-1), full[:r].argmax(-1)))
+    return out
+
+
 @torch.inference_mode()
 def invariance_probe(runner: TorchTargetRunner, sizes: list[int], device: torch.device) -> dict:
     """Is a row's result the same alone and in a batch, op by op (bfloat16 or whatever the
@@ -382,34 +399,13 @@ def invariance_probe(runner: TorchTargetRunner, sizes: list[int], device: torch.
             batch = PackedBatch(cache, list(range(n)), [32] * n, [width] * n, device, kernel=kernel)
             return batch.attention(0)(q[:n * width], kv[:n * width], kv[:n * width])
 
-        def rows(n, width=width):
-            return n * width
-        full = attn(slots)
-        out = {}
-        for m in sizes:
-            if m > slots:
-                continue
-            part = attn(m)
-            r = rows(m)
-            out[str(m)] = {"bitwise": bool(torch.equal(part, full[:r])),
-                           "max_abs_diff": (part.float() - full[:r].float()).abs().max().item()}
-        res[f"attention_{width}_token"] = out
+        res[f"attention_{width}_token"] = _session_invariance(attn, sizes, slots, width)
         tokens = torch.randint(0, arch.vocab_size, (slots * width,), generator=g).to(device)
 
         def forward(n, tokens=tokens, width=width):
             batch = PackedBatch(cache, list(range(n)), [32] * n, [width] * n, device, kernel=kernel)
             return model.lm_head(model.forward_packed(tokens[:n * width], batch))
-        full = forward(slots)
-        out = {}
-        for m in sizes:
-            if m > slots:
-                continue
-            part = forward(m)
-            r = m * width
-            out[str(m)] = {"bitwise": bool(torch.equal(part, full[:r])),
-                           "max_abs_diff": (part.float() - full[:r].float()).abs().max().item(),
-                           "argmax_equal": bool(torch.equal(part.argmax(-1), full[:r].argmax(-1)))}
-        res[f"forward_logits_{width}_token"] = out
+        res[f"forward_logits_{width}_token"] = _session_invariance(forward, sizes, slots, width, argmax=True)
     del cache
     breaking = [op for op, v in res.items() if isinstance(v, dict) and any(not r["bitwise"] for r in v.values())]
     res["not_batch_invariant"] = breaking
