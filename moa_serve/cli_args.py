@@ -28,13 +28,18 @@ def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
                    help="auto: bfloat16 on GPUs and CPUs with native bf16, float32 elsewhere")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--packed-weights", choices=["auto", "off"], default="auto",
-                   help="auto: a float32 CPU target from a GGUF keeps its 4/8-bit blocks, de-quantized in registers")
-    p.add_argument("--matmul-precision", choices=["highest", "medium"], default="highest",
-                   help="packed CPU target (torch backend): medium multiplies bfloat16-rounded activations and "
-                        "weights (float32 sums) on CPUs with AVX512-BF16; highest multiplies in float32")
+    add_kernel_args(
+        p, "auto: a float32 CPU target from a GGUF keeps its 4/8-bit blocks, de-quantized in registers",
+        "packed CPU target (torch backend): medium multiplies bfloat16-rounded activations and weights "
+        "(float32 sums) on CPUs with AVX512-BF16; highest multiplies in float32")
     p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="torch backend: the target's KV cache dtype (auto = the target's dtype; bfloat16 halves it)")
+
+
+def add_kernel_args(p: argparse.ArgumentParser, packed_help: str, precision_help: str) -> None:
+    """``--packed-weights`` and ``--matmul-precision``: how a CPU target runs on the packed kernels."""
+    p.add_argument("--packed-weights", choices=["auto", "off"], default="auto", help=packed_help)
+    p.add_argument("--matmul-precision", choices=["highest", "medium"], default="highest", help=precision_help)
 
 
 def sampling_params(args) -> SamplingParams:

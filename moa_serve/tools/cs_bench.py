@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from moa_serve.app import state
 from moa_serve.app.http import create_app
-from moa_serve.cli_args import DEFAULT_TARGET
+from moa_serve.cli_args import DEFAULT_TARGET, add_kernel_args
 from moa_serve.client import DeviceDrafter, RemoteGenerator, Transport
 from moa_serve.client.generate import AUTO
 from moa_serve.cs.fingerprint import model_fingerprint, tokenizer_fingerprint
@@ -605,11 +605,9 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="server and device (float32: greedy identity is exact)")
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--packed-weights", choices=["auto", "off"], default="auto",
-                   help="auto: the server's target runs on the packed kernels, as a verifier replica does")
-    p.add_argument("--matmul-precision", choices=["highest", "medium"], default="highest",
-                   help="the server's packed matmuls (the config's matmul_precision): medium multiplies bf16-rounded "
-                        "values with float32 sums on AVX512-BF16 CPUs; plain decoding, the reference, runs the same")
+    add_kernel_args(p, "auto: the server's target runs on the packed kernels, as a verifier replica does",
+                    "the server's packed matmuls (the config's matmul_precision): medium multiplies bf16-rounded "
+                    "values with float32 sums on AVX512-BF16 CPUs; plain decoding, the reference, runs the same")
     p.add_argument("--device-slowdown", type=float, default=3.0,
                    help="the device's drafting takes this many times its measured time (the server has this many "
                         "times the device's compute; the paper: 3)")
