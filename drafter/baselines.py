@@ -91,11 +91,8 @@ class _BaselineProposer(ProposerBase):
 
     def __init__(self, cfg: DrafterConfig, model: nn.Module, parts: TargetParts, num_layers: int,
                  max_sessions: int = 16, max_model_len: int = 2048, draft_vocab: torch.Tensor | None = None):
-        self.cfg = cfg
+        self._bind(cfg, parts)
         self.model = model.eval()
-        self.parts = parts.eval()
-        p = parts.lm_head.weight
-        self.dtype, self.device = p.dtype, p.device
         sh = cfg.sa_shape()
         self.cache = SlotKVCache(num_layers, max_sessions, sh.num_kv_heads, sh.head_dim, max_model_len,
                                  self.dtype, self.device)

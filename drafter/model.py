@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from moa_serve.drafter.config import DrafterConfig
-from moa_serve.layers import MLP, Attention, DecoderLayer, LayerShape, RMSNorm, Rotary, attend
+from moa_serve.layers import DecoderLayer, PreNormLayer, RMSNorm, Rotary, attend
 from moa_serve.model_files import load_selected_tensors, read_config, resolve_model_path
 from moa_serve.target_model import TargetArch, TargetModel, assign_weights
 
@@ -66,16 +66,9 @@ class FeatureHead(nn.Module):
         return out.reshape(*lead, -1)
 
 
-class CrossAttentionLayer(nn.Module):
+class CrossAttentionLayer(PreNormLayer):
     """A decoder layer whose attention reads keys/values projected from MoA features; the
     same ``input_layernorm`` normalises queries' inputs and features (as the reference)."""
-
-    def __init__(self, shape: LayerShape):
-        super().__init__()
-        self.self_attn = Attention(shape)
-        self.mlp = MLP(shape.hidden_size, shape.intermediate_size)
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
     def project_features(self, features: torch.Tensor, cos, sin):
         """features [B, N, H] at positions given by cos/sin -> keys, values [B, KVH, N, hd]."""

@@ -114,6 +114,13 @@ class ProposerBase:
         """Tree drafts for greedy sessions from now on (``TreeShape()``: chains)."""
         self.branching, self.tree_min_value = shape.widths, shape.min_value
 
+    def _bind(self, cfg: DrafterConfig, parts: TargetParts) -> None:
+        """The drafter's config and the target parts it borrows (in eval mode), whose dtype and
+        device the drafter's caches take."""
+        self.cfg, self.parts = cfg, parts.eval()
+        p = parts.lm_head.weight
+        self.dtype, self.device = p.dtype, p.device
+
     def _init_lm_head(self, cfg: DrafterConfig, draft_vocab: torch.Tensor | None) -> None:
         """The borrowed LM head, restricted to the draft vocabulary when the checkpoint has one, and
         the drafting counters."""
@@ -342,11 +349,8 @@ class ProposerBase:
 class MoAProposer(ProposerBase):
     def __init__(self, cfg: DrafterConfig, head: DraftHead, parts: TargetParts, max_sessions: int = 16,
                  max_model_len: int = 2048, draft_vocab: torch.Tensor | None = None):
-        self.cfg = cfg
+        self._bind(cfg, parts)
         self.head = head.eval()
-        self.parts = parts.eval()
-        p = parts.lm_head.weight
-        self.dtype, self.device = p.dtype, p.device
         sa = cfg.sa_shape()
         self.sa_cache = SlotKVCache(1, max_sessions, sa.num_kv_heads, sa.head_dim,
                                     max_model_len, self.dtype, self.device)

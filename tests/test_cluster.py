@@ -18,6 +18,7 @@ from ray import serve  # noqa: E402
 
 from moa_serve.deployments.app import build_app  # noqa: E402
 from moa_serve.engine.engine import SpeculativeEngine  # noqa: E402
+from tests.ray_harness import kill_replica  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -208,12 +209,6 @@ def test_client_disconnect_frees_the_session(cluster):
             time.sleep(0.2)
 
 
-def _kill_replica(deployment: str) -> None:
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if f"moa#{deployment}#" in a["name"]]
-    assert names, ray.util.list_named_actors(all_namespaces=True)
-    ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
-
-
 @pytest.mark.parametrize("deployment", ["DrafterPool", "VerifierPool"])
 def test_killed_replica_mid_generation_keeps_greedy_text(cluster, engine, deployment):
     prompt = "Lily went to the park and"
@@ -234,7 +229,7 @@ def test_killed_replica_mid_generation_keeps_greedy_text(cluster, engine, deploy
     while httpx.get(cluster + "/v1/stats").json()["rounds"] < rounds_before + 6 and time.monotonic() < deadline:
         time.sleep(0.02)
     mid_generation = t.is_alive()
-    _kill_replica(deployment)
+    kill_replica(deployment)
     t.join(300)
     assert mid_generation, "the generation ended before the replica was killed"
     r = result["r"]

@@ -205,6 +205,13 @@ def make_service(verifier, drafter=None, **kw):
     return RoundService(verifier, drafter, release, RoundOptions(**kw), **extra), release
 
 
+async def run_all(svc, sessions):
+    """Every session to completion through ``svc``, which is then stopped: their (tokens, finish)."""
+    outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in sessions))
+    await svc.stop()
+    return outs
+
+
 async def collect(svc, tracked) -> tuple[list[int], str]:
     toks, finish = [], None
     async for ev in svc.stream(tracked):
@@ -226,8 +233,7 @@ def test_deltas_chunked_prefill_and_reordered_results_keep_every_token():
     async def main():
         svc, _ = make_service(verifier, drafter, groups=["r0/0", "r0/1"], max_sessions_per_round=3,
                               speculation_token_budget=0)
-        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
-        await svc.stop()
+        outs = await run_all(svc, ss)
         return outs, svc.stats
 
     outs, stats = asyncio.run(main())
@@ -255,8 +261,7 @@ def test_replicas_that_lost_a_session_resync():
     async def main():
         svc, _ = make_service(verifier, drafter, num_groups=1)
         ss = [make_session(0), make_session(1)]
-        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
-        await svc.stop()
+        outs = await run_all(svc, ss)
         return ss, outs, svc.stats
 
     ss, outs, stats = asyncio.run(main())
@@ -300,8 +305,7 @@ def test_verify_timeout_is_retried_whole_and_features_are_rebuilt():
     async def main():
         svc, _ = make_service(verifier, drafter, num_groups=1, verify_timeout_s=0.2)
         ss = [make_session(0), make_session(1, prompt_len=9)]
-        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
-        await svc.stop()
+        outs = await run_all(svc, ss)
         return ss, outs, svc.stats
 
     ss, outs, stats = asyncio.run(main())
@@ -328,17 +332,21 @@ class LossyVerifier(FakeVerifier):
         return r
 
 
-def test_features_lost_on_the_way_are_recomputed_from_the_cache():
-    verifier, drafter = LossyVerifier(recompute=True, delay=0.001), FakeDrafter()
-
+def run_one_session(verifier, drafter):
+    """One session through a one-group service: (session, (tokens, finish), stats, release)."""
     async def main():
         svc, release = make_service(verifier, drafter, num_groups=1)
         s = make_session(0)
         out = await collect(svc, svc.submit(s))
         await svc.stop()
-        return s, out, svc.stats
+        return s, out, svc.stats, release
 
-    s, (toks, _), stats = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_features_lost_on_the_way_are_recomputed_from_the_cache():
+    verifier, drafter = LossyVerifier(recompute=True, delay=0.001), FakeDrafter()
+    s, (toks, _), stats, _ = run_one_session(verifier, drafter)
     assert toks == reference(s.prompt, 20) and drafter.errors == []
     assert stats.resyncs == 0  # the next verify asked from the first missing position
     received = drafter.received[s.id]
@@ -347,15 +355,7 @@ def test_features_lost_on_the_way_are_recomputed_from_the_cache():
 
 def test_features_lost_on_the_way_are_rebuilt_by_a_re_prefill():
     verifier, drafter = LossyVerifier(recompute=False, delay=0.001), FakeDrafter()
-
-    async def main():
-        svc, release = make_service(verifier, drafter, num_groups=1)
-        s = make_session(0)
-        out = await collect(svc, svc.submit(s))
-        await svc.stop()
-        return s, out, svc.stats, release
-
-    s, (toks, _), stats, release = asyncio.run(main())
+    s, (toks, _), stats, release = run_one_session(verifier, drafter)
     assert toks == reference(s.prompt, 20) and drafter.errors == []
     assert stats.resyncs == 1 and release.released[0] == "s0"  # released on both pools mid-way
     restart = [q for q in requests_of(verifier, "s0")[1:] if q.base == 0]
@@ -452,8 +452,7 @@ def test_service_shrinks_k_as_the_batch_grows_and_turns_it_off():
         svc, _ = make_service(verifier, drafter, num_groups=1, max_sessions_per_round=8,
                               speculation_token_budget=budget)
         ss = [make_session(i, max_new=8 + 6 * (i == 0), k=4) for i in range(8)]
-        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
-        await svc.stop()
+        outs = await run_all(svc, ss)
         return ss, outs
 
     ss, outs = asyncio.run(main(16))  # 8 sessions: at most 1 draft each; s0 alone at the end: 4
@@ -656,8 +655,7 @@ def test_lookahead_calls_overlap_and_keep_every_token_stop_and_length(decode_ste
         verifier = OverlapVerifier(delay=0.002, reverse=True)
         svc, _ = make_service(verifier, None, lookahead=True, decode_steps=decode_steps, multi_step_max_sessions=64,
                               speculation_token_budget=0)
-        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
-        await svc.stop()
+        outs = await run_all(svc, ss)
         return verifier, outs, svc.stats
 
     verifier, outs, stats = asyncio.run(main())
@@ -759,8 +757,7 @@ def test_prompt_lookup_drafts_in_the_service_without_a_drafter_pool():
         verifier = FakeVerifier()
         svc, _ = make_service(verifier, None, lookup=SpyLookup(log, min_n=2, max_n=4))
         ss = [repetitive_session(i, needs_features=False) for i in range(3)]
-        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
-        await svc.stop()
+        outs = await run_all(svc, ss)
         return verifier, svc, ss, outs
 
     verifier, svc, ss, outs = asyncio.run(main())
@@ -781,8 +778,7 @@ def test_lookup_drafted_sessions_go_on_decoding_in_the_same_call():
         svc, _ = make_service(verifier, None, lookup=SpyLookup([], min_n=1, max_n=3), decode_steps=4)
         ss = [Session(f"s{i}", [(i * 11 + j) % VOCAB for j in range(4)] * 2, 40, num_speculative_tokens=3,
                       max_model_len=256, drafter_needs_features=False) for i in range(2)]
-        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
-        await svc.stop()
+        outs = await run_all(svc, ss)
         return verifier, ss, outs
 
     verifier, ss, outs = asyncio.run(main())
@@ -799,8 +795,7 @@ def test_hybrid_sends_the_drafter_only_the_sessions_lookup_did_not_draft():
         verifier, drafter = LoggingVerifier(log), LoggingDrafter(log, wrong_every=2)
         svc, _ = make_service(verifier, drafter, lookup=SpyLookup(log, min_n=1, max_n=3))
         ss = [repetitive_session(i, needs_features=True) for i in range(4)]
-        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
-        await svc.stop()
+        outs = await run_all(svc, ss)
         return verifier, drafter, ss, outs
 
     verifier, drafter, ss, outs = asyncio.run(main())

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
 from moa_serve.deployments.app import build_app  # noqa: E402
+from tests.ray_harness import kill_replica  # noqa: E402
 
 MOA = str(REPO / "drafter" / "checkpoints" / "smollm2-135m-instruct-moa")
 QUESTIONS = ["Write a short poem about the sea.", "What is the capital of Australia? Answer briefly.",
@@ -99,12 +100,6 @@ def test_openai_chat_route_and_clear_errors(cluster, reference):
     assert cs.status_code == 404 and "backend: torch" in cs.json()["error"]["message"]
 
 
-def _kill_replica(deployment: str) -> None:
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if f"moa#{deployment}#" in a["name"]]
-    assert names, ray.util.list_named_actors(all_namespaces=True)
-    ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
-
-
 @pytest.mark.parametrize("deployment", ["DrafterPool", "VllmVerifier"])
 def test_killed_replica_mid_generation_changes_no_token(cluster, reference, deployment):
     q = QUESTIONS[2]
@@ -124,7 +119,7 @@ def test_killed_replica_mid_generation_changes_no_token(cluster, reference, depl
     calls0, deadline = before["verifier_engine"]["drafting"]["calls"], time.monotonic() + 120
     while drafting_calls() <= calls0 + 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    _kill_replica(deployment)
+    kill_replica(deployment)
     t.join(600)
     r = result["r"]
     assert r.status_code == 200, r.text

@@ -91,20 +91,20 @@ def _run(coro):
         return pool.submit(asyncio.run, coro).result()
 
 
+@dataclass(eq=False)
 class SpeculativeEngine:
-    def __init__(self, verifier: TorchTargetRunner, proposer: MoAProposer | None, tokenizer=None,
-                 stop_ids: frozenset[int] = frozenset(), max_batch: int = 16, speculation_token_budget: int = 0):
-        self.verifier = verifier
-        self.proposer = proposer
-        self.tokenizer = tokenizer
-        self.stop_ids = stop_ids
-        self.max_batch = max_batch
-        # verify tokens per round that bound every session's K (rounds.speculation_cap); 0 = no
-        # bound, so that benchmarks measure the K they ask for
-        self.speculation_token_budget = speculation_token_budget
-        self._ids = itertools.count()
-        self.timings = {"draft_s": 0.0, "verify_s": 0.0}  # cumulative seconds, for benchmarks
-        self.last_stats = ServiceStats()  # the rounds of the last generate / run_round call
+    verifier: TorchTargetRunner
+    proposer: MoAProposer | None
+    tokenizer: object = None
+    stop_ids: frozenset[int] = frozenset()
+    max_batch: int = 16
+    # verify tokens per round that bound every session's K (rounds.speculation_cap); 0 = no
+    # bound, so that benchmarks measure the K they ask for
+    speculation_token_budget: int = 0
+    # cumulative seconds, for benchmarks; the rounds of the last generate / run_round call
+    timings: dict = field(default_factory=lambda: {"draft_s": 0.0, "verify_s": 0.0}, init=False)
+    last_stats: ServiceStats = field(default_factory=ServiceStats, init=False)
+    _ids: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
 
     @classmethod
     def load(cls, target: str, drafter: str | None, dtype="float32", device="cpu", max_sessions=16,
@@ -197,7 +197,8 @@ class SpeculativeEngine:
 
     def _account(self, service: RoundService) -> None:
         self.last_stats = service.stats
-        self.timings["draft_s"] += service.stats.draft_s
+        if self.proposer is not None:  # without one, a round's "draft" part is bookkeeping only
+            self.timings["draft_s"] += service.stats.draft_s
         self.timings["verify_s"] += service.stats.verify_s
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = GREEDY,

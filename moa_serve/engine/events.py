@@ -59,6 +59,17 @@ class Tracked:
             self.pending = None
 
 
+def mark_aborted(tracked: Tracked, waiting: list[Tracked]) -> bool:
+    """Marks a session aborted and takes it out of ``waiting`` if it is still queued there;
+    False when it had finished already (nothing to abort)."""
+    if tracked.session.finished:
+        return False
+    tracked.session.finish_reason = "abort"
+    if tracked in waiting:
+        waiting.remove(tracked)
+    return True
+
+
 def last_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[-1]
 

@@ -9,7 +9,9 @@ from moa_serve.engine.pool_calls import CallLimits
 
 
 @dataclass(frozen=True)
-class RoundOptions:
+class RoundOptions(CallLimits):
+    """Admission, speculation and round shape; the pool calls' limits are ``CallLimits``'s fields."""
+
     # admission: each group verifies at most this many sessions per round; this many more wait
     # (beyond that: QueueFullError, HTTP 429)
     max_sessions_per_round: int = 16
@@ -27,19 +29,7 @@ class RoundOptions:
     multi_step_max_sessions: int = 4
     # pipelined verify calls for draft-free rounds (pipeliner.py)
     lookahead: bool = False
-    # pool calls (pool_calls.py)
-    verify_retries: int = 5
-    retry_backoff_s: float = 0.5
-    max_backoff_s: float = 8.0
-    verify_timeout_s: float = 120.0
-    draft_timeout_s: float = 5.0
-    release_timeout_s: float = 5.0
-    release_attempts: int = 5
 
     def __post_init__(self):
         if self.decode_steps < 1:
             raise ValueError("decode_steps must be >= 1")
-
-    def call_limits(self) -> CallLimits:
-        return CallLimits(self.verify_retries, self.retry_backoff_s, self.max_backoff_s, self.verify_timeout_s,
-                          self.draft_timeout_s, self.release_timeout_s, self.release_attempts)

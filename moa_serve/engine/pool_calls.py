@@ -36,7 +36,7 @@ async def within(seconds: float, aw):
         return await aw
 
 
-@dataclass
+@dataclass(frozen=True)
 class CallLimits:
     """Time limits and retry bounds of the pool calls."""
     verify_retries: int = 5

@@ -29,7 +29,8 @@ from typing import Hashable, Sequence
 import torch
 
 from moa_serve.drafter.lookup import LookupTable
-from moa_serve.engine.events import QueueFullError, RemoteRound, TokenEvent, Tracked, error_reason, stream_events
+from moa_serve.engine.events import (QueueFullError, RemoteRound, TokenEvent, Tracked, error_reason, mark_aborted,
+                                     stream_events)
 from moa_serve.engine.features import FeaturePolicy, feature_policy
 from moa_serve.engine.options import RoundOptions
 from moa_serve.engine.pool_calls import DraftFn, PoolCalls, ReleaseFn, VerifyFn, within
@@ -56,7 +57,7 @@ class RoundService:
             raise ValueError(f"session groups must be a non-empty list of distinct keys: {self.groups!r}")
         self.observer = observer or Observer()
         self.stats = ServiceStats()
-        self.calls = PoolCalls(verify, draft, release, o.call_limits(), self.groups, self.stats, self.observer)
+        self.calls = PoolCalls(verify, draft, release, o, self.groups, self.stats, self.observer)
         self.rounds = RoundLoop(o, self.calls, features or feature_policy(draft is not None), lookup, self.groups,
                                 self.stats, self.observer, queued=lambda: bool(self._waiting))
         self.lookup = lookup
@@ -148,16 +149,14 @@ class RoundService:
         return await done
 
     def abort(self, tracked: Tracked) -> None:
-        s = tracked.session
-        if s.finished:
+        queued = tracked.group is None
+        if not mark_aborted(tracked, self._waiting):
             return
-        s.finish_reason = "abort"
         self.stats.aborted += 1
-        if tracked in self._waiting:
-            self._waiting.remove(tracked)
+        if queued:
             if tracked.remote:  # its client awaits the first round: it will not come
                 tracked.emit(TokenEvent([], "abort"))
-        elif tracked.group is not None:
+        else:
             # the group loop drops it before its next round and frees its caches
             self._wake[tracked.group].set()
 

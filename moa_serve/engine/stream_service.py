@@ -25,7 +25,8 @@ import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from moa_serve.engine.events import QueueFullError, TokenEvent, Tracked, error_reason, last_line, stream_events
+from moa_serve.engine.events import (QueueFullError, TokenEvent, Tracked, error_reason, last_line, mark_aborted,
+                                     stream_events)
 from moa_serve.engine.session import Session
 
 log = logging.getLogger(__name__)
@@ -96,14 +97,10 @@ class StreamService:
         return stream_events(tracked, self.abort)
 
     def abort(self, tracked: Tracked) -> None:
-        s = tracked.session
-        if s.finished:
+        if not mark_aborted(tracked, self._waiting):
             return
-        s.finish_reason = "abort"
         self.stats.aborted += 1
-        if tracked in self._waiting:
-            self._waiting.remove(tracked)
-        running = self._running.pop(s.id, None)
+        running = self._running.pop(tracked.session.id, None)
         if running is not None:
             running[1].cancel()  # closes the stream: the verifier aborts the request
             self._admit()
