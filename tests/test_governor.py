@@ -173,3 +173,21 @@ def test_a_larger_batch_inherits_plain_decoding_from_a_smaller_one_that_found_sp
     gov2 = SpeculationGovernor(probe_every=12)
     drive(gov2, 1, on_ms=40, off_ms=60, rounds=100)
     assert drive(gov2, 2, on_ms=40, off_ms=60, rounds=1) == [True]
+
+
+def test_a_clear_loss_is_probed_briefly_before_tau_is_settled():
+    """A drafter three times slower per token than plain decoding (the MoA pool at one user on a
+    CPU): once both modes are measured, every later probe is short although τ rests on only the
+    first probe's rounds — no error of a young τ turns a 3x verdict — so learning costs the
+    first probe and a few two-round ones, not four long probes."""
+    gov = SpeculationGovernor(probe_every=12, probe_rounds=8, short_probe_rounds=2)
+    modes = drive(gov, 1, on_ms=30, off_ms=10, rounds=600)
+    assert modes[:16] == [True] * 8 + [False] * 8  # each mode measured first
+    starts = [i for i in range(16, len(modes)) if modes[i] and not modes[i - 1]]
+    assert starts and all(modes[i:i + 3] == [True, True, False] for i in starts)
+    assert sum(modes) <= 8 + 2 * 6  # 36 speculative rounds when τ first had to rest on 32 of them
+    # a close race still gets long probes until τ is settled
+    close = SpeculationGovernor(probe_every=12, probe_rounds=8, short_probe_rounds=2)
+    near = drive(close, 1, on_ms=11, off_ms=10, rounds=200)
+    later = [i for i in range(16, len(near)) if near[i] and not near[i - 1]]
+    assert later and near[later[0]:later[0] + 8] == [True] * 8

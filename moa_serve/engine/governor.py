@@ -55,7 +55,7 @@ class _Bucket:
 class SpeculationGovernor:
     def __init__(self, probe_every: int = 12, alpha: float = 0.1, max_probe_every: int = 768,
                  margin: float = 1.1, probe_rounds: int = 8, short_probe_rounds: int = 2,
-                 tau_alpha: float = 0.05):
+                 tau_alpha: float = 0.05, clear_ratio: float = 2.0):
         if probe_every < 2:
             raise ValueError("probe_every must be >= 2")
         if not 1 <= short_probe_rounds <= probe_rounds:
@@ -68,6 +68,7 @@ class SpeculationGovernor:
         self.margin = margin
         self.probe_rounds = probe_rounds
         self.short_probe_rounds = short_probe_rounds
+        self.clear_ratio = clear_ratio
         self._buckets: dict[int, _Bucket] = {}
         # τ: moving averages of committed tokens and sessions per speculative round, all buckets
         self.tau_alpha = tau_alpha
@@ -79,10 +80,14 @@ class SpeculationGovernor:
         """Committed tokens per session of a speculative round (all batch sizes)."""
         return None if not self._tau_sessions else self._tau_tokens / self._tau_sessions
 
-    def _probe_length(self) -> int:
+    def _probe_length(self, b: _Bucket) -> int:
         """``probe_rounds`` until τ rests on that many speculative rounds four times over (then a
-        probe only refreshes a bucket's round time, which varies little)."""
-        return self.short_probe_rounds if self._tau_rounds >= 4 * self.probe_rounds else self.probe_rounds
+        probe only refreshes a bucket's round time, which varies little), or once the bucket's
+        modes differ by more than ``clear_ratio``: no error of a young τ turns such a verdict,
+        and every long probe of a losing drafter costs what ``probe_rounds`` of its rounds lose."""
+        on, off = self._on(b), b.off
+        clear = on is not None and off is not None and max(on, off) > self.clear_ratio * min(on, off)
+        return self.short_probe_rounds if clear or self._tau_rounds >= 4 * self.probe_rounds else self.probe_rounds
 
     @staticmethod
     def bucket(sessions: int) -> int:
@@ -93,7 +98,7 @@ class SpeculationGovernor:
         return b.since + ahead >= (b.interval or self.probe_every)
 
     def _start_probe(self, b: _Bucket, on: bool) -> bool:
-        b.probing, b.probe_on, b.probe_left = True, on, self._probe_length()
+        b.probing, b.probe_on, b.probe_left = True, on, self._probe_length(b)
         b.probe_s, b.probe_count, b.probe_n = 0.0, 0, 0
         return on
 
