@@ -128,23 +128,14 @@ def test_hybrid_starts_both_copies_over_on_resync():
     assert r.resync and r.drafts == []
 
 
-def split_drafter_spec(text):
-    spec = DrafterSpec.parse(text)
-    return spec.lookup, spec.checkpoint
-
-
-def drafter_kind(text):
-    return DrafterSpec.parse(text).kind
-
-
 def test_drafter_specs():
-    assert split_drafter_spec("lookup") == (True, None)
-    assert split_drafter_spec("hybrid:smollm2-135m-instruct-moa") == (True, "smollm2-135m-instruct-moa")
-    assert split_drafter_spec("smollm2-135m-instruct-moa") == (False, "smollm2-135m-instruct-moa")
+    assert DrafterSpec.parse("lookup") == DrafterSpec(lookup=True)
+    assert DrafterSpec.parse("hybrid:smollm2-135m-instruct-moa") == DrafterSpec(True, False, "smollm2-135m-instruct-moa")
+    assert DrafterSpec.parse("smollm2-135m-instruct-moa") == DrafterSpec(checkpoint="smollm2-135m-instruct-moa")
     with pytest.raises(DrafterNotFoundError, match="hybrid:"):
-        split_drafter_spec("hybrid:")
-    assert drafter_kind("lookup") == "lookup"
-    assert drafter_kind("hybrid:smollm2-135m-instruct-eagle") == "eagle"
+        DrafterSpec.parse("hybrid:")
+    assert DrafterSpec.parse("lookup").kind == "lookup"
+    assert DrafterSpec.parse("hybrid:smollm2-135m-instruct-eagle").kind == "eagle"
     assert load_draft_vocab("lookup") is None and load_feature_source("lookup") is None
     assert isinstance(load_proposer("lookup", max_sessions=2), PromptLookupProposer)
 

@@ -109,23 +109,13 @@ def test_prompt_lookup_falls_back_on_the_store_where_the_context_has_no_match():
     assert r.drafts == [13, 14]
 
 
-def split_drafter_spec(text):
-    spec = DrafterSpec.parse(text)
-    return spec.lookup, spec.checkpoint
-
-
-def uses_output_store(text):
-    return DrafterSpec.parse(text).outputs
-
-
 def test_drafter_specs_with_outputs():
-    assert split_drafter_spec("lookup+outputs") == (True, None)
-    assert split_drafter_spec("hybrid+outputs:x-moa") == (True, "x-moa")
-    assert uses_output_store("lookup+outputs") and uses_output_store("hybrid+outputs:x-moa")
-    assert not uses_output_store("lookup") and not uses_output_store("hybrid:x-moa")
-    assert not uses_output_store(None) and not uses_output_store("x-moa")
+    assert DrafterSpec.parse("lookup+outputs") == DrafterSpec(lookup=True, outputs=True)
+    assert DrafterSpec.parse("hybrid+outputs:x-moa") == DrafterSpec(lookup=True, outputs=True, checkpoint="x-moa")
+    assert all(DrafterSpec.parse(t).outputs for t in ("lookup+outputs", "hybrid+outputs:x-moa"))
+    assert not any(DrafterSpec.parse(t).outputs for t in ("lookup", "hybrid:x-moa", None, "x-moa"))
     with pytest.raises(DrafterNotFoundError, match=r"hybrid\+outputs:"):
-        split_drafter_spec("hybrid+outputs:")
+        DrafterSpec.parse("hybrid+outputs:")
 
 
 def test_the_shipped_packs_make_a_store_for_smollm2():
