@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moa_serve.deployments.config import AppConfig, ConfigError, PoolConfig
-from moa_serve.drafter.spec import FORMAT, PACKAGED, DrafterSpec
+from moa_serve.drafter.spec import PACKAGED, DrafterSpec, checkpoint_kind
 from moa_serve.model_files import read_config, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def drafter_shape(name: str, target: ModelShape) -> DrafterShape:
     raw = json.loads((path / "config.json").read_text())
     shapes = _safetensors_shapes(path / "model.safetensors")
     draft_vocab = _numel(shapes.get("draft_vocab_ids", [0])) if "draft_vocab_ids" in shapes else 0
-    kind = raw.get("kind", "moa") if raw.get("format") == FORMAT else "moa"
+    kind = checkpoint_kind(raw)
     tli = int(raw.get("target_layer_inference", 0))
     if kind == "moa":
         head = sum(_numel(s) for k, s in shapes.items() if k.startswith(("self_attention.", "cross_attention.")))

@@ -29,7 +29,7 @@ from moa_serve.deployments.config import AppConfig
 from moa_serve.deployments.metrics import CallMetrics, PrometheusObserver
 from moa_serve.deployments.stats import CallStats
 from moa_serve.drafter.lookup import LookupTable
-from moa_serve.drafter.outputs import GATE_ALONE, GATE_BEFORE_MODEL, output_store_for
+from moa_serve.drafter.registry import lookup_store
 from moa_serve.engine.features import feature_policy
 from moa_serve.engine.lanes import LaneHub
 from moa_serve.engine.options import RoundOptions
@@ -73,9 +73,8 @@ def router_lookup(cfg: AppConfig, max_sessions: int, max_model_len: int) -> Look
     the target's earlier replies behind it), None when its drafter does not look up."""
     if not cfg.prompt_lookup:
         return None
-    store = output_store_for(cfg.target) if cfg.drafter_spec.outputs else None
-    return LookupTable(max_sessions=max_sessions, max_model_len=max_model_len, store=store,
-                       store_gate=GATE_ALONE if cfg.drafter_checkpoint is None else GATE_BEFORE_MODEL)
+    store, gate = lookup_store(cfg.drafter_spec, cfg.target)
+    return LookupTable(max_sessions=max_sessions, max_model_len=max_model_len, store=store, store_gate=gate)
 
 
 def group_keys(replica_id: str, n: int) -> list[str]:

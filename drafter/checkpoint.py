@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from moa_serve.drafter.config import FORMAT, DrafterConfig
 from moa_serve.drafter.model import MoADrafter, init_weights
-from moa_serve.drafter.spec import DrafterSpec, resolve_drafter_path
+from moa_serve.drafter.spec import DrafterSpec, checkpoint_kind, resolve_drafter_path
 from moa_serve.model_files import read_config, resolve_model_path
 from moa_serve.target_model import TargetArch
 
@@ -66,7 +66,7 @@ def load_drafter(name_or_path: str) -> tuple[DrafterConfig, dict[str, torch.Tens
     path = resolve_drafter_path(name_or_path)
     raw = json.loads((path / "config.json").read_text())
     state = _state(path)
-    if raw.get("format") == FORMAT and raw.get("kind", "moa") != "moa":  # baseline drafters
+    if checkpoint_kind(raw) != "moa":  # baseline drafters
         return DrafterConfig.from_dict(raw), state
     missing = [p for p in _PARTS if not any(k.startswith(p + ".") for k in state)]
     if missing or not any(k.startswith("Ekv2E.") for k in state):

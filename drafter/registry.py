@@ -33,10 +33,7 @@ def load_proposer(drafter: "str | DrafterSpec", target: str | None = None, dtype
     if spec.lookup:
         model = None if spec.checkpoint is None else load_proposer(
             spec.checkpoint, target, dtype, device, max_sessions, max_model_len, target_model)
-        store, gate = None, None
-        if spec.outputs:
-            store = outputs.output_store_for(target or (model.cfg.target_name_or_path if model is not None else None))
-            gate = outputs.GATE_ALONE if model is None else outputs.GATE_BEFORE_MODEL
+        store, gate = lookup_store(spec, target or (model.cfg.target_name_or_path if model is not None else None))
         # the lookup copy never evicts before the model's (it would force needless resyncs)
         lk = PromptLookupProposer(max_sessions=4 * max_sessions, max_model_len=max_model_len, store=store,
                                   store_gate=gate)
@@ -44,6 +41,15 @@ def load_proposer(drafter: "str | DrafterSpec", target: str | None = None, dtype
     return PROPOSERS[spec.kind].load(spec.checkpoint, target=target, dtype=dtype, device=device,
                                      max_sessions=max_sessions, max_model_len=max_model_len,
                                      target_model=target_model)
+
+
+def lookup_store(spec: DrafterSpec, target: str | None) -> tuple[outputs.OutputStore | None, tuple | None]:
+    """The output store a spec's prompt lookup reads (``+outputs``: the target's earlier replies;
+    otherwise none) and its gate: looked up alone, or before a checkpoint's drafts."""
+    if not spec.outputs:
+        return None, None
+    gate = outputs.GATE_ALONE if spec.checkpoint is None else outputs.GATE_BEFORE_MODEL
+    return outputs.output_store_for(target), gate
 
 
 def load_feature_source(drafter: "str | DrafterSpec | None") -> MoAFeatures | HiddenFeatures | None:

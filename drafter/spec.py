@@ -28,6 +28,12 @@ OUTPUTS = "+outputs"
 HYBRID = "hybrid"
 
 
+def checkpoint_kind(raw: dict) -> str:
+    """A checkpoint's kind from its ``config.json``: "moa", "eagle" or "independent" for ours, "moa"
+    for the reference layout (it has no other)."""
+    return raw.get("kind", "moa") if raw.get("format") == FORMAT else "moa"
+
+
 class DrafterNotFoundError(ValueError):
     pass
 
@@ -108,7 +114,7 @@ class DrafterSpec:
         raw = self.checkpoint_config
         if raw is None:
             return LOOKUP if self.lookup else None
-        return raw.get("kind", "moa") if raw.get("format") == FORMAT else "moa"
+        return checkpoint_kind(raw)
 
     @property
     def latest_feature_only(self) -> bool:
@@ -116,7 +122,7 @@ class DrafterSpec:
         drafter trained with ``cross_attention_latest_only``): then a position's feature is needed
         only while it is the latest, and the features of older positions need not travel."""
         raw = self.checkpoint_config
-        return raw is not None and raw.get("format") == FORMAT and raw.get("kind", "moa") == "moa" \
+        return raw is not None and raw.get("format") == FORMAT and checkpoint_kind(raw) == "moa" \
             and bool(raw.get("cross_attention_latest_only", False))
 
 
