@@ -508,6 +508,8 @@ class TorchTargetRunner(TargetBackend):
     def _attach_features(self, work: list[_Work], results: list[VerifyResult], hidden: torch.Tensor) -> None:
         """Features of the positions each session newly holds in the cache (prefill chunks too)."""
         source = self.features
+        if source is NO_FEATURES or not any(w.req.want_features for w in work):
+            return  # nothing to read (every verify call of a server without a model drafter)
         spans, offset, rows = [], 0, []
         for w in work:
             start = w.start
