@@ -13,7 +13,6 @@ from moa_serve.client.cli import register as register_client
 from moa_serve.drafter.checkpoint import init_drafter
 from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.drafter.training.diagnose import register as register_diagnose
-from moa_serve.tools.regenerate import register as register_regenerate
 from moa_serve.drafter.training.shrink_vocab import register as register_shrink_vocab
 from moa_serve.drafter.training.train import register as register_train
 from moa_serve.engine.engine import SpeculativeEngine
@@ -21,6 +20,7 @@ from moa_serve.loadtest.runner import LoadTestError, add_arguments as add_loadte
 from moa_serve.tools.bench import register as register_bench
 from moa_serve.tools.cs_bench import register as register_cs_bench
 from moa_serve.tools.netem import register as register_netem
+from moa_serve.tools.regenerate import register as register_regenerate
 from moa_serve.tools.vllm_bench import register as register_vllm_bench
 from moa_serve.verifier.vllm_engine import INSTALL_HINT, VllmEngine, VllmOptions, vllm_available
 

@@ -16,10 +16,10 @@ from moa_serve.engine.events import Tracked
 from moa_serve.engine.options import RoundOptions
 from moa_serve.engine.round_stats import ServiceStats
 from moa_serve.engine.service import RoundService
-from moa_serve.sampling import GREEDY, SamplingParams
 from moa_serve.engine.session import Session
 from moa_serve.model_files import load_tokenizer, resolve_model_path, stop_token_ids
 from moa_serve.protocol import DraftRequest, DraftResult, VerifyRequest, VerifyResult
+from moa_serve.sampling import GREEDY, SamplingParams
 from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
 
 
@@ -47,6 +47,13 @@ class GenerationResult:
 LOCAL_CALL_LIMIT_S = 1e9  # a local call cannot be interrupted: no time limit
 
 
+def free_session(verifier: TorchTargetRunner, proposer, session_id: str) -> None:
+    """Frees a session's caches in this process's verifier and proposer (if any)."""
+    verifier.release(session_id)
+    if proposer is not None:
+        proposer.release(session_id)
+
+
 class LocalPools:
     """This process's verifier and proposer as the round service's pools. The first exception a
     call raises is kept, so that the engine raises it (the service would turn it into a failed
@@ -71,9 +78,7 @@ class LocalPools:
 
     async def release(self, group, session_ids: list[str]) -> None:
         for sid in session_ids:
-            self.verifier.release(sid)
-            if self.proposer is not None:
-                self.proposer.release(sid)
+            free_session(self.verifier, self.proposer, sid)
 
     def raise_first_error(self) -> None:
         if self.error is not None:
@@ -164,9 +169,7 @@ class SpeculativeEngine:
         _run(one_round())
 
     def release(self, session_id: str) -> None:
-        self.verifier.release(session_id)
-        if self.proposer is not None:
-            self.proposer.release(session_id)
+        free_session(self.verifier, self.proposer, session_id)
 
     def generate_sessions(self, sessions: list[Session]) -> list[GenerationResult]:
         """Runs sessions to completion, up to ``max_batch`` verified together each round."""

@@ -17,10 +17,9 @@ class FeaturePolicy:
     #: draft only sessions whose features are current (skipped ones are caught up by a verify first)
     drafts_need_current_features = False
 
-    def wanted(self, session_ids: list[str], remote_ids: set[str], cap: int | None,
-               next_round_drafts: Callable[[], bool]) -> bool | set[str]:
+    def wanted(self, remote_ids: set[str], cap: int | None, next_round_drafts: Callable[[], bool]) -> bool | set[str]:
         """``True`` (every session), ``False`` (none) or the ids of the sessions that want them.
-        ``cap``: this round's draft limit (0: it drafts nothing); ``next_round_drafts``: whether the
+        ``remote_ids``: the round's sessions drafting on a device; ``cap``: this round's draft limit (0: it drafts nothing); ``next_round_drafts``: whether the
         next round is expected to draft (asked only when it matters)."""
         return False
 
@@ -29,7 +28,7 @@ class RemoteFeatures(FeaturePolicy):
     """The server drafts without features (prompt lookup, or nothing) but serves devices whose
     drafter needs them: only remote sessions ask."""
 
-    def wanted(self, session_ids, remote_ids, cap, next_round_drafts):
+    def wanted(self, remote_ids, cap, next_round_drafts):
         return remote_ids
 
 
@@ -37,7 +36,7 @@ class AlwaysFeatures(FeaturePolicy):
     """A drafter pool whose features only come from verifying (EAGLE-style hidden states): every
     verify asks, drafting or not."""
 
-    def wanted(self, session_ids, remote_ids, cap, next_round_drafts):
+    def wanted(self, remote_ids, cap, next_round_drafts):
         return True
 
 
@@ -49,7 +48,7 @@ class RecomputedFeatures(FeaturePolicy):
 
     drafts_need_current_features = True
 
-    def wanted(self, session_ids, remote_ids, cap, next_round_drafts):
+    def wanted(self, remote_ids, cap, next_round_drafts):
         if cap != 0 or next_round_drafts():
             return True
         return remote_ids

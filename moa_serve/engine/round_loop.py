@@ -87,14 +87,12 @@ class RoundLoop:
         t3 = time.perf_counter()
         profile.draft_s, profile.verify_s, profile.commit_s = t1 - t0, t2 - t1, t3 - t2
         profile.round_s = t3 - t0 + release_s
-        self.stats.add(profile)
+        self._record(profile)
         # rounds that prefilled a prompt say nothing about decoding speed in either mode
         # (nor rounds with remote drafts: the governor weighs this server's drafting, not a device's)
         governor = self.governors.get(g)
         if governor is not None and profile.prefilled_sessions == 0 and profile.resyncs == 0 and not remote:
             governor.observe(profile.sessions, profile.drafted_sessions > 0, profile.round_s, profile.tokens)
-        self.observer.round_done(g, profile.sessions, profile.draft_s, profile.verify_s, profile.round_s)
-        self.observer.round_profile(profile)
 
     def cap(self, g: Hashable, n: int) -> int | None:
         """Most drafts per session in a round of ``n`` sessions: the token budget's cap, 0 while the
@@ -134,9 +132,20 @@ class RoundLoop:
         t2 = time.perf_counter()
         profile.verify_s, profile.commit_s = t1 - t0, t2 - t1
         profile.round_s = t2 - t0 + release_s
+        self._record(profile)
+
+    def _record(self, profile: RoundProfile) -> None:
+        """A finished round into the stats and the observer."""
         self.stats.add(profile)
-        self.observer.round_done(g, profile.sessions, 0.0, profile.verify_s, profile.round_s)
+        self.observer.round_done(profile.group, profile.sessions, profile.draft_s, profile.verify_s, profile.round_s)
         self.observer.round_profile(profile)
+
+    def forget(self, g: Hashable, session_id: str) -> None:
+        """Drops what the loop keeps of a finished session (its lookup index, its draft-gate record)."""
+        if self.lookup is not None:
+            self.lookup.release(session_id)
+        if g in self.gates:
+            self.gates[g].release(session_id)
 
     # ------------------------------------------------------------------ drafts
     async def _drafts(self, g, by_id: dict[str, Session], sessions: list[Session], cap: int | None,
@@ -209,7 +218,7 @@ class RoundLoop:
                     and (governor is None or governor.next_speculates(n)))
 
         remote = {t.session.id for t in batch if t.remote}
-        return self.features.wanted([t.session.id for t in batch], remote, cap, next_round_drafts)
+        return self.features.wanted(remote, cap, next_round_drafts)
 
     # ------------------------------------------------------------------ after the call
     def _note_reprefills(self, by_id: dict[str, Session], results: dict[str, VerifyResult],

@@ -60,7 +60,6 @@ class RoundService:
         self.calls = PoolCalls(verify, draft, release, o, self.groups, self.stats, self.observer)
         self.rounds = RoundLoop(o, self.calls, features or feature_policy(draft is not None), lookup, self.groups,
                                 self.stats, self.observer, queued=lambda: bool(self._waiting))
-        self.lookup = lookup
         self._waiting: list[Tracked] = []
         self._active: dict[Hashable, list[Tracked]] = {g: [] for g in self.groups}
         self._wake: dict[Hashable, asyncio.Event] = {}
@@ -74,6 +73,10 @@ class RoundService:
     def draft_gate_snapshot(self) -> dict:
         """Per group: lookup drafts offered / kept, the fitted verify cost, acceptance by match length."""
         return {str(g): gate.snapshot() for g, gate in self.rounds.gates.items()}
+
+    @property
+    def lookup(self) -> LookupTable | None:
+        return self.rounds.lookup
 
     @property
     def num_groups(self) -> int:
@@ -220,10 +223,7 @@ class RoundService:
             return
         self._active[g] = [t for t in self._active[g] if not t.session.finished]
         for t in done:
-            if self.lookup is not None:
-                self.lookup.release(t.session.id)
-            if g in self.rounds.gates:
-                self.rounds.gates[g].release(t.session.id)
+            self.rounds.forget(g, t.session.id)
             if t.session.finish_reason == "abort":
                 t.emit(TokenEvent([], "abort"))
             self.calls.release_later(g, t.session.id)
