@@ -28,7 +28,6 @@ from moa_serve.layers import DecoderLayer, RMSNorm
 
 
 class EagleDrafter(nn.Module):
-
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
@@ -44,7 +43,6 @@ class EagleDrafter(nn.Module):
 
 
 class IndependentDrafter(nn.Module):
-
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
