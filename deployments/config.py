@@ -159,11 +159,13 @@ class AppConfig(_Strict):
         "auto", description="auto: a float32 CPU verifier whose target is a GGUF keeps its Q4_1/Q8_0 blocks and "
         "de-quantizes them in registers (same float32 values, 5x fewer bytes read per forward, batch-invariant "
         "logits); off: plain float32 weights")
-    matmul_precision: Literal["highest", "medium"] = Field(
+    matmul_precision: Literal["highest", "medium", "low"] = Field(
         "highest", description="torch backend, packed CPU target (as torch.set_float32_matmul_precision): highest "
         "multiplies in float32; medium multiplies bfloat16-rounded activations and weights with float32 sums on CPUs "
-        "with AVX512-BF16 (about 1.5x the matmul speed; the output is then that of the bf16-rounded target, still "
-        "batch-invariant, so speculation stays lossless against it), highest elsewhere")
+        "with AVX512-BF16 (about 1.5x the matmul speed), highest elsewhere; low rounds each activation row to 8-bit "
+        "blocks and multiplies the GGUF's Q4_1/Q8_0 integers (llama.cpp's CPU arithmetic; any AVX2 CPU, the same "
+        "tokens on every one). The output is that of the target computed so, batch-invariant in all three, so "
+        "speculation stays lossless against it")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="torch backend: the verifier's KV cache dtype (as vLLM's --kv-cache-dtype; auto = the "
         "target's dtype). bfloat16 under a float32 CPU target halves the cache and the bytes attention reads; K/V are "

@@ -31,7 +31,8 @@ def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     add_kernel_args(
         p, "auto: a float32 CPU target from a GGUF keeps its 4/8-bit blocks, de-quantized in registers",
         "packed CPU target (torch backend): medium multiplies bfloat16-rounded activations and weights "
-        "(float32 sums) on CPUs with AVX512-BF16; highest multiplies in float32")
+        "(float32 sums) on CPUs with AVX512-BF16; low rounds activations to 8-bit blocks and multiplies the "
+        "GGUF's integers (llama.cpp's CPU arithmetic, AVX2); highest multiplies in float32")
     p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="torch backend: the target's KV cache dtype (auto = the target's dtype; bfloat16 halves it)")
 
@@ -39,7 +40,7 @@ def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
 def add_kernel_args(p: argparse.ArgumentParser, packed_help: str, precision_help: str) -> None:
     """``--packed-weights`` and ``--matmul-precision``: how a CPU target runs on the packed kernels."""
     p.add_argument("--packed-weights", choices=["auto", "off"], default="auto", help=packed_help)
-    p.add_argument("--matmul-precision", choices=["highest", "medium"], default="highest", help=precision_help)
+    p.add_argument("--matmul-precision", choices=["highest", "medium", "low"], default="highest", help=precision_help)
 
 
 def sampling_params(args) -> SamplingParams:

@@ -81,7 +81,7 @@ needs_bf16_products = pytest.mark.skipif(
 
 
 def _with_bf16_products(p: PackedMatrix) -> PackedMatrix:
-    return PackedMatrix(p.kind, p.qs, p.d, p.m, bf16_products=True)
+    return PackedMatrix(p.kind, p.qs, p.d, p.m, products="bfloat16")
 
 
 def _random_any(kind: str, n: int, k: int, seed: int = 0) -> PackedMatrix:
@@ -125,7 +125,61 @@ def test_bf16_products_without_the_instruction_are_refused(monkeypatch):
     with pytest.raises(RuntimeError, match="AVX512-BF16"):
         PackedLinear(_with_bf16_products(p))(torch.randn(2, 64))
     with pytest.raises(ValueError, match="matmul_precision"):
-        pack_target(torch.nn.Linear(2, 2), None, matmul_precision="low")
+        pack_target(torch.nn.Linear(2, 2), None, matmul_precision="lowest")
+
+
+def _reference_int8_products(p: PackedMatrix, x: torch.Tensor) -> torch.Tensor:
+    """Matmul precision low written out in float64: each 32-block of a row of x rounded to
+    round(x * 127 / max|x|) with scale max|x| / 127 (float32, as llama.cpp's Q8 activations),
+    times the weights' integers, scaled by both blocks' scales, plus Q4_1's m times the block's
+    rounded sum."""
+    n, k = p.shape
+    xb = x.reshape(len(x), k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    qx = torch.round(xb * torch.where(amax != 0, 127 / amax, torch.zeros_like(amax))).double()
+    dx = (amax / 127).double()[..., 0]  # [M, K/32]
+    if p.kind == "q4_1":
+        q = p.qs.reshape(n, k // 32, 16).to(torch.int32)
+        qw = torch.cat([q & 15, q >> 4], -1).double()
+    else:
+        qw = p.qs.reshape(n, k // 32, 32).double()
+    y = (torch.einsum("mbk,nbk->mnb", qx, qw) * dx[:, None] * p.d.double()[None]).sum(-1)
+    if p.kind == "q4_1":
+        y += (p.m.double()[None] * (dx * qx.sum(-1))[:, None]).sum(-1)
+    return y
+
+
+def _with_int8_products(p: PackedMatrix) -> PackedMatrix:
+    return PackedMatrix(p.kind, p.qs, p.d, p.m, products="int8")
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 65])
+def test_int8_products_are_llama_cpp_s_arithmetic(kind, rows):
+    """Matmul precision low: x rounded per 32-block to 8 bits, integer products with the weights'
+    own values — against float64 over the same rounded operands; N = 75 leaves a short group of 8
+    weight rows; not the float32 products."""
+    p = _random_packed(kind, 75, 160, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(1))
+    x[0, :32] = 0.0  # an all-zero block: scale 0, no division by zero
+    y = PackedLinear(_with_int8_products(p))(x)
+    assert y.shape == (rows, 75) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), _reference_int8_products(p, x), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(y, PackedLinear(p)(x))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_int8_products_are_batch_invariant(kind):
+    """Each row bitwise the same alone, in 5 or 16 rows (tiles of 4 plus a remainder), at any
+    position, with 1 or 2 threads."""
+    lin = PackedLinear(_with_int8_products(_random_packed(kind, 61, 256)))
+    assert_rows_batch_invariant(lin, torch.randn(130, 256, generator=torch.Generator().manual_seed(2)))
+
+
+def test_int8_products_need_block_quantized_weights():
+    p = PackedMatrix.from_bf16(torch.randn(8, 64).bfloat16())
+    with pytest.raises(ValueError, match="Q4_1 / Q8_0"):
+        PackedLinear(_with_int8_products(p))(torch.randn(2, 64))
 
 
 def test_packed_linear_bias_shapes_and_dtype():
@@ -168,24 +222,26 @@ def test_smollm2_gguf_target_is_packed_and_decodes_like_float32():
 
 
 @pytest.mark.slow
-@needs_bf16_products
+@pytest.mark.parametrize("precision,products", [pytest.param("medium", "bfloat16", marks=needs_bf16_products),
+                                                ("low", "int8")])
 @pytest.mark.parametrize("kv", ["auto", "bfloat16"], ids=["kv-float32", "kv-bf16"])
-def test_smollm2_with_bf16_products_speculates_losslessly(kv):
-    """Matmul precision medium (and a bfloat16 KV cache) changes the target (bf16-rounded
-    operands, K/V), not the guarantee: greedy speculative decoding (prompt lookup, drafts accepted)
-    gives the same tokens as that target decoding alone, several sessions sharing each forward."""
+def test_smollm2_with_rounded_products_speculates_losslessly(kv, precision, products):
+    """Matmul precision medium or low (and a bfloat16 KV cache) changes the target (bf16- or
+    8-bit-rounded operands, K/V), not the guarantee: greedy speculative decoding (prompt lookup,
+    drafts accepted) gives the same tokens as that target decoding alone, several sessions sharing
+    each forward."""
     from moa_serve.cli_args import prompt_tokens
     from moa_serve.engine.engine import SpeculativeEngine
     from moa_serve.sampling import SamplingParams
     from moa_serve.model_files import resolve_model_path
 
     path = str(resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct"))
-    plain = SpeculativeEngine.load(path, None, "float32", matmul_precision="medium", kv_cache_dtype=kv)
-    spec = SpeculativeEngine.load(path, "lookup", "float32", matmul_precision="medium", kv_cache_dtype=kv)
-    assert plain.verifier.packing["matmul_precision"] == spec.verifier.packing["matmul_precision"] == "medium"
+    plain = SpeculativeEngine.load(path, None, "float32", matmul_precision=precision, kv_cache_dtype=kv)
+    spec = SpeculativeEngine.load(path, "lookup", "float32", matmul_precision=precision, kv_cache_dtype=kv)
+    assert plain.verifier.packing["matmul_precision"] == spec.verifier.packing["matmul_precision"] == precision
     assert spec.verifier.cache.k.dtype == (torch.bfloat16 if kv == "bfloat16" else torch.float32)
     down = spec.verifier.model.model.layers[0].mlp.down_proj
-    assert isinstance(down, PackedLinear) and down.packed.bf16_products
+    assert isinstance(down, PackedLinear) and down.packed.products == products
     prompts = [prompt_tokens(plain.tokenizer, q, chat=True) for q in (
         "Copy this list twice, exactly: red apple, green pear, blue plum, yellow lemon.",
         "What is the capital of France?", "Write a haiku about the sea.")]
@@ -249,7 +305,7 @@ def _pack_all_linears_q8_0(model) -> None:
                 setattr(module, attr, PackedLinear(_quantize_q8_0(child.weight.detach()), child.bias))
 
 
-def _tiny_packed_model(tiny_model, fused: bool, bf16_products: bool = False):
+def _tiny_packed_model(tiny_model, fused: bool, products: str = "float32"):
     from moa_serve.kernels.packed import FusedStack, fuse_projections
     from moa_serve.model_files import load_state_dict, read_config
     from moa_serve.target_model import TargetModel
@@ -258,7 +314,7 @@ def _tiny_packed_model(tiny_model, fused: bool, bf16_products: bool = False):
     _pack_all_linears_q8_0(model)  # a random Llama has no GGUF: quantize its matrices here
     for module in model.modules():
         if isinstance(module, PackedLinear):
-            module.packed.bf16_products = bf16_products
+            module.packed.products = products
     if fused:
         fuse_projections(model.model.layers)
         model.fused_stack = FusedStack.build(model)
@@ -267,18 +323,19 @@ def _tiny_packed_model(tiny_model, fused: bool, bf16_products: bool = False):
 
 
 @pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16], ids=["kv-float32", "kv-bf16"])
-@pytest.mark.parametrize("products", ["float32", pytest.param("bf16", marks=needs_bf16_products)])
+@pytest.mark.parametrize("products", ["float32", pytest.param("bfloat16", marks=needs_bf16_products), "int8"])
 @pytest.mark.parametrize("fused", [False, True], ids=["per-layer", "fused-stack"])
 def test_verify_logits_do_not_depend_on_drafts_or_neighbours(tiny_model, fused, products, kv, monkeypatch):
     """With the kernels, a token's logits are bitwise the same verified alone, with drafts after
     it, or beside other sessions (what makes greedy speculative output the target's own, bit for
     bit, whatever shares the round) — through torch layer by layer or the fused layer stack, with
-    float32 or bfloat16 products (matmul precision medium), over a float32 or bfloat16 KV cache."""
+    float32, bfloat16 (matmul precision medium) or 8-bit products (low), over a float32 or bfloat16
+    KV cache."""
     from moa_serve.kv_cache import PackedBatch
 
     monkeypatch.delenv("MOA_FUSED_LAYERS", raising=False)  # the path under test, whatever the shell says
 
-    model = _tiny_packed_model(tiny_model, fused, bf16_products=products == "bf16")
+    model = _tiny_packed_model(tiny_model, fused, products)
     cache = model.new_cache(3, 128, kv)
     assert cache.k.dtype == kv
     prompts = [torch.randint(0, 16, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (20, 45, 9)]

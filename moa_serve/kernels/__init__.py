@@ -15,7 +15,10 @@ accumulated in a fixed order: a token's logits do not depend on how many tokens 
 Matmul precision ``medium`` (as torch's ``set_float32_matmul_precision``): on CPUs with AVX512-BF16
 the same matrices multiply bfloat16-rounded activations and weights (VDPBF16PS, float32 sums in a
 fixed order, so still batch-invariant), twice the multiply rate of float32 FMAs; everything between
-the matmuls stays float32.
+the matmuls stays float32. Matmul precision ``low``: each row of activations is rounded to blocks
+of 32 8-bit values and a scale and multiplied by the Q4_1 / Q8_0 integers (VPMADDUBSW, exact int32
+block sums, float32 sums of the blocks in a fixed order), which is llama.cpp's CPU arithmetic for
+these formats; it needs AVX2 only.
 
 A bfloat16 model gets the same guarantee from bf16 weights (widened to float32 in registers, exact)
 and a bf16 variant of the attention kernel: torch's bf16 attention rounds differently for a
@@ -155,31 +158,38 @@ def _on_cpu(*tensors: torch.Tensor | None) -> None:
 
 
 KIND_IDS = {"q4_1": 0, "q8_0": 1, "bf16": 2}  # moa_packed_matmul's kinds (qmatmul.c)
+# what the matmul multiplies: float32 values, bfloat16-rounded ones (AVX512-BF16), or x rounded to
+# 8-bit blocks times the weights' own integers (Q4_1 / Q8_0 weights, as llama.cpp's CPU backend)
+PRODUCTS = {"float32": 0, "bfloat16": 3, "int8": 6}
 
 
-def kind_id(kind: str, bf16_products: bool = False) -> int:
-    """The kernel's number for a packed matrix kind, with float32 (0-2) or bfloat16 products (3-5)."""
-    return KIND_IDS[kind] + (3 if bf16_products else 0)
+def kind_id(kind: str, products: str = "float32") -> int:
+    """The kernel's number for a packed matrix kind multiplied with ``products`` (:data:`PRODUCTS`)."""
+    if products == "int8" and kind == "bf16":
+        raise ValueError("8-bit products are for Q4_1 / Q8_0 weights; bf16 weights multiply in float32 or bfloat16")
+    return KIND_IDS[kind] + PRODUCTS[products]
 
 
-def packed_matmul(kind: str, bf16_products: bool, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor | None,
-                  m: torch.Tensor | None) -> torch.Tensor:
+def packed_matmul(kind: str, products: str, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor | None,
+                  m: torch.Tensor | None, n: int | None = None) -> torch.Tensor:
     """x [M, K] float32 @ W.T for W [N, K] packed as ``kind``: ``q4_1`` (qs uint8 [N, K/2], d/m float32
     [N, K/32]), ``q8_0`` (qs int8 [N, K], d float32 [N, K/32]) or ``bf16`` (qs: the bfloat16 bits,
-    contiguous 16-bit [N, K]); K a multiple of 32. With ``bf16_products`` x and W are rounded to
-    bfloat16 and multiplied as such, summed in float32 (needs :func:`bf16_dot_available`); the order
-    of every sum is fixed either way."""
+    contiguous 16-bit [N, K]); K a multiple of 32. ``products``: ``float32``; ``bfloat16`` (x and W
+    rounded to bfloat16, products summed in float32; needs :func:`bf16_dot_available`); ``int8``
+    (each row of x rounded to blocks of 32 8-bit values and a scale, multiplied by the Q4_1 / Q8_0
+    integers, as llama.cpp's CPU backend; qs/d/m then in ``packed.interleave8``'s layout and ``n``
+    the number of rows). The order of every sum is fixed in all three."""
     _on_cpu(x, qs, d, m)
     lib = library()
-    if bf16_products and not bf16_dot_available():
+    if products == "bfloat16" and not bf16_dot_available():
         raise RuntimeError("bfloat16 products need a CPU with AVX512-BF16 (avx512_bf16)")
     rows, k = x.shape
-    n = qs.shape[0]
+    n = qs.shape[0] if n is None else n
     if kind == "bf16" and (qs.shape[1] != k or k % 32 or qs.element_size() != 2 or not qs.is_contiguous()):
         raise ValueError(f"bf16 matmul: W must be contiguous 16-bit [N, {k}] with K a multiple of 32")
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
-    lib.moa_packed_matmul(kind_id(kind, bf16_products), _ptr(x), rows, k, _ptr(qs),
+    lib.moa_packed_matmul(kind_id(kind, products), _ptr(x), rows, k, _ptr(qs),
                           0 if d is None else _ptr(d), 0 if m is None else _ptr(m), n, _ptr(y),
                           torch.get_num_threads())
     return y

@@ -15,7 +15,7 @@ from __future__ import annotations
 import glob
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -46,13 +46,16 @@ def hf_module_name(gguf_name: str) -> str | None:
 class PackedMatrix:
     """W [N, K] in blocks of 32 along K: ``q4_1`` (qs uint8 [N, K/2], d, m float32 [N, K/32]),
     ``q8_0`` (qs int8 [N, K], d float32 [N, K/32]) or ``bf16`` (qs: the bfloat16 weights' bits as
-    int16 [N, K], no scales). With ``bf16_products`` the matmul rounds x and W to bfloat16 and sums
-    their products in float32 (matmul precision ``medium``; AVX512-BF16 CPUs)."""
+    int16 [N, K], no scales). ``products`` (``kernels.PRODUCTS``): ``float32``; ``bfloat16`` rounds x
+    and W to bfloat16 and sums their products in float32 (matmul precision ``medium``; AVX512-BF16
+    CPUs); ``int8`` rounds x to 8-bit blocks and multiplies the weights' integers (precision ``low``;
+    Q4_1 / Q8_0 only)."""
     kind: str
     qs: torch.Tensor
     d: torch.Tensor | None
     m: torch.Tensor | None
-    bf16_products: bool = False
+    products: str = "float32"
+    _interleaved: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -86,16 +89,16 @@ class PackedMatrix:
 
     def rows(self, ids: torch.Tensor) -> "PackedMatrix":
         pick = lambda t: None if t is None else t[ids].contiguous()  # noqa: E731
-        return PackedMatrix(self.kind, pick(self.qs), pick(self.d), pick(self.m), self.bf16_products)
+        return PackedMatrix(self.kind, pick(self.qs), pick(self.d), pick(self.m), self.products)
 
     @staticmethod
     def cat(parts: list["PackedMatrix"]) -> "PackedMatrix":
-        kinds = {(p.kind, p.bf16_products) for p in parts}
+        kinds = {(p.kind, p.products) for p in parts}
         if len(kinds) != 1:
             raise ValueError(f"cannot stack packed matrices of kinds {sorted(kinds)}")
         join = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
         return PackedMatrix(parts[0].kind, torch.cat([p.qs for p in parts]), join([p.d for p in parts]),
-                            join([p.m for p in parts]), parts[0].bf16_products)
+                            join([p.m for p in parts]), parts[0].products)
 
     def dequantize(self) -> torch.Tensor:
         """W as float32 [N, K]."""
@@ -103,9 +106,41 @@ class PackedMatrix:
             return self.qs.view(torch.bfloat16).float()
         return kernels.dequantize_rows(self.kind, self.qs, self.d, self.m, torch.arange(self.shape[0]))
 
+    def operands(self) -> tuple:
+        """(qs, d, m) as the kernel for ``products`` reads them: the blocks as stored, or for ``int8``
+        their copy interleaved 8 rows at a time (:func:`interleave8`, made once)."""
+        if self.products != "int8":
+            return self.qs, self.d, self.m
+        if self._interleaved is None:
+            self._interleaved = interleave8(self.kind, self.qs, self.d, self.m)
+        return self._interleaved
+
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> x @ W.T [M, N] float32."""
-        return kernels.packed_matmul(self.kind, self.bf16_products, x, self.qs, self.d, self.m)
+        return kernels.packed_matmul(self.kind, self.products, x, *self.operands(), n=self.shape[0])
+
+
+def interleave8(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> tuple:
+    """A Q4_1 / Q8_0 matrix in the layout of the 8-bit-product kernel (qmatmul.c, ``x8_tile``): rows
+    in groups of 8 (the last group padded with copies of the last row, whose outputs are never
+    stored), and for each group and block the 4 consecutive elements v*4..v*4+3 of the 8 rows side
+    by side (Q4_1: elements 16 apart share a byte, low and high nibble); scales [groups, K/32, 8]."""
+    if kind not in ("q4_1", "q8_0"):
+        raise ValueError(f"8-bit products are for Q4_1 / Q8_0 weights, not {kind}")
+    n, nb = d.shape
+    groups, pad = (n + 7) // 8, -n % 8
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t[-1:].expand(pad, *t.shape[1:])]) if pad else t
+
+    if kind == "q4_1":
+        q = qs.view(n, nb, 16)
+        values = padded(torch.cat([q & 0x0F, q >> 4], dim=2)).view(groups, 8, nb, 8, 4)
+        blocks = values[:, :, :, :4] | (values[:, :, :, 4:] << 4)  # [groups, row, block, v, e]
+    else:
+        blocks = padded(qs.view(n, nb, 32)).view(groups, 8, nb, 8, 4)
+    lanes = lambda t: None if t is None else padded(t).view(groups, 8, nb).permute(0, 2, 1).contiguous()  # noqa: E731
+    return blocks.permute(0, 2, 3, 1, 4).contiguous(), lanes(d), lanes(m)
 
 
 class PackedLinear(nn.Module):
@@ -143,7 +178,7 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         n, k = self.packed.shape
-        products = ", bf16 products" if self.packed.bf16_products else ""
+        products = "" if self.packed.products == "float32" else f", {self.packed.products} products"
         return f"{k} -> {n}, {self.packed.kind}{products}, {self.packed.nbytes / 2**20:.1f} MiB"
 
 
@@ -166,7 +201,7 @@ def gguf_file(path: Path) -> str | None:
     return files[0] if files else None
 
 
-MATMUL_PRECISIONS = ("highest", "medium")
+MATMUL_PRECISIONS = ("highest", "medium", "low")
 
 
 def pack_target(model: nn.Module, path: Path, matmul_precision: str = "highest") -> dict:
@@ -175,7 +210,9 @@ def pack_target(model: nn.Module, path: Path, matmul_precision: str = "highest")
     not) gets :func:`pack_bf16` instead. ``matmul_precision`` as torch's
     ``set_float32_matmul_precision``: ``highest`` multiplies in float32; ``medium`` multiplies
     bfloat16-rounded activations and weights (float32 sums, everything else float32) where the CPU
-    has AVX512-BF16, and is ``highest`` elsewhere. Returns what was done:
+    has AVX512-BF16, and is ``highest`` elsewhere; ``low`` rounds activations to 8-bit blocks and
+    multiplies the GGUF's Q4_1 / Q8_0 integers (llama.cpp's CPU arithmetic for these formats; AVX2).
+    Returns what was done:
     ``{"packed": n, "kept": [names...], "bytes": packed bytes, "dense_bytes": float32 bytes,
     "matmul_precision": the one in force}``; ``{"packed": 0, "reason": ...}`` when nothing could be
     packed."""
@@ -225,14 +262,14 @@ def pack_target(model: nn.Module, path: Path, matmul_precision: str = "highest")
         dense_bytes += dense.numel() * 4
     fused = fuse_projections(model.model.layers)
     precision = "highest"
-    if matmul_precision == "medium":
-        if kernels.bf16_dot_available():
-            precision = "medium"
-            for module in model.modules():
-                if isinstance(module, PackedLinear):
-                    module.packed.bf16_products = True
-        else:
-            log.warning("matmul precision medium needs AVX512-BF16; this CPU multiplies in float32 (highest)")
+    if matmul_precision == "medium" and not kernels.bf16_dot_available():
+        log.warning("matmul precision medium needs AVX512-BF16; this CPU multiplies in float32 (highest)")
+    elif matmul_precision != "highest":
+        precision = matmul_precision
+        products = {"medium": "bfloat16", "low": "int8"}[precision]
+        for module in model.modules():
+            if isinstance(module, PackedLinear):
+                module.packed.products = products
     model.fused_stack = FusedStack.build(model)
     if kept:
         log.warning("kept float32 for %d matrices: %s", len(kept), ", ".join(kept[:5]))
@@ -426,9 +463,9 @@ class FusedStack:
                 row = [n1.data_ptr(), n2.data_ptr()]
                 for m in mats:
                     pm = m.packed
-                    row += [kernels.kind_id(pm.kind, pm.bf16_products), pm.qs.data_ptr(),
-                            pm.d.data_ptr() if pm.d is not None else 0,
-                            pm.m.data_ptr() if pm.m is not None else 0, pm.shape[0]]
+                    qs, d, m = pm.operands()
+                    row += [kernels.kind_id(pm.kind, pm.products), qs.data_ptr(), d.data_ptr() if d is not None else 0,
+                            m.data_ptr() if m is not None else 0, pm.shape[0]]
                 row += [cache.k[i].data_ptr(), cache.v[i].data_ptr()]
                 rows.append(row)
             params = self._params[key] = torch.tensor(rows, dtype=torch.int64)

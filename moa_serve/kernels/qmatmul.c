@@ -166,6 +166,155 @@ static void matmul(int kind, const float *x, int64_t M, int64_t K, const void *q
     }
 }
 
+/* ------------------------------------------------------------------ 8-bit activations
+ * llama.cpp's CPU arithmetic for Q4_1 / Q8_0 weights (its Q8_1 / Q8_0 "vec_dot" types): each row
+ * of x is rounded once per call to blocks of 32 signed 8-bit values and a float32 scale
+ * (d = max|x| / 127, q = round-to-nearest(x * 127 / max|x|)), and multiplies each weight block in
+ * integers (VPMADDUBSW + VPMADDWD: exact int32 sums of the 32 products), scaled by d_w * d_x in
+ * float32:  y = sum_b (d_w d_x (q_w . q_x) [+ m_w d_x sum(q_x) for Q4_1]).
+ *
+ * Weights are interleaved 8 rows at a time (as ggml's repacked "8x8" layouts; see packed.py
+ * `interleave8`): for rows 8G..8G+7 and block b, one 32-byte vector holds 4 consecutive elements
+ * of each of the 8 rows, so the integer dot of a block lands one row per lane and each lane's
+ * scale is a vector load: the float work (convert, scale, accumulate) is one instruction per 8
+ * outputs, not per output. Q4_1: 4 vectors per block, byte 4r+e of vector v holding element 4v+e of
+ * row r in its low nibble and element 16+4v+e in its high nibble; d and m float [G, K/32, 8].
+ * Q8_0: 8 vectors per block, byte 4r+e of vector v = element 4v+e of row r; d float [G, K/32, 8].
+ *
+ * Batch invariance: a row's rounding depends on that row alone; every output is the same chain
+ * (its lane: blocks ascending, the block's exact integer dot converted and multiply-added, then
+ * for Q4_1 the offset term multiply-added) whatever M, the tile or the thread. AVX2 only. */
+#define QMT 4 /* rows of x per tile */
+
+/* x [M, K] -> q int8 [M, K], d [M, K/32] and s = d * sum(q) [M, K/32] (the Q4_1 offsets' weight). */
+static void quantize_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *dx, float *sx) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < M * K / 32; b++) {
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            v[c] = _mm256_loadu_ps(x + 32 * b + 8 * c);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[c]));
+        }
+        __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+        mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
+        const float maxabs = _mm_cvtss_f32(mx);
+        const __m256 mul = _mm256_set1_ps(maxabs != 0.0f ? 127.0f / maxabs : 0.0f);
+        __m256i i[4];
+        for (int c = 0; c < 4; c++)
+            i[c] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[c], mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm256_permutevar8x32_epi32(packed, order));
+        dx[b] = maxabs / 127.0f;
+        sx[b] = dx[b] * (float)_mm_cvtsi128_si32(s4);
+    }
+}
+
+static inline __attribute__((always_inline)) __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* y[i, 8G + r] for i < mt rows of quantized x (from row i0) and the 8 rows of group G (nn < 8 of
+ * them stored: the last group). */
+static inline __attribute__((always_inline)) void x8_tile(int kind, int mt, const int8_t *xq, const float *dx,
+                                                          const float *sx, int64_t K, const uint8_t *w,
+                                                          const float *d, const float *m, int nn, float *y,
+                                                          int64_t ldy) {
+    const int64_t nb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+    __m256 acc[QMT];
+    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i dot[QMT];
+        if (kind == 0) { /* u4 x s8 pairs sum to at most 2*15*127 = 3810: 8 of them fit in int16 */
+            __m256i s16[QMT];
+            for (int i = 0; i < mt; i++) s16[i] = _mm256_setzero_si256();
+            for (int v = 0; v < 4; v++) {
+                const __m256i packed = _mm256_loadu_si256((const __m256i *)(w + 128 * b + 32 * v));
+                const __m256i lo = _mm256_and_si256(packed, low), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+                for (int i = 0; i < mt; i++) {
+                    const int8_t *xb = xq + i * K + 32 * b;
+                    s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * v)));
+                    s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * v)));
+                }
+            }
+            for (int i = 0; i < mt; i++) dot[i] = _mm256_madd_epi16(s16[i], ones);
+        } else { /* s8 x s8 through |w| x sign(x, w); a pair sums to at most 2*128*127: int32 at once */
+            for (int i = 0; i < mt; i++) dot[i] = _mm256_setzero_si256();
+            for (int v = 0; v < 8; v++) {
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 256 * b + 32 * v));
+                const __m256i wabs = _mm256_sign_epi8(wv, wv);
+                for (int i = 0; i < mt; i++) {
+                    const __m256i xs = _mm256_sign_epi8(bcast4(xq + i * K + 32 * b + 4 * v), wv);
+                    dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
+                }
+            }
+        }
+        const __m256 dw = _mm256_loadu_ps(d + 8 * b);
+        for (int i = 0; i < mt; i++) {
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(dw, _mm256_set1_ps(dx[i * nb + b])), acc[i]);
+            if (kind == 0) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8 * b), _mm256_set1_ps(sx[i * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++) {
+        if (nn == 8) {
+            _mm256_storeu_ps(y + i * ldy, acc[i]);
+        } else {
+            float out[8];
+            _mm256_storeu_ps(out, acc[i]);
+            memcpy(y + i * ldy, out, sizeof(float) * nn);
+        }
+    }
+}
+
+/* kind 0: Q4_1, 1: Q8_0 over quantized x; inlined per kind, so the tiles have no branches. */
+static inline __attribute__((always_inline)) void x8_rows(int kind, const int8_t *xq, const float *dx,
+                                                          const float *sx, int64_t M, int64_t K, const uint8_t *qs,
+                                                          const float *d, const float *m, int64_t N, float *y,
+                                                          int threads) {
+    const int64_t nb = K / 32, groups = (N + 7) / 8;
+    const int64_t group_bytes = (kind == 0 ? 4 : 8) * K; /* 8 rows of K/2 or K bytes */
+#pragma omp parallel for num_threads(threads) schedule(guided)
+    for (int64_t g = 0; g < groups; g++) {
+        const int nn = N - 8 * g < 8 ? (int)(N - 8 * g) : 8;
+        const uint8_t *w = qs + g * group_bytes;
+        const float *dg = d + g * nb * 8, *mg = kind == 0 ? m + g * nb * 8 : NULL;
+        for (int64_t i = 0; i < M; i += QMT) {
+            const int8_t *xi = xq + i * K;
+            const float *di = dx + i * nb, *si = sx + i * nb;
+            float *yi = y + i * N + 8 * g;
+            switch (M - i < QMT ? M - i : QMT) {
+                case 4: x8_tile(kind, 4, xi, di, si, K, w, dg, mg, nn, yi, N); break;
+                case 3: x8_tile(kind, 3, xi, di, si, K, w, dg, mg, nn, yi, N); break;
+                case 2: x8_tile(kind, 2, xi, di, si, K, w, dg, mg, nn, yi, N); break;
+                default: x8_tile(kind, 1, xi, di, si, K, w, dg, mg, nn, yi, N); break;
+            }
+        }
+    }
+}
+
+static void x8_matmul(int kind, const float *x, int64_t M, int64_t K, const void *qs, const float *d, const float *m,
+                      int64_t N, float *y, int threads) {
+    int8_t *xq = aligned_alloc(32, (size_t)(M * K));
+    float *dx = aligned_alloc(32, sizeof(float) * (M * K / 32 + 8));
+    float *sx = aligned_alloc(32, sizeof(float) * (M * K / 32 + 8));
+    quantize_q8(x, M, K, xq, dx, sx);
+    if (kind == 0)
+        x8_rows(0, xq, dx, sx, M, K, (const uint8_t *)qs, d, m, N, y, threads);
+    else
+        x8_rows(1, xq, dx, sx, M, K, (const uint8_t *)qs, d, m, N, y, threads);
+    free(xq);
+    free(dx);
+    free(sx);
+}
+
 /* ------------------------------------------------------------------ bfloat16 dot products
  * The same matmul with bfloat16 products (AVX512-BF16 VDPBF16PS, float32 sums): x rounded to
  * bfloat16 (nearest even) once per call, each weight de-quantized exactly as above and rounded to
@@ -307,11 +456,16 @@ BF16DOT static void bf16dot_matmul(int kind, const float *xf, int64_t M, int64_t
 int moa_bf16dot_compiled(void) { return MOA_BF16DOT; }
 
 /* Any packed matmul by kind: 0 Q4_1, 1 Q8_0, 2 bf16 with float32 products; 3, 4, 5 the same
- * weights with bfloat16 products (only where the CPU has AVX512-BF16). */
+ * weights with bfloat16 products (only where the CPU has AVX512-BF16); 6 Q4_1, 7 Q8_0 with 8-bit x
+ * (weights interleaved 8 rows at a time: see x8_tile). */
 void moa_packed_matmul(int kind, const float *x, int64_t M, int64_t K, const void *qs, const float *d, const float *m,
                        int64_t N, float *y, int threads) {
     if (kind < 3) {
         matmul(kind, x, M, K, qs, d, m, N, y, threads);
+        return;
+    }
+    if (kind == 6 || kind == 7) {
+        x8_matmul(kind - 6, x, M, K, qs, d, m, N, y, threads);
         return;
     }
 #if MOA_BF16DOT
