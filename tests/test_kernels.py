@@ -176,6 +176,22 @@ def test_int8_products_are_batch_invariant(kind):
     assert_rows_batch_invariant(lin, torch.randn(130, 256, generator=torch.Generator().manual_seed(2)))
 
 
+@pytest.mark.skipif(not kernels.int8_vnni_in_use(), reason="the CPU has no AVX512-VNNI: only the AVX2 path runs here")
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_int8_products_are_the_same_bits_with_vnni_and_avx2(kind):
+    """VPDPBUSD (AVX512-VNNI) and VPMADDUBSW + VPMADDWD (AVX2) sum the same exact integer products:
+    a machine with VNNI computes the tokens an AVX2-only machine computes."""
+    lin = PackedLinear(_with_int8_products(_random_packed(kind, 61, 256)))
+    x = torch.randn(21, 256, generator=torch.Generator().manual_seed(4))
+    with_vnni = lin(x)
+    lib = kernels.library()
+    try:
+        assert lib.moa_int8_vnni(0) == 0
+        assert torch.equal(lin(x), with_vnni)
+    finally:
+        lib.moa_int8_vnni(1)
+
+
 def test_int8_products_need_block_quantized_weights():
     p = PackedMatrix.from_bf16(torch.randn(8, 64).bfloat16())
     with pytest.raises(ValueError, match="Q4_1 / Q8_0"):

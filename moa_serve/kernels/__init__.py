@@ -44,9 +44,11 @@ from moa_serve.local_cache import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmatmul.c")
+HEADERS = [Path(__file__).with_name("qmatmul_x8.h")]  # included by qmatmul.c
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 REQUIRED_CPU_FLAGS = {"avx2", "fma", "f16c"}
 BF16_DOT_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}  # bfloat16 products (VDPBF16PS)
+VNNI_CPU_FLAGS = {"avx512f", "avx512vl", "avx512_vnni"}  # 8-bit products summed by VPDPBUSD (same bits as AVX2)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -67,7 +69,8 @@ def _cpu_flags() -> set[str]:
 
 def _compile(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    sources = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+    key = hashlib.sha256(sources + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"qmatmul-{key}.so"
     if out.is_file():
         return out
@@ -111,6 +114,9 @@ def library() -> ctypes.CDLL | None:
                 lib.moa_packed_matmul.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32]
                 lib.moa_bf16dot_compiled.argtypes = []
                 lib.moa_bf16dot_compiled.restype = i32
+                lib.moa_int8_vnni.argtypes = [i32]
+                lib.moa_int8_vnni.restype = i32
+                lib.moa_int8_vnni(int(VNNI_CPU_FLAGS <= _cpu_flags() and not switched_off("MOA_VNNI")))
                 lib.moa_q4_1_rows.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr]
                 lib.moa_q8_0_rows.argtypes = [ptr, ptr, i64, ptr, i64, ptr]
                 lib.moa_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr,
@@ -124,6 +130,13 @@ def library() -> ctypes.CDLL | None:
         if _lib is None:
             log.warning("packed-weight kernels unavailable (%s): plain torch weights and attention are used", _why_not)
         return _lib
+
+
+def int8_vnni_in_use() -> bool:
+    """True when 8-bit products (matmul precision ``low``) are summed by AVX512-VNNI here (the same
+    bits as the AVX2 path; ``MOA_VNNI=off`` keeps AVX2)."""
+    lib = library()
+    return lib is not None and bool(lib.moa_int8_vnni(int(VNNI_CPU_FLAGS <= _cpu_flags() and not switched_off("MOA_VNNI"))))
 
 
 def unavailable_reason() -> str:
