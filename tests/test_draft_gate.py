@@ -134,3 +134,24 @@ def test_the_service_stops_verifying_lookup_drafts_that_keep_failing(bar):
         assert gate.stats["probes"] > 0 and gate.stats["kept"] < offers / 4
         assert drafted <= 2 * 3 + gate.stats["probes"]  # the first rounds at the prior, then probes only
     assert "acceptance_by_match" in svc.draft_gate_snapshot()[str(svc.groups[0])]
+
+
+def test_the_gate_prices_rows_from_calls_without_a_prompt_in_them():
+    """A call that prefills a prompt has rows that need no logits (all but the last): it would
+    price a verify row below its cost. The gate's fit sees every call but those (here: one prompt
+    per session, so two calls fewer than the verifier got)."""
+
+    async def main():
+        verifier = FakeVerifier()
+        svc, _ = make_service(verifier, None, lookup=LookupTable(min_n=1, max_n=3), speculation_governor=True)
+        ss = [Session(f"s{i}", [(i * 11 + j) % 97 for j in range(4)] * 2, 24, num_speculative_tokens=3,
+                      max_model_len=256, drafter_needs_features=False) for i in range(2)]
+        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
+        await svc.stop()
+        return verifier, svc, ss, outs
+
+    verifier, svc, ss, outs = asyncio.run(main())
+    assert [o[0] for o in outs] == [reference(s.prompt, 24) for s in ss] and not verifier.errors
+    prompt_calls = sum(1 for _, reqs in verifier.calls if any(q.base == 0 and len(q.tokens) > 1 for q in reqs))
+    assert prompt_calls >= 1
+    assert svc.rounds.gates[svc.groups[0]].cost.calls == len(verifier.calls) - prompt_calls

@@ -81,8 +81,8 @@ class RoundLoop:
         else:
             results = await self.calls.verify_round(g, by_id, sessions, drafts, profile, want, steps)
         t2 = time.perf_counter()
-        self._observe_gate(g, results, drafts, matches, t2 - t1, profile)
         self._note_reprefills(by_id, results, drafts, profile)
+        self._observe_gate(g, results, drafts, matches, t2 - t1, profile)
         self._publish(batch, rounds.commit(by_id, results, drafts), profile)
         t3 = time.perf_counter()
         profile.draft_s, profile.verify_s, profile.commit_s = t1 - t0, t2 - t1, t3 - t2
@@ -192,7 +192,9 @@ class RoundLoop:
             r = results.get(sid)
             if r is not None and r.tokens:
                 gate.observe_drafts(sid, match, len(drafts[sid].drafts), r.num_accepted)
-        if profile.resyncs == 0:  # a follow-up call would blur the timing
+        # a follow-up call would blur the timing; a prompt's rows cost less than verify rows (no
+        # logits but the last), and counting them priced a row at a third of its cost at 4 users
+        if profile.resyncs == 0 and profile.prefilled_sessions == 0:
             forwards = max(max(1, len(r.tokens) - r.num_accepted) for r in results.values())
             gate.observe_call(forwards, sum(r.num_computed for r in results.values()), verify_s)
 
