@@ -140,8 +140,10 @@ def test_vllm_backend_rules(llama3_dir):
         validate(AppConfig.model_validate(a))
     with pytest.raises(ValueError, match="matmul_precision 'medium' is a torch-backend setting"):
         AppConfig.model_validate({**args_of("gpu.yaml"), "matmul_precision": "medium"})
-    with pytest.raises(ValueError, match="matmul_precision"):
+    with pytest.raises(ValueError, match="matmul_precision 'low' is a torch-backend setting"):
         AppConfig.model_validate({**args_of("gpu.yaml"), "matmul_precision": "low"})
+    with pytest.raises(ValueError, match="matmul_precision"):
+        AppConfig.model_validate({**args_of("gpu.yaml"), "matmul_precision": "lowest"})
     with pytest.raises(ValueError, match="kv_cache_dtype 'bfloat16' is a torch-backend setting"):
         AppConfig.model_validate({**args_of("gpu.yaml"), "kv_cache_dtype": "bfloat16"})
     lookup = AppConfig.model_validate({**args_of("gpu.yaml"), "drafter": "lookup"})  # vLLM's n-gram: no pool
