@@ -116,7 +116,7 @@ def library() -> ctypes.CDLL | None:
                 lib.moa_bf16dot_compiled.restype = i32
                 lib.moa_int8_vnni.argtypes = [i32]
                 lib.moa_int8_vnni.restype = i32
-                lib.moa_int8_vnni(int(VNNI_CPU_FLAGS <= _cpu_flags() and not switched_off("MOA_VNNI")))
+                lib.moa_int8_vnni(int(_vnni_wanted()))
                 lib.moa_q4_1_rows.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr]
                 lib.moa_q8_0_rows.argtypes = [ptr, ptr, i64, ptr, i64, ptr]
                 lib.moa_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr,
@@ -132,11 +132,15 @@ def library() -> ctypes.CDLL | None:
         return _lib
 
 
+def _vnni_wanted() -> bool:
+    return VNNI_CPU_FLAGS <= _cpu_flags() and not switched_off("MOA_VNNI")
+
+
 def int8_vnni_in_use() -> bool:
     """True when 8-bit products (matmul precision ``low``) are summed by AVX512-VNNI here (the same
     bits as the AVX2 path; ``MOA_VNNI=off`` keeps AVX2)."""
     lib = library()
-    return lib is not None and bool(lib.moa_int8_vnni(int(VNNI_CPU_FLAGS <= _cpu_flags() and not switched_off("MOA_VNNI"))))
+    return lib is not None and bool(lib.moa_int8_vnni(int(_vnni_wanted())))
 
 
 def unavailable_reason() -> str:
