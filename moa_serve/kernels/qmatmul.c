@@ -183,7 +183,8 @@ static void matmul(int kind, const float *x, int64_t M, int64_t K, const void *q
  *
  * Batch invariance: a row's rounding depends on that row alone; every output is the same chain
  * (its lane: blocks ascending, the block's exact integer dot converted and multiply-added, then
- * for Q4_1 the offset term multiply-added) whatever M, the tile or the thread. AVX2 only. */
+ * for Q4_1 the offset term multiply-added) whatever M, the tile or the thread. AVX2, or
+ * AVX512-VNNI where the CPU has it (below): the same bits. */
 #define QMT 4 /* rows of x per tile */
 
 /* x [M, K] -> q int8 [M, K], d [M, K/32] and s = d * sum(q) [M, K/32] (the Q4_1 offsets' weight). */
