@@ -106,24 +106,33 @@ class _FixedBarGate(DraftGate):
         return self._bar
 
 
+def _two_lookup_sessions(max_tokens: int, new_gate=None):
+    """Two sessions whose prompts repeat themselves (lookup drafts) run to ``max_tokens`` through a
+    service with prompt lookup and its draft gates (``new_gate()``: each group's, instead of the
+    measuring one). Returns the fake verifier, the service, the sessions and their outputs."""
+
+    async def main():
+        verifier = FakeVerifier()
+        svc, _ = make_service(verifier, None, lookup=LookupTable(min_n=1, max_n=3), speculation_governor=True)
+        if new_gate is not None:
+            for g in svc.groups:
+                svc.rounds.gates[g] = new_gate()
+        ss = [Session(f"s{i}", [(i * 11 + j) % 97 for j in range(4)] * 2, max_tokens, num_speculative_tokens=3,
+                      max_model_len=256, drafter_needs_features=False) for i in range(2)]
+        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
+        await svc.stop()
+        return verifier, svc, ss, outs
+
+    return asyncio.run(main())
+
+
 @pytest.mark.parametrize("bar", [0.6, 0.0])
 def test_the_service_stops_verifying_lookup_drafts_that_keep_failing(bar):
     """The fake target's text does not repeat its context, so lookup drafts are nearly always
     wrong: with a bar above their acceptance the gate cuts them down to its probes; with a bar of 0
     (rows free) every one is verified. The text is the target's either way."""
 
-    async def main():
-        verifier = FakeVerifier()
-        svc, _ = make_service(verifier, None, lookup=LookupTable(min_n=1, max_n=3), speculation_governor=True)
-        for g in svc.groups:
-            svc.rounds.gates[g] = _FixedBarGate(bar)
-        ss = [Session(f"s{i}", [(i * 11 + j) % 97 for j in range(4)] * 2, 60, num_speculative_tokens=3,
-                      max_model_len=256, drafter_needs_features=False) for i in range(2)]
-        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
-        await svc.stop()
-        return verifier, svc, ss, outs
-
-    verifier, svc, ss, outs = asyncio.run(main())
+    verifier, svc, ss, outs = _two_lookup_sessions(60, lambda: _FixedBarGate(bar))
     assert [o[0] for o in outs] == [reference(s.prompt, 60) for s in ss] and not verifier.errors
     gate = svc.rounds.gates[svc.groups[0]]
     drafted = sum(1 for _, reqs in verifier.calls for q in reqs if q.drafts)
@@ -138,19 +147,9 @@ def test_the_service_stops_verifying_lookup_drafts_that_keep_failing(bar):
 
 def test_the_gate_prices_rows_from_calls_without_a_prompt_in_them():
     """A call that prefills a prompt has rows that need no logits (all but the last): it would
-    price a verify row below its cost. The gate's fit sees every call but those (here: one prompt
-    per session, so two calls fewer than the verifier got)."""
-
-    async def main():
-        verifier = FakeVerifier()
-        svc, _ = make_service(verifier, None, lookup=LookupTable(min_n=1, max_n=3), speculation_governor=True)
-        ss = [Session(f"s{i}", [(i * 11 + j) % 97 for j in range(4)] * 2, 24, num_speculative_tokens=3,
-                      max_model_len=256, drafter_needs_features=False) for i in range(2)]
-        outs = await asyncio.gather(*(collect(svc, svc.submit(s)) for s in ss))
-        await svc.stop()
-        return verifier, svc, ss, outs
-
-    verifier, svc, ss, outs = asyncio.run(main())
+    price a verify row below its cost. The gate's fit sees every call but those (the calls that
+    carried a whole prompt)."""
+    verifier, svc, ss, outs = _two_lookup_sessions(24)
     assert [o[0] for o in outs] == [reference(s.prompt, 24) for s in ss] and not verifier.errors
     prompt_calls = sum(1 for _, reqs in verifier.calls if any(q.base == 0 and len(q.tokens) > 1 for q in reqs))
     assert prompt_calls >= 1
