@@ -19,8 +19,9 @@ class FeaturePolicy:
 
     def wanted(self, remote_ids: set[str], cap: int | None, next_round_drafts: Callable[[], bool]) -> bool | set[str]:
         """``True`` (every session), ``False`` (none) or the ids of the sessions that want them.
-        ``remote_ids``: the round's sessions drafting on a device; ``cap``: this round's draft limit (0: it drafts nothing); ``next_round_drafts``: whether the
-        next round is expected to draft (asked only when it matters)."""
+        ``remote_ids``: the round's sessions drafting on a device; ``cap``: this round's draft limit
+        (0: it drafts nothing); ``next_round_drafts``: whether the next round is expected to draft
+        (asked only when it matters)."""
         return False
 
 

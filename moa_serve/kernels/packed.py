@@ -201,7 +201,9 @@ def gguf_file(path: Path) -> str | None:
     return files[0] if files else None
 
 
-MATMUL_PRECISIONS = ("highest", "medium", "low")
+# matmul precision -> what the packed matmuls multiply (kernels.PRODUCTS)
+PRECISION_PRODUCTS = {"highest": "float32", "medium": "bfloat16", "low": "int8"}
+MATMUL_PRECISIONS = tuple(PRECISION_PRODUCTS)
 
 
 def pack_target(model: nn.Module, path: Path, matmul_precision: str = "highest") -> dict:
@@ -266,10 +268,10 @@ def pack_target(model: nn.Module, path: Path, matmul_precision: str = "highest")
         log.warning("matmul precision medium needs AVX512-BF16; this CPU multiplies in float32 (highest)")
     elif matmul_precision != "highest":
         precision = matmul_precision
-        products = {"medium": "bfloat16", "low": "int8"}[precision]
         for module in model.modules():
             if isinstance(module, PackedLinear):
-                module.packed.products = products
+                module.packed.products = PRECISION_PRODUCTS[precision]
+                module.packed.operands()  # int8: the interleaved copy made here, not in the first request
     model.fused_stack = FusedStack.build(model)
     if kept:
         log.warning("kept float32 for %d matrices: %s", len(kept), ", ".join(kept[:5]))

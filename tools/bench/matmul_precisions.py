@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 
 from moa_serve import kernels
-from moa_serve.kernels.packed import PackedMatrix, gguf_file
+from moa_serve.kernels.packed import PRECISION_PRODUCTS, PackedMatrix, gguf_file
 from moa_serve.model_files import resolve_model_path
 
 MATRICES = ("blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight", "token_embd.weight")
-PRECISIONS = {"highest": "float32", "medium": "bfloat16", "low": "int8"}
 
 
 def time_call(fn, min_seconds: float = 0.3) -> float:
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.target}: no GGUF file")
     reader = gguf.GGUFReader(path)
     matrices = {t.name: PackedMatrix.from_gguf(t) for t in reader.tensors if t.name in MATRICES}
-    precisions = [p for p in PRECISIONS if p != "medium" or kernels.bf16_dot_available()]
+    precisions = [prec for prec in PRECISION_PRODUCTS if prec != "medium" or kernels.bf16_dot_available()]
     rows = [int(r) for r in args.rows.split(",")]
     lines = [f"Milliseconds per matmul (median), {args.threads} threads, {platform.processor() or platform.machine()}, "
              f"{date.today()}; {Path(path).name}.", "",
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(lines), flush=True)
     for name, pm in matrices.items():
         n, k = pm.shape
-        variants = {prec: PackedMatrix(pm.kind, pm.qs, pm.d, pm.m, PRECISIONS[prec]) for prec in precisions}
+        variants = {prec: PackedMatrix(pm.kind, pm.qs, pm.d, pm.m, PRECISION_PRODUCTS[prec]) for prec in precisions}
         for m in rows:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             ms = {prec: time_call(lambda v=v: v.matmul_t(x)) for prec, v in variants.items()}
