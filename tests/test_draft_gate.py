@@ -6,8 +6,9 @@ import pytest
 
 from moa_serve.drafter.lookup import LookupTable
 from moa_serve.engine.draft_gate import AcceptanceStats, DraftGate, VerifyCost
+from moa_serve.engine.features import RecomputedFeatures
 from moa_serve.engine.session import Session
-from tests.test_service_stubs import FakeVerifier, collect, make_service, reference
+from tests.test_service_stubs import FakeDrafter, FakeVerifier, collect, make_service, reference
 
 
 def test_verify_cost_recovers_fixed_per_forward_and_per_row_seconds():
@@ -154,3 +155,58 @@ def test_the_gate_prices_rows_from_calls_without_a_prompt_in_them():
     prompt_calls = sum(1 for _, reqs in verifier.calls if any(q.base == 0 and len(q.tokens) > 1 for q in reqs))
     assert prompt_calls >= 1
     assert svc.rounds.gates[svc.groups[0]].cost.calls == len(verifier.calls) - prompt_calls
+
+
+class _RecordingGovernor:
+    """The drafter pool's governor, scripted off (or on) for every round; records what it observed."""
+
+    def __init__(self, on: bool):
+        self.on, self.observed = on, []
+
+    def speculate(self, sessions: int) -> bool:
+        return self.on
+
+    def next_speculates(self, sessions: int) -> bool:
+        return self.on
+
+    def observe(self, sessions, speculated, seconds, tokens) -> None:
+        self.observed.append(speculated)
+
+    def snapshot(self) -> dict:
+        return {}
+
+
+@pytest.mark.parametrize("pool_on", [False, True])
+def test_a_hybrid_drafts_by_lookup_whatever_the_governor_decides_for_its_pool(pool_on):
+    """``hybrid``: prompt lookup in front of a drafter pool. The governor rules the pool's drafts
+    only: with the pool off, lookup drafts are still verified, in multi-step calls that ask for no
+    drafter features, the pool is never called and the governor sees plain rounds; with it on, the
+    pool drafts where lookup has nothing and those rounds are single steps with features."""
+
+    async def main():
+        verifier, drafter = FakeVerifier(), FakeDrafter()
+        svc, _ = make_service(verifier, drafter, lookup=LookupTable(min_n=1, max_n=3), speculation_governor=True,
+                              features=RecomputedFeatures(), decode_steps=4)
+        governor = _RecordingGovernor(pool_on)
+        for g in svc.groups:
+            svc.rounds.gates[g] = _FixedBarGate(0.0)  # every lookup draft is verified
+            svc.rounds.governors[g] = governor
+        # pool off: every token recurs in the prompt (a lookup draft each round); on: few recur
+        prompt = list(range(97)) if not pool_on else list(range(0, 60, 5))
+        s = Session("s0", prompt, 40, num_speculative_tokens=3, max_model_len=256)
+        toks, _ = await collect(svc, svc.submit(s))
+        await svc.stop()
+        return verifier, drafter, governor, s, toks
+
+    verifier, drafter, governor, s, toks = asyncio.run(main())
+    assert toks == reference(s.prompt, 40) and not verifier.errors and not drafter.errors
+    requests = [q for _, reqs in verifier.calls for q in reqs]
+    if not pool_on:
+        assert not drafter.calls and not any(governor.observed)
+        lookup = [q for q in requests if q.drafts]
+        assert lookup and all(q.decode_steps > 1 and not q.want_features for q in lookup)
+    else:
+        assert drafter.calls and any(governor.observed)
+        pooled = {len(q.tokens) + q.base for _, reqs in drafter.calls for q in reqs}  # lengths the pool drafted at
+        drafted_by_pool = [q for q in requests if q.drafts and q.base + len(q.tokens) in pooled]
+        assert drafted_by_pool and all(q.decode_steps == 1 and q.want_features for q in drafted_by_pool)

@@ -13,7 +13,8 @@ Speculation never loses at scale: a round's verify width is bounded by the token
 (``rounds.speculation_cap``), so K shrinks as the batch grows and turns off when verification
 stops being nearly free; each session's adaptive K still applies below that cap. Within it, a
 drafter pool's drafts are governed round by round (``governor``); prompt-lookup drafts session by
-session and token by token (``draft_gate``)."""
+session and token by token (``draft_gate``), whether or not the governor lets the pool draft (a
+hybrid drafter's lookup drafts need no features and keep multi-step decoding)."""
 
 from __future__ import annotations
 
@@ -58,17 +59,20 @@ class RoundLoop:
         by_id = {t.session.id: t.session for t in batch}
         sessions = list(by_id.values())
         cap = self.cap(g, len(sessions))
+        lookup_cap = rounds.speculation_cap(self.options.speculation_token_budget, len(sessions))
         profile = RoundProfile(g, len(batch), speculation_cap=cap, release_s=release_s)
         remote = {t.session.id: t.pending.drafts for t in batch if t.remote and t.pending.drafts.drafts}
         matches: dict[str, int] = {}  # lookup-drafted sessions -> length of the n-gram they continue
         local = [t.session for t in batch if not t.remote]
-        drafts = await self._drafts(g, by_id, local, cap, profile, self._decode_steps(batch, {}, False), matches)
+        drafts = await self._drafts(g, by_id, local, cap, lookup_cap, profile,
+                                    self._decode_steps(batch, set(), False), matches)
+        pooled = set(drafts) - set(matches)  # drafted by the drafter pool
         drafts.update(remote)  # drafted on the clients' devices
         rounds.trim_alternatives(drafts, len(sessions), self.options.speculation_token_budget)
         want = self._features_wanted(g, batch, cap)
-        steps = self._decode_steps(batch, drafts, want)
+        steps = self._decode_steps(batch, pooled, want)
         t1 = time.perf_counter()
-        if self.lookahead.possible(batch, self._drafting(cap), drafts, want, self.queued()):
+        if self.lookahead.possible(batch, self._drafting(cap, lookup_cap), drafts, want, self.queued()):
             call = asyncio.ensure_future(self.calls.verify_round(g, by_id, sessions, drafts, profile, want, steps))
             await asyncio.sleep(0)  # this round's call goes out first
             bases = {s.id: len(s.tokens) + rounds.step_budget(s, len(s.tokens), steps)[0] for s in sessions}
@@ -89,22 +93,23 @@ class RoundLoop:
         profile.round_s = t3 - t0 + release_s
         self._record(profile)
         # rounds that prefilled a prompt say nothing about decoding speed in either mode
-        # (nor rounds with remote drafts: the governor weighs this server's drafting, not a device's)
+        # (nor rounds with remote drafts: the governor weighs this server's drafting, not a device's);
+        # a round speculated when the pool drafted in it (lookup drafts are in both modes' rounds)
         governor = self.governors.get(g)
         if governor is not None and profile.prefilled_sessions == 0 and profile.resyncs == 0 and not remote:
-            governor.observe(profile.sessions, profile.drafted_sessions > 0, profile.round_s, profile.tokens)
+            governor.observe(profile.sessions, bool(pooled), profile.round_s, profile.tokens)
 
     def cap(self, g: Hashable, n: int) -> int | None:
-        """Most drafts per session in a round of ``n`` sessions: the token budget's cap, 0 while the
-        group's governor has speculation off (asking it counts a round)."""
+        """Most drafter-pool drafts per session in a round of ``n`` sessions: the token budget's
+        cap, 0 while the group's governor has speculation off (asking it counts a round)."""
         governor = self.governors.get(g)
         if governor is not None and not governor.speculate(n):
             return 0
         return rounds.speculation_cap(self.options.speculation_token_budget, n)
 
-    def _drafting(self, cap: int | None) -> bool:
-        """Whether a round with this cap could draft (a drafter pool or prompt lookup)."""
-        return cap != 0 and (self.calls.draft_fn is not None or self.lookup is not None)
+    def _drafting(self, cap: int | None, lookup_cap: int | None) -> bool:
+        """Whether a round with these caps could draft (a drafter pool or prompt lookup)."""
+        return (cap != 0 and self.calls.draft_fn is not None) or (lookup_cap != 0 and self.lookup is not None)
 
     async def _ahead_round(self, g: Hashable, batch: list[Tracked], active: list[Tracked], ahead: Ahead,
                            release_s: float) -> None:
@@ -115,9 +120,10 @@ class RoundLoop:
         live = [t for t in batch if t.session.id in ahead.bases and not t.session.finished]
         profile = RoundProfile(g, len(live), speculation_cap=0, release_s=release_s)
         cap = self.cap(g, len(batch))
+        lookup_cap = rounds.speculation_cap(self.options.speculation_token_budget, len(batch))
         if (len(live) == len(batch) and all(t.session.id in ahead.asked for t in live)
-                and self.lookahead.possible(batch, self._drafting(cap), {}, self._features_wanted(g, batch, cap),
-                                            self.queued())):
+                and self.lookahead.possible(batch, self._drafting(cap, lookup_cap), {},
+                                            self._features_wanted(g, batch, cap), self.queued())):
             self.lookahead.send(g, [t.session for t in live],
                                 {t.session.id: ahead.bases[t.session.id] + ahead.asked[t.session.id] for t in live})
         got = await self.lookahead.results(g, live, ahead, active)
@@ -149,10 +155,12 @@ class RoundLoop:
 
     # ------------------------------------------------------------------ drafts
     async def _drafts(self, g, by_id: dict[str, Session], sessions: list[Session], cap: int | None,
-                      profile: RoundProfile, steps: int, matches: dict[str, int]) -> dict[str, DraftResult]:
-        """Prompt-lookup drafts, then the drafter pool's for the sessions lookup left."""
-        local = self._lookup_drafts(g, sessions, cap, steps, matches)
-        if self.calls.draft_fn is None:
+                      lookup_cap: int | None, profile: RoundProfile, steps: int,
+                      matches: dict[str, int]) -> dict[str, DraftResult]:
+        """Prompt-lookup drafts (up to ``lookup_cap`` each), then the drafter pool's (up to ``cap``)
+        for the sessions lookup left."""
+        local = self._lookup_drafts(g, sessions, lookup_cap, steps, matches)
+        if self.calls.draft_fn is None or cap == 0:
             return local
         reqs = rounds.draft_requests([s for s in sessions if s.id not in local], cap,
                                      current_features=self.features.drafts_need_current_features)
@@ -171,7 +179,7 @@ class RoundLoop:
         bar = gate.bar(len(sessions), steps) if gate is not None else None
         out, keep = {}, {s.id for s in sessions}
         for s in sessions:
-            k = s.speculation_length(cap)
+            k = s.speculation_length(cap, needs_features=False)
             if k > 0:
                 drafts, match = self.lookup.draft_match(s.id, s.tokens, k, keep)
                 if gate is not None:
@@ -199,13 +207,14 @@ class RoundLoop:
             gate.observe_call(forwards, sum(r.num_computed for r in results.values()), verify_s)
 
     # ------------------------------------------------------------------ the verify call's shape
-    def _decode_steps(self, batch: list[Tracked], drafts: dict[str, DraftResult], want: bool | set[str]) -> int:
+    def _decode_steps(self, batch: list[Tracked], pooled: set[str], want: bool | set[str]) -> int:
         """Multi-step decoding for small batches with nobody waiting. Sessions with drafts that
         need no features (prompt lookup) take part too: after their drafts are verified they go
-        on decoding in the same call (``rounds.verify_requests``); drafts that come with features
-        to keep up (a drafter pool) keep the whole round to single steps."""
+        on decoding in the same call (``rounds.verify_requests``); a drafter pool's drafts
+        (``pooled``: the sessions it drafted) with features to keep up keep the whole round to
+        single steps."""
         o = self.options
-        feature_drafts = bool(drafts) and (want is True or (isinstance(want, set) and not want.isdisjoint(drafts)))
+        feature_drafts = bool(pooled) and (want is True or (isinstance(want, set) and not want.isdisjoint(pooled)))
         if (o.decode_steps == 1 or feature_drafts or self.queued() or len(batch) > o.multi_step_max_sessions
                 or any(t.remote or t.session.prefilling or t.session.verifier_base == 0 for t in batch)):
             return 1

@@ -138,11 +138,12 @@ class Session:
         target has not cached yet)."""
         return max(0, len(self.tokens) - 1 - self.num_features)
 
-    def speculation_length(self, cap: int | None = None) -> int:
-        """Drafts worth asking for this round: none while the prompt is being prefilled or before
-        it is verified (no features yet); never more than the output or the context can still
-        take, nor more than ``cap`` (the round-wide limit that keeps verification cheap)."""
-        if self.prefilling or (self.drafter_needs_features and self.num_features == 0):
+    def speculation_length(self, cap: int | None = None, needs_features: bool = True) -> int:
+        """Drafts worth asking for this round: none while the prompt is being prefilled or, for a
+        drafter that reads features (``needs_features``; not prompt lookup), before it is verified
+        (no features yet); never more than the output or the context can still take, nor more
+        than ``cap`` (the round-wide limit that keeps verification cheap)."""
+        if self.prefilling or (needs_features and self.drafter_needs_features and self.num_features == 0):
             return 0
         room = min(self.max_new_tokens - len(self.generated), self.max_model_len - len(self.tokens)) - 1
         k = self.num_speculative_tokens
