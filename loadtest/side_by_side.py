@@ -9,7 +9,9 @@ goes on with the next side. It writes into ``--out``:
 
 - ``results.json``: every side, its command, readiness time, and per level the client's own
   JSON line (requests, failures, errors, completion tokens, tok/s, tok/s per user, latency
-  p50/p99, and TTFT if a client version reports it) plus the load average when it started;
+  p50/p99, and TTFT if a client version reports it) plus the load average when it started and,
+  for our sides, the server's ``/v1/stats`` after the level (``server_stats``: rounds, calls,
+  the speculation governor's and the draft gate's estimates, cumulative since it started);
 - ``results.md``: the same as tables (one row per side and level; aggregate tok/s per level
   side by side, with each side's ratio to the first vLLM side);
 - each server's log (``<label>.log``), and for our sides the derived serve YAML.
@@ -728,6 +730,12 @@ def _run_level(a, s: dict, model: str, u: int, out: Path, level_timeout: float) 
         probe = parse_client_output(pout)
         level["ttft_probe"] = probe[-1] if probe else {"error": f"probe exit {prc}"}
         level["summary"]["ttft"] = level["ttft_probe"].get("ttft_p50_s")
+    if s["kind"] == "ours":  # what the rounds did during the level (cumulative since the server started)
+        try:
+            code, body = _http_get(s["url"] + "/v1/stats", timeout=10.0)
+            level["server_stats"] = json.loads(body) if code == 200 else {"error": f"HTTP {code}"}
+        except (OSError, ValueError) as exc:
+            level["server_stats"] = {"error": f"{type(exc).__name__}: {exc}"}
     sm = level["summary"]
     log(f"{s['label']} users={u}: tok/s={_fmt(sm['tok_per_s'])} "
         f"per-user={_fmt(sm['tok_per_s_per_user'])} p50={_fmt(sm['latency_p50_s'])}s "
