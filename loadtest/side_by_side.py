@@ -340,11 +340,12 @@ def build_sides(a, repo: Path, out: Path) -> list[dict]:
                 config = repo / config
             cfg_path, url = derived_config(config, "127.0.0.1", a.port, off,
                                            out / f"{_safe(label)}.serve.yaml")
-            env = dict(os.environ, MOA_MODEL_DIR=moa_dir)
+            shown = {"MOA_MODEL_DIR": moa_dir, **(a.ours_env or {}).get(name, {})}
+            env = dict(os.environ, **shown)
             cmd = [*serve_command(a.ours_python), "--address", "local", str(cfg_path)]
             sides.append({"label": label, "kind": "ours", "drafter_off": off, "config": str(config),
                           "served_config": str(cfg_path), "url": url, "ready_path": "/readyz",
-                          "cmd": cmd, "env": env, "env_shown": {"MOA_MODEL_DIR": moa_dir},
+                          "cmd": cmd, "env": env, "env_shown": shown,
                           "port": a.port, "model": a.model})
     if a.vllm_python or a.vllm_model:
         if not (a.vllm_python and a.vllm_model):
@@ -602,6 +603,31 @@ def write_reports(out: Path, results: dict) -> None:
 # main
 
 
+def questions_of(questions: Path, categories: list[str], dst: Path) -> Path:
+    """The lines of a Spec-Bench-format file whose ``category`` is one of ``categories``, in their
+    order, written to ``dst``; ValueError when none is."""
+    wanted = set(categories)
+    lines = [ln for ln in questions.read_text().splitlines()
+             if ln.strip() and json.loads(ln).get("category") in wanted]
+    if not lines:
+        raise ValueError(f"no question of {sorted(wanted)} in {questions}")
+    dst.write_text("\n".join(lines) + "\n")
+    return dst
+
+
+class _SideEnv(argparse.Action):
+    """``LABEL:KEY=VALUE`` into ``{LABEL: {KEY: VALUE}}``."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        label, sep, assignment = value.partition(":")
+        key, eq, val = assignment.partition("=")
+        if not (sep and eq and label and key):
+            parser.error(f"{option_string}: expected LABEL:KEY=VALUE, got {value!r}")
+        table = getattr(namespace, self.dest) or {}
+        table.setdefault(label, {})[key] = val
+        setattr(namespace, self.dest, table)
+
+
 def parse_users(text: str) -> list[int]:
     try:
         users = [int(x) for x in text.split(",") if x.strip()]
@@ -621,6 +647,9 @@ def build_parser(repo: Path) -> argparse.ArgumentParser:
                    help="serve run this config (repeatable; label default 'on', shown as ours/LABEL)")
     g.add_argument("--ours-off", action="append", metavar="[LABEL=]CONFIG.yaml",
                    help="the same with the application arg drafter: null (label default 'off')")
+    g.add_argument("--ours-env", action=_SideEnv, metavar="LABEL:KEY=VALUE", dest="ours_env",
+                   help="an environment variable for one of our sides (repeatable), e.g. "
+                        "fast:RAY_SERVE_THROUGHPUT_OPTIMIZED=1 for the side given as --ours fast=CONFIG")
     g.add_argument("--port", type=int, default=8000, help="HTTP port for our cluster (default 8000)")
     g.add_argument("--moa-model-dir", help="MOA_MODEL_DIR for serve run (default: $MOA_MODEL_DIR, "
                                            "else <repo>/../shared/models)")
@@ -652,6 +681,10 @@ def build_parser(repo: Path) -> argparse.ArgumentParser:
     g.add_argument("--duration", type=float, default=60.0, help="seconds per level (default 60)")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--limit", type=int, help="client --limit (prompts used; client default 64)")
+    g.add_argument("--categories", type=lambda t: [c for c in t.split(",") if c],
+                   help="only the questions of these categories, comma-separated (e.g. summarization,rag: "
+                        "text a reply copies from, where prompt lookup drafts well); written to "
+                        "<out>/questions.jsonl, which every side's client reads")
     g.add_argument("--model", help="model name sent in requests (default: vLLM's served name; "
                                    "ours: first id of GET /v1/models)")
     g.add_argument("--no-warmup", action="store_true", help="skip the one short request before the levels")
@@ -810,6 +843,12 @@ def main(argv: list[str] | None = None) -> int:
     started = _dt.datetime.now()
     out = a.out or repo / "runs" / "side-by-side" / started.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
+    if a.categories:
+        try:
+            a.questions = questions_of(a.questions, a.categories, out / "questions.jsonl")
+        except ValueError as exc:
+            log(f"--categories: {exc}")
+            return 2
     try:
         sides = build_sides(a, repo, out)
     except SideError as exc:
