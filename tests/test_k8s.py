@@ -436,6 +436,11 @@ def test_kuberay_autoscaling(name, built):
     assert head["rayStartParams"]["num-cpus"] == "0", "CPU-only head hosting no replicas"
     # The sizing assumes Serve's pack scheduler (largest replicas first, best fit).
     assert env_of(ray_container(head["template"]))["RAY_SERVE_USE_PACK_SCHEDULING_STRATEGY"]["value"] == "1"
+    # Serve's high-throughput mode (HAProxy ingress, gRPC between replicas) needs the same
+    # environment on every Ray container: replicas read it where they run
+    for template in [head["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]:
+        env = env_of(ray_container(template))
+        assert env["RAY_SERVE_ENABLE_HA_PROXY"]["value"] == env["RAY_SERVE_THROUGHPUT_OPTIMIZED"]["value"] == "1"
     assert cluster["rayVersion"] == _pyproject_pin("ray")
     for g in cluster["workerGroupSpecs"]:        # autoscaler v2 requirement (KubeRay validation)
         assert g["template"]["spec"].get("restartPolicy") in (None, "Never")
