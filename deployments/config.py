@@ -112,6 +112,9 @@ class RouterConfig(_Strict):
                               "multi_step_max_sessions sessions and with nobody queued, get up to this many tokens "
                               "per session from one verify call (1 = one token per round)")
     multi_step_max_sessions: int = Field(4, ge=1, description="multi-step decoding applies to rounds of at most this many sessions")
+    cut_steps_for_newcomers: bool = Field(True, description="a session admitted while a multi-step verify call runs "
+                                          "asks the verifier to end that call's steps after the forward in progress, "
+                                          "so its prompt goes out in the next call sooner (time to first token)")
     lookahead: bool = Field(False, description="verify-call pipelining: a round without drafts (none allowed, no "
                             "features, no prompt prefilling, nobody queued) sends the next round's verify call before "
                             "its own returns, each session continuing from the length it is predicted to hold, so the "

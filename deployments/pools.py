@@ -137,6 +137,12 @@ class VerifierPool(_Pool):
     async def release(self, session_ids: list[str], group=None) -> PoolReply:
         return await self._release(self.runner, session_ids)
 
+    async def cut_steps(self, group=None) -> None:
+        """A newcomer waits for the group's next verify call: the running one stops its multi-step
+        decoding after its current forward. Runs here, on the event loop, not behind the call in
+        the worker thread."""
+        self.runner.cut_steps()
+
     async def info(self, group=None) -> dict:
         return {"replica": self._replica, "max_model_len": self.runner.max_model_len,
                 "free_slots": self.runner.free_slots, "sessions": len(self.runner.sessions),

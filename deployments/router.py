@@ -166,9 +166,10 @@ class Router:
         # devices of a client drafter the Router does not draft with get features all the same
         features = feature_policy(self.drafter is not None, recomputable=kind == "moa",
                                   remote_drafter=self.cfg.feature_drafter is not None)
+        cut = self._cut_steps if r.decode_steps > 1 and r.cut_steps_for_newcomers else None
         return RoundService(self._verify, self._draft if self.drafter is not None else None, self._release,
                             options, features=features, lookup=lookup, groups=self.groups,
-                            observer=PrometheusObserver())
+                            observer=PrometheusObserver(), cut=cut)
 
     async def _cs_identity(self) -> ServerIdentity:
         """The handshake's identity; the target's fingerprint comes from a verifier replica (the
@@ -207,6 +208,9 @@ class Router:
 
     async def _draft(self, group, requests):
         return await self._call("drafter", self.drafter.propose, requests, group)
+
+    async def _cut_steps(self, group) -> None:
+        await detached(lambda: self.verifier.cut_steps.remote(group=group))
 
     async def _release(self, group, session_ids: list[str]) -> None:
         calls = [detached(lambda: self.verifier.release.remote(session_ids, group=group))]

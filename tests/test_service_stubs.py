@@ -201,7 +201,7 @@ def make_service(verifier, drafter=None, **kw):
     release = FakeRelease(*(p for p in (verifier, drafter) if p is not None))
     kw.setdefault("retry_backoff_s", 0.01)
     kw.setdefault("speculation_governor", False)  # these tests follow every round's drafts
-    extra = {k: kw.pop(k) for k in ("features", "lookup", "groups", "observer") if k in kw}
+    extra = {k: kw.pop(k) for k in ("features", "lookup", "groups", "observer", "cut") if k in kw}
     return RoundService(verifier, drafter, release, RoundOptions(**kw), **extra), release
 
 
@@ -622,6 +622,54 @@ def test_multi_step_is_not_used_while_drafting_or_with_a_queue():
         assert toks == reference(make_session(i).prompt, 20)
     drafting_calls = [reqs for _, reqs in verifier.calls if any(q.drafts for q in reqs)]
     assert drafting_calls and all(q.decode_steps == 1 for reqs in drafting_calls for q in reqs)
+
+
+class CuttableVerifier(FakeVerifier):
+    """Honours ``cut``: a call in flight when it arrives decodes a single step."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.cut_asked: list = []
+        self.cut_short = 0  # requests for several steps that decoded one
+        self._cut = False
+
+    async def cut(self, group) -> None:
+        self.cut_asked.append(group)
+        self._cut = True
+
+    def _one(self, q):
+        if self._cut and q.decode_steps > 1:
+            self.cut_short += 1
+            q = dataclasses.replace(q, decode_steps=1)
+        return super()._one(q)
+
+    async def __call__(self, group, reqs):
+        try:
+            return await super().__call__(group, reqs)
+        finally:
+            self._cut = False
+
+
+def test_a_newcomer_cuts_the_running_multi_step_call_short():
+    """A session admitted while its group's multi-step verify call runs asks the verifier, once,
+    to end that call's steps early: its prompt goes out in the next call instead of after all
+    the steps. Nobody's tokens change."""
+
+    async def main():
+        verifier = CuttableVerifier(delay=0.02)
+        svc, _ = make_service(verifier, None, decode_steps=4, cut=verifier.cut)
+        first = asyncio.ensure_future(collect(svc, svc.submit(make_session(0, max_new=40))))
+        while len(verifier.calls) < 3:  # the prompt, then multi-step calls
+            await asyncio.sleep(0.005)
+        second = collect(svc, svc.submit(make_session(1, max_new=12)))
+        outs = await asyncio.gather(first, second)
+        await svc.stop()
+        return verifier, svc, outs
+
+    verifier, svc, outs = asyncio.run(main())
+    assert [o[0] for o in outs] == [reference(make_session(0).prompt, 40), reference(make_session(1).prompt, 12)]
+    assert verifier.cut_asked == [svc.groups[0]] and svc.stats.steps_cut == 1
+    assert verifier.cut_short == 1  # the call running when s1 came: four steps asked, one decoded
 
 
 # ---------------------------------------------------------------------- lookahead (verify-call pipelining)

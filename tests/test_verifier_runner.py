@@ -167,6 +167,25 @@ def test_multi_step_decoding_gives_the_single_step_tokens(target, seed):
     assert stopped == single[:single.index(single[5]) + 1]
 
 
+def test_a_cut_ends_multi_step_decoding_after_the_forward_in_progress(target):
+    """``cut_steps`` (another thread: a newcomer waits for the next call): the running call
+    returns after its current forward, with the tokens so far, which are the tokens plain
+    decoding gives; the cut is spent by that call, the next one decodes all its steps."""
+    runner = TorchTargetRunner("unused", torch.float32, model=target, max_sessions=2, max_model_len=256)
+    tokens = prompt_of(12, 3)
+    (r,) = runner.verify([VerifyRequest("s", tokens, want_features=False)])  # the prompt
+    tokens += r.tokens
+    runner.cut_steps()
+    (cut,) = runner.verify([VerifyRequest("s", [], base=len(tokens), want_features=False, decode_steps=4)])
+    assert len(cut.tokens) == 1 and runner.stats["steps_cut"] == 1
+    tokens += cut.tokens
+    (full,) = runner.verify([VerifyRequest("s", [], base=len(tokens), want_features=False, decode_steps=4)])
+    assert len(full.tokens) == 4 and runner.stats["steps_cut"] == 1
+    tokens += full.tokens
+    plain = TorchTargetRunner("unused", torch.float32, model=target, max_sessions=2, max_model_len=256)
+    assert decode(plain, {"s": tokens[:12]}, 6)["s"] == tokens[12:]
+
+
 def test_a_released_sessions_prefix_is_reused_and_decodes_the_same(target, hf):
     """Prefix caching: a new session whose prompt extends a finished one's tokens takes over its
     slot and prefills only the rest; the tokens equal Hugging Face greedy and a runner without it."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -177,7 +178,17 @@ class TorchTargetRunner(TargetBackend):
         # slot -> the tokens whose K/V a released session left in it, least recently used first
         self.retained: OrderedDict[int, list[int]] = OrderedDict()
         self.stats = {"forwards": 0, "tokens": 0, "forward_s": 0.0, "evictions": 0, "resyncs": 0,
-                      "prefix_hits": 0, "prefix_tokens": 0, "alternatives_accepted": 0}
+                      "prefix_hits": 0, "prefix_tokens": 0, "alternatives_accepted": 0, "steps_cut": 0}
+        # set from another thread (``cut_steps``): the verify running or next ends its multi-step
+        # decoding after the forward in progress
+        self._cut = threading.Event()
+
+    def cut_steps(self) -> None:
+        """Someone waits for the caller's next call (a new session to prefill): the multi-step
+        decoding of the verify call running now (or of the next one, if none runs) stops after its
+        current forward. Its tokens so far are returned as usual; nothing is lost, the caller only
+        gets fewer tokens from this call. Safe from any thread."""
+        self._cut.set()
 
     # ------------------------------------------------------------------ sessions
     def release(self, session_id: str) -> None:
@@ -345,6 +356,7 @@ class TorchTargetRunner(TargetBackend):
             for w, res in zip(fed, self._forward(fed)):
                 results[w.req.session_id] = res
             self._decode_more(fed, results)
+        self._cut.clear()  # a cut asked before this call ended was for it
         return [results[r.session_id] for r in requests]
 
     def _decode_more(self, work: list[_Work], results: dict[str, VerifyResult]) -> None:
@@ -369,6 +381,9 @@ class TorchTargetRunner(TargetBackend):
                     and results[w.req.session_id].tokens[-1] not in w.req.stop_token_ids
                     and len(w.session.committed) < self.max_model_len]
             if not live:
+                return
+            if self._cut.is_set():
+                self.stats["steps_cut"] += 1
                 return
             t0 = time.perf_counter()
             batch = PackedBatch(self.cache, [w.session.slot for w in live], [w.session.cached for w in live],

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 DraftFn = Callable[[Hashable, list[DraftRequest]], Awaitable[list[DraftResult]]]
 VerifyFn = Callable[[Hashable, list[VerifyRequest]], Awaitable[list[VerifyResult]]]
 ReleaseFn = Callable[[Hashable, list[str]], Awaitable[None]]
+CutFn = Callable[[Hashable], Awaitable[None]]  # ends the group's running multi-step verify early
 
 
 async def within(seconds: float, aw):
@@ -53,8 +54,9 @@ class CallLimits:
 
 class PoolCalls:
     def __init__(self, verify: VerifyFn, draft: DraftFn | None, release: ReleaseFn, limits: CallLimits,
-                 groups: list[Hashable], stats: ServiceStats, observer: Observer):
-        self.verify_fn, self.draft_fn, self.release_fn = verify, draft, release
+                 groups: list[Hashable], stats: ServiceStats, observer: Observer, cut: CutFn | None = None):
+        self.verify_fn, self.draft_fn, self.release_fn, self.cut_fn = verify, draft, release, cut
+        self._cuts: set[asyncio.Task] = set()
         self.limits, self.stats, self.observer = limits, stats, observer
         self.pending_release: dict[Hashable, dict[str, int]] = {g: {} for g in groups}  # id -> attempts
         self._release_backoff: dict[Hashable, tuple[int, float]] = {}  # group -> (failures in a row, retry at)
@@ -124,6 +126,22 @@ class PoolCalls:
     def verify_ahead(self, g: Hashable, reqs: list[VerifyRequest]) -> asyncio.Future:
         """A verify call sent now, awaited later (lookahead): no retry, its sessions resync if it fails."""
         return asyncio.ensure_future(within(self.limits.verify_timeout_s, self.verify_fn(g, reqs)))
+
+    def cut(self, g: Hashable) -> None:
+        """Asks the group's verifier to end the multi-step decoding of its running call early (a
+        session waits for the next call), without waiting for the answer. Only a hint: a cut that
+        fails or comes late costs nothing but the time it would have saved."""
+        if self.cut_fn is None:
+            return
+        self.stats.steps_cut += 1
+        task = asyncio.ensure_future(within(self.limits.release_timeout_s, self.cut_fn(g)))
+        self._cuts.add(task)
+        task.add_done_callback(self._cut_done)
+
+    def _cut_done(self, task: asyncio.Task) -> None:
+        self._cuts.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("cutting multi-step decoding short failed: %r", task.exception())
 
     # ------------------------------------------------------------------ release
     def release_later(self, g: Hashable, session_id: str) -> None:

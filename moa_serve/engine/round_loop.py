@@ -46,6 +46,8 @@ class RoundLoop:
         self.governors = ({g: SpeculationGovernor() for g in groups}
                           if options.speculation_governor and drafter_pool else {})
         self.gates = {g: DraftGate() for g in groups} if options.speculation_governor and lookup is not None else {}
+        # groups whose verify call in flight decodes several steps (a newcomer may cut it short)
+        self.multi_step_in_flight: dict[Hashable, bool] = {}
 
     # ------------------------------------------------------------------ one round
     async def run(self, g: Hashable, batch: list[Tracked], active: list[Tracked], release_s: float = 0.0) -> None:
@@ -83,7 +85,11 @@ class RoundLoop:
                 self.lookahead.drop(g, active)
                 raise
         else:
-            results = await self.calls.verify_round(g, by_id, sessions, drafts, profile, want, steps)
+            self.multi_step_in_flight[g] = steps > 1
+            try:
+                results = await self.calls.verify_round(g, by_id, sessions, drafts, profile, want, steps)
+            finally:
+                self.multi_step_in_flight.pop(g, None)
         t2 = time.perf_counter()
         self._note_reprefills(by_id, results, drafts, profile)
         self._observe_gate(g, results, drafts, matches, t2 - t1, profile)

@@ -45,6 +45,7 @@ class ServiceStats:
     lookahead_calls: int = 0  # verify calls sent before the previous one returned (lookahead)
     lookahead_discarded: int = 0  # their session results not used (finished, aborted, mispredicted)
     lookahead_failures: int = 0  # lookahead calls that failed (their sessions resync)
+    steps_cut: int = 0  # multi-step verify calls asked to end early for a newcomer's prefill
     # cumulative seconds of the rounds' parts
     release_s: float = 0.0
     draft_s: float = 0.0
