@@ -46,8 +46,8 @@ class RoundLoop:
         self.governors = ({g: SpeculationGovernor() for g in groups}
                           if options.speculation_governor and drafter_pool else {})
         self.gates = {g: DraftGate() for g in groups} if options.speculation_governor and lookup is not None else {}
-        # groups whose verify call in flight decodes several steps (a newcomer may cut it short)
-        self.multi_step_in_flight: dict[Hashable, bool] = {}
+        # groups whose verify call in flight decodes several steps and was not cut short yet
+        self._multi_step_in_flight: set[Hashable] = set()
 
     # ------------------------------------------------------------------ one round
     async def run(self, g: Hashable, batch: list[Tracked], active: list[Tracked], release_s: float = 0.0) -> None:
@@ -85,11 +85,12 @@ class RoundLoop:
                 self.lookahead.drop(g, active)
                 raise
         else:
-            self.multi_step_in_flight[g] = steps > 1
+            if steps > 1:
+                self._multi_step_in_flight.add(g)
             try:
                 results = await self.calls.verify_round(g, by_id, sessions, drafts, profile, want, steps)
             finally:
-                self.multi_step_in_flight.pop(g, None)
+                self._multi_step_in_flight.discard(g)
         t2 = time.perf_counter()
         self._note_reprefills(by_id, results, drafts, profile)
         self._observe_gate(g, results, drafts, matches, t2 - t1, profile)
@@ -145,6 +146,13 @@ class RoundLoop:
         profile.verify_s, profile.commit_s = t1 - t0, t2 - t1
         profile.round_s = t2 - t0 + release_s
         self._record(profile)
+
+    def admitted(self, g: Hashable) -> None:
+        """A session joined group ``g``: its prompt waits for the group's next verify call, so a
+        multi-step call in flight is asked (once) to end its steps early."""
+        if g in self._multi_step_in_flight:
+            self._multi_step_in_flight.discard(g)
+            self.calls.cut(g)
 
     def _record(self, profile: RoundProfile) -> None:
         """A finished round into the stats and the observer."""

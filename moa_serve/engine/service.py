@@ -174,8 +174,7 @@ class RoundService:
             g = min(self.groups, key=lambda k: len(self._active[k]))
             tracked.group, tracked.admitted = g, time.perf_counter()
             self._active[g].append(tracked)
-            if self.rounds.multi_step_in_flight.pop(g, False):  # its prompt waits for the next call
-                self.calls.cut(g)
+            self.rounds.admitted(g)
             if g in self._wake:
                 self._wake[g].set()
         self.observer.queue_depth(len(self._waiting))
