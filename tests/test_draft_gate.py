@@ -8,7 +8,7 @@ from moa_serve.drafter.lookup import LookupTable
 from moa_serve.engine.draft_gate import AcceptanceStats, DraftGate, VerifyCost
 from moa_serve.engine.features import RecomputedFeatures
 from moa_serve.engine.session import Session
-from tests.test_service_stubs import FakeDrafter, FakeVerifier, collect, make_service, reference
+from tests.test_service_stubs import FakeDrafter, FakeVerifier, ScriptedGovernor, collect, make_service, reference
 
 
 def test_verify_cost_recovers_fixed_per_forward_and_per_row_seconds():
@@ -157,25 +157,6 @@ def test_the_gate_prices_rows_from_calls_without_a_prompt_in_them():
     assert svc.rounds.gates[svc.groups[0]].cost.calls == len(verifier.calls) - prompt_calls
 
 
-class _RecordingGovernor:
-    """The drafter pool's governor, scripted off (or on) for every round; records what it observed."""
-
-    def __init__(self, on: bool):
-        self.on, self.observed = on, []
-
-    def speculate(self, sessions: int) -> bool:
-        return self.on
-
-    def next_speculates(self, sessions: int) -> bool:
-        return self.on
-
-    def observe(self, sessions, speculated, seconds, tokens) -> None:
-        self.observed.append(speculated)
-
-    def snapshot(self) -> dict:
-        return {}
-
-
 @pytest.mark.parametrize("pool_on", [False, True])
 def test_a_hybrid_drafts_by_lookup_whatever_the_governor_decides_for_its_pool(pool_on):
     """``hybrid``: prompt lookup in front of a drafter pool. The governor rules the pool's drafts
@@ -187,7 +168,7 @@ def test_a_hybrid_drafts_by_lookup_whatever_the_governor_decides_for_its_pool(po
         verifier, drafter = FakeVerifier(), FakeDrafter()
         svc, _ = make_service(verifier, drafter, lookup=LookupTable(min_n=1, max_n=3), speculation_governor=True,
                               features=RecomputedFeatures(), decode_steps=4)
-        governor = _RecordingGovernor(pool_on)
+        governor = ScriptedGovernor(on_rounds=range(1, 1000) if pool_on else ())
         for g in svc.groups:
             svc.rounds.gates[g] = _FixedBarGate(0.0)  # every lookup draft is verified
             svc.rounds.governors[g] = governor

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Container
 
 import pytest
 import torch
@@ -530,11 +531,13 @@ def test_group_keys_must_be_distinct():
     assert RoundService(FakeVerifier(), None, FakeRelease(), RoundOptions(num_groups=3)).groups == [0, 1, 2]
 
 
-class _ScriptedGovernor:
-    """Speculation on/off by round number (1-based), as a SpeculationGovernor would decide."""
+class ScriptedGovernor:
+    """Speculation on/off by round number (1-based), as a SpeculationGovernor would decide;
+    ``observed``: whether each round it was shown speculated."""
 
-    def __init__(self, on_rounds: set[int]):
+    def __init__(self, on_rounds: Container[int]):
         self.on_rounds, self.rounds = on_rounds, 0
+        self.observed: list[bool] = []
 
     def speculate(self, sessions: int) -> bool:
         self.rounds += 1
@@ -543,8 +546,8 @@ class _ScriptedGovernor:
     def next_speculates(self, sessions: int) -> bool:
         return self.rounds + 1 in self.on_rounds
 
-    def observe(self, *args) -> None:
-        pass
+    def observe(self, sessions, speculated, seconds, tokens) -> None:
+        self.observed.append(speculated)
 
     def snapshot(self) -> dict:
         return {}
@@ -558,7 +561,7 @@ def test_rounds_that_will_not_draft_skip_features_and_catch_up_from_the_cache_wh
         verifier, drafter = FakeVerifier(), FakeDrafter()
         svc, _ = make_service(verifier, drafter, speculation_governor=True, features=RecomputedFeatures(),
                               speculation_token_budget=0)
-        gov = _ScriptedGovernor(on_rounds={1, 2, 3, 9, 10, 11, 12, 13, 14, 15, 16})
+        gov = ScriptedGovernor(on_rounds={1, 2, 3, 9, 10, 11, 12, 13, 14, 15, 16})
         svc.rounds.governors = {g: gov for g in svc.groups}
         s = make_session(0, max_new=40, k=2)
         toks, finish = await collect(svc, svc.submit(s))
