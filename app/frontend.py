@@ -21,6 +21,12 @@ from moa_serve.engine.session import Session
 
 log = logging.getLogger(__name__)
 
+INLINE_ENCODE_CHARS = 4096  # prompts (or chats) up to this many characters are encoded on the event loop
+
+
+def _chars(prompt: str | None, messages: list | None) -> int:
+    return len(prompt or "") + sum(len(m.content) for m in messages or ())
+
 
 class InputError(ValueError):
     """A request the server cannot run; ``param`` names the offending field."""
@@ -182,8 +188,15 @@ class Frontend:
             return self.encode_prompt(prompt, messages)
 
     async def tokenize(self, prompt: str | None, messages: list | None) -> tuple[list[int], str]:
-        """(token ids, the field they came from), on a worker thread: a long prompt or chat
-        template must not stall the event loop that drives the rounds."""
+        """(token ids, the field they came from). A long prompt or chat is encoded on a worker
+        thread: it must not stall the event loop that streams (and, in process, drives the rounds).
+        A short one (most chat turns: ~0.2 ms) is encoded here when the tokenizer is free, which
+        saves the thread hand-off on the way to the first token (~0.6 ms on a loaded 2-core host)."""
+        if _chars(prompt, messages) <= INLINE_ENCODE_CHARS and self._encode_lock.acquire(blocking=False):
+            try:
+                return self.encode_prompt(prompt, messages)
+            finally:
+                self._encode_lock.release()
         return await asyncio.to_thread(self._encode_locked, prompt, messages)
 
     async def start(self, *, prompt: str | None, messages: list | None, max_tokens: int,

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from moa_serve.app import state
-from moa_serve.app.frontend import Frontend, IncrementalDetokenizer, InputError
+from moa_serve.app.frontend import INLINE_ENCODE_CHARS, Frontend, IncrementalDetokenizer, InputError
 from moa_serve.sampling import GREEDY
 from moa_serve.engine.events import TokenEvent
 from moa_serve.engine.round_stats import ServiceStats
@@ -156,20 +156,28 @@ def test_an_error_event_raises(smollm_tok):
         asyncio.run(run_generation(fe, stops=[]))
 
 
-def test_start_tokenizes_off_the_event_loop_and_names_bad_fields(smollm_tok):
-    fe = frontend(smollm_tok, [], max_model_len=8)
+def test_start_tokenizes_short_prompts_inline_long_ones_off_the_event_loop_and_names_bad_fields(smollm_tok):
+    fe = frontend(smollm_tok, [], max_model_len=8 * INLINE_ENCODE_CHARS)
     threads = []
     encode = fe.encode_prompt
     fe.encode_prompt = lambda p, m: (threads.append(threading.current_thread()), encode(p, m))[1]
+    start = dict(messages=None, max_tokens=4, sampling=GREEDY, stops=[], ignore_eos=False, num_speculative_tokens=None)
 
     async def main():
-        gen = await fe.start(prompt="hi", messages=None, max_tokens=4, sampling=GREEDY, stops=[],
-                             ignore_eos=False, num_speculative_tokens=None)
-        assert threads[-1] is not threading.current_thread() and gen.prompt_tokens >= 1
+        loop_thread = threading.current_thread()
+        gen = await fe.start(prompt="hi", **start)
+        assert threads[-1] is loop_thread and gen.prompt_tokens >= 1
+        await fe.start(prompt="word " * (INLINE_ENCODE_CHARS // 5 + 1), **start)
+        assert threads[-1] is not loop_thread
+        with fe._encode_lock:  # the tokenizer busy on a worker thread: a short prompt waits there, not here
+            task = asyncio.ensure_future(fe.start(prompt="hi", **start))
+            await asyncio.sleep(0.05)
+        await task
+        assert threads[-1] is not loop_thread
+        fe.max_model_len = 8
         for kw, param in (({"prompt": ""}, "prompt"), ({"prompt": "word " * 50}, "prompt")):
             with pytest.raises(InputError) as err:
-                await fe.start(messages=None, max_tokens=4, sampling=GREEDY, stops=[], ignore_eos=False,
-                               num_speculative_tokens=None, **kw)
+                await fe.start(**{**start, **kw})
             assert err.value.param == param
 
     asyncio.run(main())
