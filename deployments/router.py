@@ -136,6 +136,7 @@ class Router:
         """Runs ``session`` in this replica's rounds, its commits sent over ``link``. Raises
         ``QueueFullError`` when the queue is full, ``LinkLost`` when the link is not here."""
         self.lanes.start(session, link)
+        await asyncio.sleep(0)  # the round it woke prepares its verify call before this reply goes out
 
     async def cancel(self, session_id: str, group: str | None = None) -> None:
         self.lanes.cancel(session_id)

@@ -43,6 +43,8 @@ class Tracked:
     admitted: float | None = None  # when it joined a group (perf_counter)
     remote: bool = False  # drafts come from the client (client-server mode), one round per proposal
     pending: RemoteRound | None = None
+    # where events go instead of ``events`` (a Router's lane link: no task per session between them)
+    sink: Callable[[TokenEvent], None] | None = None
 
     @property
     def ready(self) -> bool:
@@ -52,7 +54,10 @@ class Tracked:
     def emit(self, ev: TokenEvent) -> None:
         """A round's outcome: to the stream, or to the remote client's pending proposal."""
         if not self.remote:
-            self.events.put_nowait(ev)
+            if self.sink is not None:
+                self.sink(ev)
+            else:
+                self.events.put_nowait(ev)
         elif self.pending is not None:
             if not self.pending.done.done():
                 self.pending.done.set_result(ev)

@@ -22,6 +22,7 @@ import logging
 import uuid
 from typing import AsyncIterator, Awaitable, Callable
 
+from moa_serve.engine.events import TokenEvent, Tracked
 from moa_serve.engine.session import Session
 from moa_serve.verifier.engine_loop import Update
 
@@ -39,7 +40,7 @@ class LaneHub:
         self.service = service
         self.replica = replica
         self._links: dict[str, asyncio.Queue] = {}
-        self._sessions: dict[str, tuple[str, asyncio.Task]] = {}  # session id -> (link, forwarder)
+        self._sessions: dict[str, tuple[str, Tracked]] = {}  # session id -> (link, as the service runs it)
 
     async def connect(self, link: str) -> AsyncIterator[Batch]:
         """The link's batches until the caller goes away; its sessions are aborted then."""
@@ -62,25 +63,24 @@ class LaneHub:
         if link not in self._links:
             raise LinkLost(f"lane link {link} is not connected to this replica")
         tracked = self.service.submit(session)
-        task = asyncio.get_running_loop().create_task(self._forward(session, tracked, link))
-        self._sessions[session.id] = (link, task)
+        # a round's events go straight into the link's queue (no task per session in between:
+        # one hop less on the way to the first token, none per session and round)
+        tracked.sink = lambda ev: self._deliver(session, link, ev)
+        self._sessions[session.id] = (link, tracked)
 
     def cancel(self, session_id: str) -> None:
         entry = self._sessions.pop(session_id, None)
         if entry is not None:
-            entry[1].cancel()  # ends the service's stream, which aborts the session
+            self.service.abort(entry[1])
 
-    async def _forward(self, session: Session, tracked, link: str) -> None:
-        try:
-            async for ev in self.service.stream(tracked):
-                queue = self._links.get(link)
-                if queue is None:
-                    return  # the link closed: leaving the stream aborts the session
-                queue.put_nowait((session.id, Update(list(ev.tokens), ev.finish_reason, session.drafted,
-                                                     session.accepted, self.replica)))
-        finally:
-            if self._sessions.get(session.id, (None, None))[1] is asyncio.current_task():
-                del self._sessions[session.id]
+    def _deliver(self, session: Session, link: str, ev: TokenEvent) -> None:
+        if ev.finish_reason is not None:
+            self._sessions.pop(session.id, None)
+        queue = self._links.get(link)
+        if queue is None:  # the link closed (its sessions are being aborted)
+            return
+        queue.put_nowait((session.id, Update(list(ev.tokens), ev.finish_reason, session.drafted, session.accepted,
+                                             self.replica)))
 
 
 class LaneLink:
