@@ -517,6 +517,65 @@ static inline __attribute__((always_inline)) float scores(int kv_bf16, const flo
     return hsum(vsum);
 }
 
+/* scores() for the hc query heads of one KV group over a bfloat16 cache (s + a * sstride for head
+ * a): each block of 8 keys is widened to float32 once, into kb, and read from there by every head
+ * (rather than widened again per head). The arithmetic of each score, its max and its sum is
+ * scores()'s exactly: the same FMA chain over the dimensions, the same reduction tree, the same
+ * lane order. inv[a] = 1 / (head a's sum). */
+static inline __attribute__((always_inline)) void scores_heads_bf16(const float *q, int64_t hc, int64_t hd,
+                                                                    const uint16_t *k, int64_t base, int64_t ps,
+                                                                    int64_t len, int64_t extra, float scale,
+                                                                    float *s, int64_t sstride, float *inv) {
+    float kb[8 * 256] __attribute__((aligned(32)));
+    const __m256 vscale = _mm256_set1_ps(scale);
+    __m256 vmax[TASK_HEADS];
+    for (int64_t a = 0; a < hc; a++) vmax[a] = _mm256_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < len; j0 += 8) {
+        const int64_t rows = len - j0 < 8 ? len - j0 : 8;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t d = 0; d < hd; d += 8)
+                _mm256_store_ps(kb + r * hd + d, bf16x8(k + KEYROW(j0 + r) + d));
+        for (int64_t a = 0; a < hc; a++) {
+            const float *qv = q + a * hd;
+            __m256 acc[8];
+            for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+            if (rows == 8) {
+                for (int64_t d = 0; d < hd; d += 8) {
+                    const __m256 qd = _mm256_loadu_ps(qv + d);
+                    for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(qd, _mm256_load_ps(kb + r * hd + d), acc[r]);
+                }
+            } else { /* the last, partial block: the same chain per lane, absent lanes zero */
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t d = 0; d < hd; d += 8)
+                        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_load_ps(kb + r * hd + d), acc[r]);
+            }
+            const __m256 sc = _mm256_mul_ps(hsum8(acc), vscale);
+            float *sa = s + a * sstride;
+            _mm256_storeu_ps(sa + j0, sc);
+            if (rows == 8)
+                vmax[a] = _mm256_max_ps(vmax[a], sc);
+            else
+                for (int64_t j = j0; j < len; j++) vmax[a] = _mm256_max_ps(vmax[a], _mm256_set1_ps(sa[j]));
+        }
+    }
+    const __m256 idx = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t a = 0; a < hc; a++) {
+        float lanes[8], mx = -INFINITY, *sa = s + a * sstride;
+        _mm256_storeu_ps(lanes, vmax[a]);
+        for (int r = 0; r < 8; r++) mx = lanes[r] > mx ? lanes[r] : mx;
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        for (int64_t j0 = 0; j0 < len; j0 += 8) {
+            const __m256 live = _mm256_cmp_ps(_mm256_add_ps(idx, _mm256_set1_ps((float)j0)),
+                                              _mm256_set1_ps((float)len), _CMP_LT_OQ);
+            const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(sa + j0), vmx)), live);
+            _mm256_storeu_ps(sa + j0, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        inv[a] = 1.0f / hsum(vsum);
+    }
+}
+
 /* out (HC heads, DV vectors of 8 dims from d0) = sum_j p[h][j] v_j / sum[h], j ascending */
 static inline __attribute__((always_inline)) void weigh_values(int HC, int DV, int kv_bf16, const float *p,
                                                                int64_t pstride, const void *v, int64_t base,
@@ -559,9 +618,13 @@ static inline __attribute__((always_inline)) void attention(int kv_bf16, const f
             const int64_t len = pos[t] + 1, base = slots[t] * ss + g * hs; /* (slot, kv head, 0, 0) */
             const int64_t extra = store_at ? (store_at[t] - pos[t]) * ps : 0; /* where its own K/V is stored */
             float inv[TASK_HEADS];
-            for (int64_t a = 0; a < hc; a++)
-                inv[a] = 1.0f / scores(kv_bf16, q + (t * H + h0 + a) * hd, hd, k, base, ps, len, extra, scale,
-                                       s + a * sstride);
+            if (kv_bf16 && hc > 1)
+                scores_heads_bf16(q + (t * H + h0) * hd, hc, hd, (const uint16_t *)k, base, ps, len, extra, scale, s,
+                                  sstride, inv);
+            else
+                for (int64_t a = 0; a < hc; a++)
+                    inv[a] = 1.0f / scores(kv_bf16, q + (t * H + h0 + a) * hd, hd, k, base, ps, len, extra, scale,
+                                           s + a * sstride);
             float *ov = out + (t * H + h0) * hd;
             for (int64_t d0 = 0; d0 < hd; d0 += 32) {
                 const int64_t dv = (hd - d0) / 8 < 4 ? (hd - d0) / 8 : 4;
