@@ -2,9 +2,9 @@
 heads of 64 dims), as one layer of a batched decode step sees it.
 
     python -m tools.bench.attention_time                          # 1, 16, 64 sessions x 128, 256, 512 keys
-    python -m tools.bench.attention_time --sessions 64 --keys 256 --threads 2
+    python -m tools.bench.attention_time --batch 64 --keys 256 --threads 2
 
-Each of ``sessions`` tokens sits in its own cache slot and attends to ``keys`` positions (its
+Each of the ``batch`` tokens sits in its own cache slot and attends to ``keys`` positions (its
 context so far). Prints a markdown table of the median milliseconds per call (one layer; a forward
 of SmolLM2 makes 30 such calls) and the K/V bytes read per second."""
 
@@ -22,14 +22,14 @@ HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="attention_time", description=__doc__.split("\n")[0])
-    p.add_argument("--sessions", default="1,16,64", help="tokens per call, one per slot, comma-separated")
+    p.add_argument("--batch", default="1,16,64", help="tokens per call (sessions, one per slot), comma-separated")
     p.add_argument("--keys", default="128,256,512", help="context lengths, comma-separated")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     if kernels.library() is None:
         raise SystemExit(f"packed kernels unavailable here: {kernels.unavailable_reason()}")
     torch.set_num_threads(args.threads)
-    sessions = [int(x) for x in args.sessions.split(",")]
+    sessions = [int(x) for x in args.batch.split(",")]
     keys = [int(x) for x in args.keys.split(",")]
     g = torch.Generator().manual_seed(0)
     print("| sessions | keys | ms per layer | K/V GB/s |")
