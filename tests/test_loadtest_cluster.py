@@ -1,5 +1,5 @@
 """CI smoke load test against the real cluster: `serve run deployments/configs/local-cpu.yaml`
-started and stopped by the runner, 2 users for ~20 s; any failed request fails the test."""
+started and stopped by the runner, 2 users for ~12 s; any failed request fails the test."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_smoke_load_local_cpu_cluster(tmp_path):
     # one streaming chat user and one streaming /v1/generate user; a free port, so a
     # cluster that someone runs on :8000 is left alone
     rc = runner.main(["--config", str(REPO / "deployments" / "configs" / "local-cpu.yaml"),
-                      "--port", str(_free_port()), "--users", "2", "--duration", "20s", "--max-tokens", "64",
+                      "--port", str(_free_port()), "--users", "2", "--duration", "12s", "--max-tokens", "64",
                       "--user-class", "ChatStreamUser,GenerateStreamUser", "--out", str(out),
                       "--fail-on-failures"])
     s = json.loads((out / "summary.json").read_text())
@@ -56,13 +56,13 @@ def test_smoke_load_local_cpu_cluster(tmp_path):
 @pytest.mark.skipif(_APP_ERROR is not None,
                     reason=f"moa_serve.deployments.app cannot be imported yet ({_APP_ERROR})")
 def test_soak_samples_the_local_cpu_cluster(tmp_path):
-    """A 20 s soak of the real cluster, a sample every 5 s: the replicas of the cluster the runner
+    """A 14 s soak of the real cluster, a sample every 4 s: the replicas of the cluster the runner
     started are found and measured, and the verifier's counters come from /v1/stats."""
     from moa_serve.loadtest import runner
 
     out = tmp_path / "soak"
     rc = runner.main(["--config", str(REPO / "deployments" / "configs" / "local-cpu.yaml"),
-                      "--port", str(_free_port()), "--users", "2", "--soak", "20s", "--soak-interval", "5s",
+                      "--port", str(_free_port()), "--users", "2", "--soak", "14s", "--soak-interval", "4s",
                       "--max-tokens", "32", "--out", str(out), "--fail-on-failures"])
     assert rc == 0
     samples = [json.loads(line) for line in (out / "soak_samples.jsonl").read_text().splitlines()]
