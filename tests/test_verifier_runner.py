@@ -184,6 +184,11 @@ def test_a_cut_ends_multi_step_decoding_after_the_forward_in_progress(target):
     tokens += full.tokens
     plain = TorchTargetRunner("unused", torch.float32, model=target, max_sessions=2, max_model_len=256)
     assert decode(plain, {"s": tokens[:12]}, 6)["s"] == tokens[12:]
+    runner.cut_steps()  # a call that fails spends the cut too
+    with pytest.raises(ValueError):
+        runner.verify([VerifyRequest("s", [], base=len(tokens), want_features=False)] * 2)
+    (after,) = runner.verify([VerifyRequest("s", [], base=len(tokens), want_features=False, decode_steps=4)])
+    assert len(after.tokens) == 4 and runner.stats["steps_cut"] == 1
 
 
 def test_a_released_sessions_prefix_is_reused_and_decodes_the_same(target, hf):

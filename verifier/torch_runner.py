@@ -334,6 +334,12 @@ class TorchTargetRunner(TargetBackend):
     # ------------------------------------------------------------------ verify
     @torch.inference_mode()
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        try:
+            return self._verify(requests)
+        finally:
+            self._cut.clear()  # a cut asked before this call ended was for it, whether it returned or raised
+
+    def _verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         keep = {r.session_id for r in requests}
         if len(keep) != len(requests):
             raise ValueError("a verify call names a session twice")
@@ -356,7 +362,6 @@ class TorchTargetRunner(TargetBackend):
             for w, res in zip(fed, self._forward(fed)):
                 results[w.req.session_id] = res
             self._decode_more(fed, results)
-        self._cut.clear()  # a cut asked before this call ended was for it
         return [results[r.session_id] for r in requests]
 
     def _decode_more(self, work: list[_Work], results: dict[str, VerifyResult]) -> None:
