@@ -11,6 +11,7 @@ import asyncio
 import logging
 import threading
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
@@ -120,28 +121,34 @@ class Generation:
         detok = IncrementalDetokenizer(self.frontend.tokenizer)
         hold = max((len(s) for s in self.stops), default=1) - 1
         pending = ""  # decoded, not yet emitted; every stop string found so far is cut already
-        async for ev in self.frontend.service.stream(self.tracked):
-            finish = ev.finish_reason
-            if finish is not None and finish.startswith("error"):
-                raise RuntimeError(finish)
-            self.token_ids.extend(ev.tokens)
-            pending += detok.add(ev.tokens)
-            if finish is not None:
-                pending += detok.finish()
-            cut = self._stop_at(pending)
-            if cut is not None:
-                pending, finish = pending[:cut], "stop"
-            n = len(pending) if finish is not None else max(0, len(pending) - hold)
-            piece, pending = pending[:n], pending[n:]
-            self._pieces.append(piece)
-            if finish is not None:
-                self.finish_reason = finish
+        async with aclosing(self.frontend.service.stream(self.tracked)) as events:
+            async for ev in events:
+                finish = ev.finish_reason
+                if finish is not None and finish.startswith("error"):
+                    raise RuntimeError(finish)
+                self.token_ids.extend(ev.tokens)
+                pending += detok.add(ev.tokens)
+                if finish is not None:
+                    pending += detok.finish()
+                cut = self._stop_at(pending)
                 if cut is not None:
-                    self.frontend.service.abort(self.tracked)  # free the caches now
-                yield Delta(piece, ev.tokens, finish)
-                return
-            if piece or ev.tokens:
-                yield Delta(piece, ev.tokens)
+                    pending, finish = pending[:cut], "stop"
+                n = len(pending) if finish is not None else max(0, len(pending) - hold)
+                piece, pending = pending[:n], pending[n:]
+                self._pieces.append(piece)
+                if finish is not None:
+                    self.finish_reason = finish
+                    if cut is not None:
+                        self.frontend.service.abort(self.tracked)  # free the caches now
+                    yield Delta(piece, ev.tokens, finish)
+                    return
+                if piece or ev.tokens:
+                    yield Delta(piece, ev.tokens)
+
+    def close(self) -> None:
+        """Aborts the session unless it finished (a client gone): its caches are freed now."""
+        if not self.session.finished:
+            self.frontend.service.abort(self.tracked)
 
     def _stop_at(self, text: str) -> int | None:
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]

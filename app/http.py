@@ -14,7 +14,9 @@ from __future__ import annotations
 import inspect
 import json
 import time
+from contextlib import aclosing
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -104,13 +106,36 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+class EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed when the response ends, also when the client
+    went away: Starlette cancels the response and leaves the generator to the garbage collector,
+    which can run its ``finally`` (the abort that frees the session) seconds later, after the
+    session generated every token for nobody."""
+
+    def __init__(self, events):
+        super().__init__(events, media_type="text/event-stream")
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):  # the response's scope may be cancelled already
+                await self.body_iterator.aclose()
+
+
 async def guarded(gen: Generation, events):
-    """A stream's events, an error event if the round failed for this request, then [DONE]."""
+    """A stream's events, an error event if the round failed for this request, then [DONE].
+    Every generator below the response is closed by the one above it (``aclosing``), so closing
+    the response's closes them all at once, down to the session's stream; a stream that ends
+    early (a client gone) aborts its session, also one whose stream was not opened yet."""
     try:
-        async for item in events:
-            yield item
+        async with aclosing(events):
+            async for item in events:
+                yield item
     except RuntimeError as exc:  # the round failed for this request
         yield sse({"error": {"message": str(exc), "type": "server_error"}})
+    finally:
+        gen.close()
     yield "data: [DONE]\n\n"
 
 
@@ -165,11 +190,12 @@ def _native_routes(api: FastAPI, readiness: Readiness) -> None:
         gen = await start_generation(readiness, body, body.prompt, body.messages, body.max_tokens)
         if body.stream:
             async def events():
-                async for d in gen.deltas():
-                    yield sse({"text": d.text, "token_ids": d.token_ids})
+                async with aclosing(gen.deltas()) as deltas:
+                    async for d in deltas:
+                        yield sse({"text": d.text, "token_ids": d.token_ids})
                 yield sse({"text": "", "token_ids": [], "finish_reason": gen.finish_reason, "usage": usage(gen),
                            "speculative": gen.stats()})
-            return StreamingResponse(guarded(gen, events()), media_type="text/event-stream")
+            return EventStream(guarded(gen, events()))
         failed = await finish_or_500(gen)
         if failed:
             return failed
@@ -187,7 +213,7 @@ def check_openai_model(body) -> None:
 
 
 def _openai_stream(body, gen: Generation, chat: bool, rid: str, obj: str, created: int,
-                   model_name: str) -> StreamingResponse:
+                   model_name: str) -> EventStream:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk(text, finish, role=False):
@@ -202,14 +228,15 @@ def _openai_stream(body, gen: Generation, chat: bool, rid: str, obj: str, create
     async def events():
         if chat:
             yield sse(chunk("", None, role=True))
-        async for d in gen.deltas():
-            if d.text or d.finish_reason:
-                yield sse(chunk(d.text, d.finish_reason))
+        async with aclosing(gen.deltas()) as deltas:
+            async for d in deltas:
+                if d.text or d.finish_reason:
+                    yield sse(chunk(d.text, d.finish_reason))
         if include_usage:
             yield sse({"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
                        "model": model_name, "choices": [], "usage": usage(gen),
                        "speculative": gen.stats()})
-    return StreamingResponse(guarded(gen, events()), media_type="text/event-stream")
+    return EventStream(guarded(gen, events()))
 
 
 async def openai_response(body, gen: Generation, chat: bool):

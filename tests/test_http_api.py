@@ -9,12 +9,14 @@ round service (the same routes, models and error handlers the Router mounts):
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import pytest
 import schemathesis
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
+from starlette.requests import ClientDisconnect
 from transformers import AutoTokenizer
 
 from moa_serve.app import state
@@ -242,3 +244,68 @@ def test_unknown_model_is_a_documented_404(client):
     assert_error(r, 404, "not_found_error", retry_after=False)
     assert r.json()["error"]["param"] == "model"
     documented(client, "/v1/completions", "post", 404)
+
+
+# ---------------------------------------------------------------------- a client that goes away
+class EndlessService(FakeRoundService):
+    """One event, then nothing until the stream is closed; records aborts and open streams."""
+
+    def __init__(self, tokens: list[int]):
+        super().__init__(tokens)
+        self.aborted = self.open_streams = 0
+
+    async def stream(self, tracked):
+        self.open_streams += 1
+        try:
+            yield TokenEvent(self.tokens[:2])
+            await asyncio.Event().wait()
+        finally:
+            self.open_streams -= 1
+
+    def abort(self, tracked):
+        self.aborted += 1
+
+
+async def stream_then_vanish(app, path: str, body: dict, spec_version: str) -> None:
+    """Runs one streaming request on the ASGI app directly; the client goes away while the app
+    sends the first event (the send never completes, or fails as a closed socket does)."""
+    sending = asyncio.Event()
+    requested = False
+
+    async def receive():
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await sending.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            sending.set()
+            if spec_version >= "2.4":
+                raise OSError("connection reset by peer")
+            await asyncio.Event().wait()
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+             "query_string": b"", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    try:
+        await app(scope, receive, send)
+    except ClientDisconnect:  # how Starlette ends a response whose send failed
+        pass
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])  # disconnect seen by receive / by a failed send
+@pytest.mark.parametrize("path, body", GENERATION_ROUTES)
+def test_a_client_gone_mid_send_aborts_the_session_before_the_response_ends(
+        monkeypatch, tokenizer, path, body, spec_version):
+    """The session is aborted (its caches freed) and its stream closed by the time the response is
+    over, not whenever the garbage collector finds the abandoned generators (if ever: a chat's
+    first event is sent before the session's stream is opened)."""
+    service = EndlessService(tokenizer.encode(" and they lived happily"))
+    monkeypatch.setattr(state, "_STATE", {})
+    install_frontend(service, tokenizer, max_model_len=256)
+    asyncio.run(stream_then_vanish(create_app(ready_wait_s=0.5), path, {**body, "stream": True}, spec_version))
+    assert service.submitted == 1 and service.aborted == 1 and service.open_streams == 0
