@@ -191,3 +191,47 @@ def test_a_clear_loss_is_probed_briefly_before_tau_is_settled():
     near = drive(close, 1, on_ms=11, off_ms=10, rounds=200)
     later = [i for i in range(16, len(near)) if near[i] and not near[i - 1]]
     assert later and near[later[0]:later[0] + 8] == [True] * 8
+
+
+def drive_priced(gov: SpeculationGovernor, sessions: int, cap: int, off_ms: float, on_round_ms: float,
+                 on_tokens: float, draft_ms: float, rounds: int) -> list[bool]:
+    """Rounds of ``sessions`` sessions under a draft cap: plain ones commit a token per session at
+    ``off_ms`` per token; speculative ones take ``on_round_ms`` (``draft_ms`` of it the draft
+    call) and commit ``on_tokens`` per session."""
+    modes = []
+    for _ in range(rounds):
+        on = gov.speculate(sessions, cap)
+        modes.append(on)
+        if on:
+            gov.observe(sessions, True, on_round_ms / 1e3, round(on_tokens * sessions), draft_ms / 1e3)
+        else:
+            gov.observe(sessions, False, off_ms / 1e3 * sessions, sessions)
+    return modes
+
+
+def test_a_probe_that_cannot_pay_is_priced_out_and_priced_again_when_due():
+    """τ 1.5 and a 30 ms draft call, learnt at two sessions where speculation pays. At 8 sessions
+    with a cap of one draft, a plain round costs 4 ms per token; speculation's best case, one
+    plain step (32 ms) + the draft call for 1.5 tokens per session, is 62 / 12 = 5.2 ms, slower
+    by more than the margin. The bucket measures plain decoding, then never speculates: no probe
+    rounds, and none of the features a probe would have asked the verifier for. With a 2 ms
+    draft call (34 / 12 = 2.8 ms) the next due probe runs."""
+    gov = SpeculationGovernor(probe_every=12, max_probe_every=96)
+    small = drive_priced(gov, 2, cap=7, off_ms=20, on_round_ms=40, on_tokens=1.5, draft_ms=30, rounds=200)
+    assert sum(small[100:]) >= 90 and gov.tau == pytest.approx(1.5) and gov.snapshot()["draft_ms"] == 30.0
+    for _ in range(300):
+        assert not gov.next_speculates(8, 1)
+        assert not drive_priced(gov, 8, cap=1, off_ms=4, on_round_ms=60, on_tokens=2, draft_ms=30, rounds=1)[0]
+    snap = gov.snapshot()["8"]
+    assert snap["on_ms_per_token"] is None and snap["off_ms_per_token"] == 4.0
+    assert 3 <= snap["probes_priced_out"] <= 8  # intervals 24, 48, 96, 96 ...: priced again when due
+    drive_priced(gov, 2, cap=7, off_ms=20, on_round_ms=12, on_tokens=1.5, draft_ms=2, rounds=100)
+    later = drive_priced(gov, 8, cap=1, off_ms=4, on_round_ms=20, on_tokens=2, draft_ms=2, rounds=200)
+    assert any(later)
+
+
+def test_without_a_draft_time_probes_are_not_priced():
+    """Callers that do not report the draft call (a device's drafts) keep the measured probes."""
+    gov = SpeculationGovernor(probe_every=12)
+    drive(gov, 1, on_ms=40, off_ms=60, rounds=50)
+    assert drive(gov, 8, on_ms=100, off_ms=60, rounds=1) == [True]  # speculation measured first, as before

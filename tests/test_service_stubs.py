@@ -539,14 +539,14 @@ class ScriptedGovernor:
         self.on_rounds, self.rounds = on_rounds, 0
         self.observed: list[bool] = []
 
-    def speculate(self, sessions: int) -> bool:
+    def speculate(self, sessions: int, cap: int | None = None) -> bool:
         self.rounds += 1
         return self.rounds in self.on_rounds
 
-    def next_speculates(self, sessions: int) -> bool:
+    def next_speculates(self, sessions: int, cap: int | None = None) -> bool:
         return self.rounds + 1 in self.on_rounds
 
-    def observe(self, sessions, speculated, seconds, tokens) -> None:
+    def observe(self, sessions, speculated, seconds, tokens, draft_s=0.0) -> None:
         self.observed.append(speculated)
 
     def snapshot(self) -> dict:

@@ -22,7 +22,16 @@ is not yet known, then ``short_probe_rounds`` (a probe then only refreshes the b
 time). A mode whose probes keep losing clearly is probed less and less often (the interval
 doubles, up to ``max_probe_every``), so a drafter that never pays at a batch size costs almost
 nothing there; a larger batch size seen for the first time starts from that verdict
-(``_new_bucket``)."""
+(``_new_bucket``).
+
+A probe is priced before it runs. Once τ and the draft call's seconds are known (from any
+bucket), speculation's best case in a bucket is a round that costs one plain step (a verify
+call of one forward costs at least a plain round's time per step) plus the draft call, and
+commits τ tokens per session, at most the round's cap + 1. Where that is slower than plain
+decoding by more than ``margin``, the probe is skipped and counts as lost (the interval
+doubles; it is priced again when next due), so a drafter that cannot pay at a batch size costs
+neither probe rounds nor the features a probe would have made the verifier catch up on. Such a
+bucket measures plain decoding first, to have its price."""
 
 from __future__ import annotations
 
@@ -46,6 +55,7 @@ class _Bucket:
     probe_s: float = 0.0
     probe_count: int = 0  # sessions (speculating) or tokens (not) summed over the probe's rounds
     probe_n: int = 0
+    skipped: int = 0  # probes of speculation priced out
 
     @property
     def off(self) -> float | None:
@@ -74,6 +84,8 @@ class SpeculationGovernor:
         self.tau_alpha = tau_alpha
         self._tau_tokens = self._tau_sessions = None
         self._tau_rounds = 0
+        # moving average of a speculative round's draft seconds (the drafter pool's call), all buckets
+        self._draft_s: float | None = None
 
     @property
     def tau(self) -> float | None:
@@ -102,8 +114,9 @@ class SpeculationGovernor:
         b.probe_s, b.probe_count, b.probe_n = 0.0, 0, 0
         return on
 
-    def speculate(self, sessions: int) -> bool:
-        """Whether the next round of ``sessions`` sessions should draft."""
+    def speculate(self, sessions: int, cap: int | None = None) -> bool:
+        """Whether the next round of ``sessions`` sessions should draft (``cap``: the most drafts
+        a session may verify in it, None: no limit)."""
         b = self._bucket(sessions)
         b.rounds += 1
         if b.probing:
@@ -113,8 +126,12 @@ class SpeculationGovernor:
                 b.since += 1
                 if self._probe_due(b):
                     b.since = 0
-                    return self._start_probe(b, on=True)
+                    return self._probe_speculation(b, sessions, cap)
                 return False
+            if b.off is None and b.current is None and self._priced():
+                return self._start_probe(b, on=False)  # plain decoding first: a probe needs its price
+            if self._on(b) is None and b.current is None and b.off is not None:
+                return self._probe_speculation(b, sessions, cap)
             # measure both modes first, speculation first unless plain decoding was inherited
             return self._start_probe(b, on=self._on(b) is None and b.current is None)
         b.current, fell_behind = self._in_force(b)
@@ -123,10 +140,34 @@ class SpeculationGovernor:
         b.since += 1
         if self._probe_due(b):
             b.since = 0
-            return self._start_probe(b, on=not b.current)
+            return self._probe_speculation(b, sessions, cap) if not b.current else self._start_probe(b, on=False)
         return b.current
 
-    def next_speculates(self, sessions: int) -> bool:
+    def _probe_speculation(self, b: _Bucket, sessions: int, cap: int | None) -> bool:
+        """Starts a probe of speculation unless it is priced out; a skipped probe counts as lost."""
+        if not self._priced_out(b, sessions, cap):
+            return self._start_probe(b, on=True)
+        b.skipped += 1
+        b.current = False
+        b.interval = min(2 * (b.interval or self.probe_every), self.max_probe_every)
+        return False
+
+    def _priced(self) -> bool:
+        """Whether probes can be priced: τ and the draft call's seconds are known."""
+        return self.tau is not None and self._draft_s is not None
+
+    def _priced_out(self, b: _Bucket, sessions: int, cap: int | None) -> bool:
+        """Whether speculation's best case in this bucket is slower than plain decoding by more
+        than ``margin``: one plain step of the round (``off`` seconds per token x sessions) plus
+        the draft call, for τ tokens per session (at most ``cap`` + 1)."""
+        off = b.off
+        if not self._priced() or off is None:
+            return False
+        per_session = self.tau if cap is None else min(self.tau, cap + 1)
+        best = (off * sessions + self._draft_s) / (sessions * per_session)
+        return best > self.margin * off
+
+    def next_speculates(self, sessions: int, cap: int | None = None) -> bool:
         """What :meth:`speculate` will answer for the next round of this size (without counting a
         round): the caller fetches drafter features only when a round soon drafts."""
         b = self._buckets.get(self.bucket(sessions)) or self._new_bucket(self.bucket(sessions))
@@ -134,10 +175,16 @@ class SpeculationGovernor:
             return b.probe_on
         if self._on(b) is None or b.off is None:
             if b.current is False and b.off is not None:
-                return self._probe_due(b, ahead=1)
+                return self._probe_due(b, ahead=1) and not self._priced_out(b, sessions, cap)
+            if b.off is None and b.current is None and self._priced():
+                return False
+            if self._on(b) is None and b.current is None and b.off is not None:
+                return not self._priced_out(b, sessions, cap)
             return self._on(b) is None and b.current is None
         current, fell_behind = self._in_force(b)
-        return (not current) if not fell_behind and self._probe_due(b, ahead=1) else current
+        if not fell_behind and self._probe_due(b, ahead=1):
+            return not current and not self._priced_out(b, sessions, cap)
+        return current
 
     def _in_force(self, b: _Bucket) -> tuple[bool, bool]:
         """(the mode for the next round outside probes, whether that changed because the mode in
@@ -146,8 +193,9 @@ class SpeculationGovernor:
         mine, other = (self._on(b), b.off) if current else (b.off, self._on(b))
         return (not current, True) if mine > self.margin * other else (current, False)
 
-    def observe(self, sessions: int, speculated: bool, seconds: float, tokens: int) -> None:
-        """A finished round: its wall time and the tokens it committed. A probe's rounds are
+    def observe(self, sessions: int, speculated: bool, seconds: float, tokens: int, draft_s: float = 0.0) -> None:
+        """A finished round: its wall time, the tokens it committed and, speculating, the seconds
+        of its draft call (``draft_s``, which prices later probes). A probe's rounds are
         summed and, once all are in, replace the estimate of their mode; a probe that confirms
         the other mode is clearly faster doubles the interval to the next probe (up to
         ``max_probe_every``): a mode that keeps losing is tried less and less often; one that
@@ -156,6 +204,8 @@ class SpeculationGovernor:
             return
         if speculated:
             self._observe_tau(sessions, tokens)
+            if draft_s > 0:
+                self._draft_s = draft_s if self._draft_s is None else (1 - self.alpha) * self._draft_s + self.alpha * draft_s
         b = self._bucket(sessions)
         count = sessions if speculated else tokens  # what the bucket averages besides seconds
         if b.probing and speculated == b.probe_on:
@@ -221,10 +271,13 @@ class SpeculationGovernor:
             b.off_s, b.off_tokens = seconds, count
 
     def snapshot(self) -> dict:
-        """ms per token by batch bucket and mode (for /v1/stats), τ under "tau"."""
+        """ms per token by batch bucket and mode (for /v1/stats), τ under "tau", a speculative
+        round's draft call under "draft_ms"."""
         ms = lambda v: None if v is None else round(v * 1e3, 2)  # noqa: E731
         out = {}
         for k, b in sorted(self._buckets.items()):
-            out[str(k)] = {"on_ms_per_token": ms(self._on(b)), "off_ms_per_token": ms(b.off), "rounds": b.rounds}
+            out[str(k)] = {"on_ms_per_token": ms(self._on(b)), "off_ms_per_token": ms(b.off), "rounds": b.rounds,
+                           "probes_priced_out": b.skipped}
         out["tau"] = None if self.tau is None else round(self.tau, 3)
+        out["draft_ms"] = ms(self._draft_s)
         return out

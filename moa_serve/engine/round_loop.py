@@ -104,15 +104,17 @@ class RoundLoop:
         # a round speculated when the pool drafted in it (lookup drafts are in both modes' rounds)
         governor = self.governors.get(g)
         if governor is not None and profile.prefilled_sessions == 0 and profile.resyncs == 0 and not remote:
-            governor.observe(profile.sessions, bool(pooled), profile.round_s, profile.tokens)
+            governor.observe(profile.sessions, bool(pooled), profile.round_s, profile.tokens, profile.draft_s)
 
     def cap(self, g: Hashable, n: int) -> int | None:
         """Most drafter-pool drafts per session in a round of ``n`` sessions: the token budget's
-        cap, 0 while the group's governor has speculation off (asking it counts a round)."""
+        cap, 0 while the group's governor has speculation off (asking it counts a round; a round
+        the budget leaves no drafts is not asked)."""
+        cap = rounds.speculation_cap(self.options.speculation_token_budget, n)
         governor = self.governors.get(g)
-        if governor is not None and not governor.speculate(n):
+        if cap != 0 and governor is not None and not governor.speculate(n, cap):
             return 0
-        return rounds.speculation_cap(self.options.speculation_token_budget, n)
+        return cap
 
     def _drafting(self, cap: int | None, lookup_cap: int | None) -> bool:
         """Whether a round with these caps could draft (a drafter pool or prompt lookup)."""
@@ -239,8 +241,8 @@ class RoundLoop:
         governor = self.governors.get(g)
 
         def next_round_drafts() -> bool:
-            return (rounds.speculation_cap(self.options.speculation_token_budget, n) != 0
-                    and (governor is None or governor.next_speculates(n)))
+            next_cap = rounds.speculation_cap(self.options.speculation_token_budget, n)
+            return next_cap != 0 and (governor is None or governor.next_speculates(n, next_cap))
 
         remote = {t.session.id for t in batch if t.remote}
         return self.features.wanted(remote, cap, next_round_drafts)
