@@ -66,7 +66,9 @@ def serve_locally(apps, ready_timeout_s: float, poll_s: float):
             assert time.time() < deadline, "cluster never became ready"
             time.sleep(poll_s)
     yield base
-    serve.shutdown()
+    # no serve.shutdown(): it drains each replica, and a Router's lane call (a stream the Gateway
+    # keeps open) holds it for the whole graceful-shutdown timeout (~20 s per module); the
+    # processes go with the Ray instance
     ray.shutdown()
 
 
