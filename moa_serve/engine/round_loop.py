@@ -60,8 +60,8 @@ class RoundLoop:
         t0 = time.perf_counter()
         by_id = {t.session.id: t.session for t in batch}
         sessions = list(by_id.values())
-        cap = self.cap(g, len(sessions))
         lookup_cap = rounds.speculation_cap(self.options.speculation_token_budget, len(sessions))
+        cap = self.cap(g, len(sessions), lookup_cap)
         profile = RoundProfile(g, len(batch), speculation_cap=cap, release_s=release_s)
         remote = {t.session.id: t.pending.drafts for t in batch if t.remote and t.pending.drafts.drafts}
         matches: dict[str, int] = {}  # lookup-drafted sessions -> length of the n-gram they continue
@@ -71,7 +71,7 @@ class RoundLoop:
         pooled = set(drafts) - set(matches)  # drafted by the drafter pool
         drafts.update(remote)  # drafted on the clients' devices
         rounds.trim_alternatives(drafts, len(sessions), self.options.speculation_token_budget)
-        want = self._features_wanted(g, batch, cap)
+        want = self._features_wanted(g, batch, cap, lookup_cap)
         steps = self._decode_steps(batch, pooled, want)
         t1 = time.perf_counter()
         if self.lookahead.possible(batch, self._drafting(cap, lookup_cap), drafts, want, self.queued()):
@@ -106,15 +106,15 @@ class RoundLoop:
         if governor is not None and profile.prefilled_sessions == 0 and profile.resyncs == 0 and not remote:
             governor.observe(profile.sessions, bool(pooled), profile.round_s, profile.tokens, profile.draft_s)
 
-    def cap(self, g: Hashable, n: int) -> int | None:
+    def cap(self, g: Hashable, n: int, budget_cap: int | None) -> int | None:
         """Most drafter-pool drafts per session in a round of ``n`` sessions: the token budget's
-        cap, 0 while the group's governor has speculation off (asking it counts a round; a round
-        the budget leaves no drafts is not asked)."""
-        cap = rounds.speculation_cap(self.options.speculation_token_budget, n)
+        cap (``budget_cap``, ``rounds.speculation_cap``), 0 while the group's governor has
+        speculation off (asking it counts a round; a round the budget leaves no drafts is not
+        asked)."""
         governor = self.governors.get(g)
-        if cap != 0 and governor is not None and not governor.speculate(n, cap):
+        if budget_cap != 0 and governor is not None and not governor.speculate(n, budget_cap):
             return 0
-        return cap
+        return budget_cap
 
     def _drafting(self, cap: int | None, lookup_cap: int | None) -> bool:
         """Whether a round with these caps could draft (a drafter pool or prompt lookup)."""
@@ -128,11 +128,11 @@ class RoundLoop:
         t0 = time.perf_counter()
         live = [t for t in batch if t.session.id in ahead.bases and not t.session.finished]
         profile = RoundProfile(g, len(live), speculation_cap=0, release_s=release_s)
-        cap = self.cap(g, len(batch))
         lookup_cap = rounds.speculation_cap(self.options.speculation_token_budget, len(batch))
+        cap = self.cap(g, len(batch), lookup_cap)
         if (len(live) == len(batch) and all(t.session.id in ahead.asked for t in live)
                 and self.lookahead.possible(batch, self._drafting(cap, lookup_cap), {},
-                                            self._features_wanted(g, batch, cap), self.queued())):
+                                            self._features_wanted(g, batch, cap, lookup_cap), self.queued())):
             self.lookahead.send(g, [t.session for t in live],
                                 {t.session.id: ahead.bases[t.session.id] + ahead.asked[t.session.id] for t in live})
         got = await self.lookahead.results(g, live, ahead, active)
@@ -236,13 +236,15 @@ class RoundLoop:
             return 1
         return o.decode_steps
 
-    def _features_wanted(self, g: Hashable, batch: list[Tracked], cap: int | None) -> bool | set[str]:
+    def _features_wanted(self, g: Hashable, batch: list[Tracked], cap: int | None,
+                         budget_cap: int | None) -> bool | set[str]:
+        """Whether (or for which sessions) this round's verify asks for drafter features; the next
+        round is taken to hold this round's sessions (``budget_cap``: the token budget's cap)."""
         n = len(batch)
         governor = self.governors.get(g)
 
         def next_round_drafts() -> bool:
-            next_cap = rounds.speculation_cap(self.options.speculation_token_budget, n)
-            return next_cap != 0 and (governor is None or governor.next_speculates(n, next_cap))
+            return budget_cap != 0 and (governor is None or governor.next_speculates(n, budget_cap))
 
         remote = {t.session.id for t in batch if t.remote}
         return self.features.wanted(remote, cap, next_round_drafts)
