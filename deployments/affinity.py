@@ -28,6 +28,7 @@ it), so several handles to one pool in a process share one view of the load.
 
 from __future__ import annotations
 
+from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from moa_serve.deployments.assignment import table
@@ -51,3 +52,9 @@ class SessionGroupRouter(RequestRouter):
         # only the assigned replica: when it is busy the request waits (with Ray's backoff)
         # rather than landing on a replica without the group's caches
         return [[by_key[key]]]
+
+
+# request_routing_stats_period_s: how often pool replicas report their sessions to the routers
+# (``record_routing_stats``), used to place new groups on the least-loaded replica
+AFFINITY = RequestRouterConfig(request_router_class="moa_serve.deployments.affinity:SessionGroupRouter",
+                               request_routing_stats_period_s=2.0, request_routing_stats_timeout_s=5.0)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 
 from ray import serve
-from ray.serve.config import RequestRouterConfig
 
 from moa_serve.deployments import fit
+from moa_serve.deployments.affinity import AFFINITY
 from moa_serve.deployments.autoscaling import policy_options
 from moa_serve.deployments.config import (AppConfig, ConfigError, GatewayConfig, PoolConfig, RouterConfig,
                                           session_warnings)
@@ -24,10 +24,6 @@ from moa_serve.verifier.vllm_engine import INSTALL_HINT, vllm_available
 
 log = logging.getLogger("ray.serve")
 
-# request_routing_stats_period_s: how often pool replicas report their sessions to the routers
-# (``record_routing_stats``), used to place new groups on the least-loaded replica
-AFFINITY = RequestRouterConfig(request_router_class="moa_serve.deployments.affinity:SessionGroupRouter",
-                               request_routing_stats_period_s=2.0, request_routing_stats_timeout_s=5.0)
 
 
 # Replicas share cores (verifier, drafter, router, on small nodes all together). OpenMP's

@@ -22,9 +22,8 @@ import time
 
 import ray
 from ray import serve
-from ray.serve.config import RequestRouterConfig
 
-AFFINITY = RequestRouterConfig(request_router_class="moa_serve.deployments.affinity:SessionGroupRouter")
+from moa_serve.deployments.affinity import AFFINITY  # the pools' session-group request router, as deployed
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -62,8 +61,14 @@ class Caller:
         return out
 
 
-async def _run(handle, calls: int, gaps: list[float]) -> list[dict]:
-    return [await handle.measure.remote(calls, g) for g in gaps]
+async def _run(handle, calls: int, gaps: list[float]) -> None:
+    """Prints a row per gap, then shuts Serve down on this loop (in the high-throughput mode the
+    handle's router lives on it, and a shutdown after the loop closed fails)."""
+    try:
+        for g in gaps:
+            print(json.dumps(await handle.measure.remote(calls, g)), flush=True)
+    finally:
+        await serve.shutdown_async()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,11 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         app = Caller.bind(Callee.bind(), Callee.options(name="AffineCallee", request_router_config=AFFINITY).bind())
-        handle = serve.run(app, name="serve-hop", route_prefix=None)
-        for row in asyncio.run(_run(handle, args.calls, gaps)):
-            print(json.dumps(row), flush=True)
+        asyncio.run(_run(serve.run(app, name="serve-hop", route_prefix=None), args.calls, gaps))
     finally:
-        serve.shutdown()
         ray.shutdown()
 
 
