@@ -87,7 +87,10 @@ def build_app(args: dict | AppConfig) -> serve.Application:
 
 def _ingress(cfg: AppConfig, verifier, drafter) -> serve.Application:
     """The Gateway (HTTP) in front of the Routers. Calls to a Router carry an affinity key (a
-    lane, a client-server session id), so they stick to one Router replica while it lives."""
+    lane, a client-server session id), so they stick to one Router replica while it lives. With
+    ``router.in_gateway`` each Gateway replica runs its Router itself and calls the pools."""
     plain = cfg.model_dump()
+    if cfg.router.in_gateway:
+        return Gateway.options(**_options(cfg.gateway)).bind(plain, None, verifier, drafter)
     router = Router.options(**_options(cfg.router), request_router_config=AFFINITY).bind(plain, verifier, drafter)
     return Gateway.options(**_options(cfg.gateway)).bind(plain, router)

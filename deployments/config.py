@@ -101,6 +101,11 @@ class VerifierPoolConfig(PoolConfig):
 
 
 class RouterConfig(_Strict):
+    in_gateway: bool = Field(False, description="run the Router inside each Gateway replica instead of as replicas of "
+                             "its own: a first token crosses two processes fewer (about 4 ms less time to first "
+                             "token at one user, docs/benchmarks.md), but a Router failure is then its Gateway's "
+                             "(no standby resumes the streams), each Gateway replica batches only its own users, and "
+                             "autoscaling_config, ray_actor_options and max_ongoing_requests below do not apply")
     autoscaling_config: AutoscalingConfig = Field(AutoscalingConfig(), description="Router replica range: as many as gateway.lanes, plus standbys that take a lane over when its Router dies (min = max: Ray would scale on ongoing calls, and a lane is one long call)")
     ray_actor_options: RayActorOptions = Field(RayActorOptions(num_cpus=0.5), description="resources of one Router replica")
     max_ongoing_requests: int = Field(256, ge=1, description="calls one Router replica serves at once (lane links, session starts, client-server rounds)")
@@ -223,12 +228,18 @@ class AppConfig(_Strict):
         return {"verifier_pool": self.verifier_pool,
                 **({"drafter_pool": self.drafter_pool} if self.drafter_checkpoint else {})}
 
+    @property
+    def router_replicas(self) -> AutoscalingConfig:
+        """How many Routers run: the Router replicas, or with ``router.in_gateway`` one per Gateway replica."""
+        return self.gateway.autoscaling_config if self.router.in_gateway else self.router.autoscaling_config
+
 
 def session_problems(cfg: AppConfig) -> list[str]:
     """Sessions the Routers admit against the sessions the pools can hold."""
     r = cfg.router
     per_router = r.session_groups * r.max_sessions_per_round
-    total = r.autoscaling_config.max_replicas * per_router
+    routers = cfg.router_replicas
+    total = routers.max_replicas * per_router
     out = []
     if cfg.backend == "vllm":  # vLLM queues what its batch cannot take; the drafter rule is in backend_problems
         return out
@@ -239,7 +250,8 @@ def session_problems(cfg: AppConfig) -> list[str]:
                        f"of its sessions; lower router.max_sessions_per_round or raise {name}.max_sessions")
         cap = pool.max_sessions * pool.autoscaling_config.max_replicas
         if total > cap:
-            out.append(f"the Routers may admit {total} sessions (router max_replicas {r.autoscaling_config.max_replicas}"
+            out.append(f"the Routers may admit {total} sessions ({'gateway' if r.in_gateway else 'router'} max_replicas "
+                       f"{routers.max_replicas}"
                        f" x session_groups {r.session_groups} x max_sessions_per_round {r.max_sessions_per_round}) but "
                        f"{name} holds at most {cap} ({name}.max_sessions {pool.max_sessions} x max_replicas "
                        f"{pool.autoscaling_config.max_replicas}); lower the Router side or raise the pool's")
@@ -298,8 +310,9 @@ def client_problems(cfg: AppConfig) -> list[str]:
 def session_warnings(cfg: AppConfig) -> list[str]:
     """Configs that work but waste replicas or start below their load."""
     r = cfg.router
-    groups_max = r.autoscaling_config.max_replicas * r.session_groups
-    start_routers = r.autoscaling_config.initial_replicas or max(1, r.autoscaling_config.min_replicas)
+    routers = cfg.router_replicas
+    groups_max = routers.max_replicas * r.session_groups
+    start_routers = routers.initial_replicas or max(1, routers.min_replicas)
     out = []
     for name, pool in cfg.pools().items():
         a = pool.autoscaling_config

@@ -12,7 +12,11 @@ the lane's sessions, one batch per round, instead of one stream per session; its
 lane as the affinity key, so the lane sticks to its replica and its sessions share that Router's
 rounds. Router replicas without a lane stand by and take a lane over when its replica dies.
 Client-server sessions (``/v1/cs``) live on one Router replica each: their calls carry the session
-id as the affinity key; a session whose Router died answers 409 and its device resyncs."""
+id as the affinity key; a session whose Router died answers 409 and its device resyncs.
+
+With ``router.in_gateway`` the Gateway runs its Router (``RouterCore``) in its own process: the
+same lanes, calls and sessions, without the two calls between processes per first token, and
+without a standby to resume on."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import asyncio
 import uuid
 import zlib
 from collections import OrderedDict
+from contextlib import aclosing
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -28,7 +33,7 @@ from moa_serve.app import state
 from moa_serve.app.frontend import Frontend
 from moa_serve.app.http import create_app
 from moa_serve.deployments.config import AppConfig
-from moa_serve.deployments.router import detached, load_target_info
+from moa_serve.deployments.router import RouterCore, detached, load_target_info
 from moa_serve.engine.lanes import LaneLink
 from moa_serve.engine.session import Session
 from moa_serve.engine.stream_service import StreamService
@@ -56,25 +61,19 @@ class RouterSessions:
     from the sessions this Gateway opened (the route needs the answer at once) and closes the
     session on its Router in the background."""
 
-    def __init__(self, router: DeploymentHandle, remember: int = MAX_CS_SESSIONS):
-        self.router = router
+    def __init__(self, call, remember: int = MAX_CS_SESSIONS):
+        self.call = call  # the Gateway's call to its Router: call(method, *args, group=..., **kwargs)
         self.remember = remember
         self._open: OrderedDict[str, None] = OrderedDict()  # sessions created here, oldest first
         self._codecs: dict[str, str] = {}  # the feature codec of the reply being framed
         self._closing: set[asyncio.Task] = set()
 
-    async def _call(self, method: str, *args, group: str | None = None, **kwargs):
-        try:
-            return await detached(lambda: getattr(self.router, method).remote(*args, group=group, **kwargs))
-        except Exception as exc:  # noqa: BLE001 - CSError and friends: the route's error answer
-            raise unwrapped(exc) from None
-
     async def identity(self):
-        return await self._call("cs_identity")
+        return await self.call("cs_identity")
 
     async def create(self, ids: list[int], *, session_id: str | None = None, **kwargs):
         sid = session_id or uuid.uuid4().hex
-        answer = await self._call("cs_create", ids, group=sid, session_id=sid, **kwargs)
+        answer = await self.call("cs_create", ids, group=sid, session_id=sid, **kwargs)
         self._open[sid] = None
         self._open.move_to_end(sid)
         while len(self._open) > self.remember:
@@ -82,7 +81,7 @@ class RouterSessions:
         return answer
 
     async def verify(self, session_id: str, *args):
-        reply, self._codecs[session_id] = await self._call("cs_verify", session_id, *args, group=session_id)
+        reply, self._codecs[session_id] = await self.call("cs_verify", session_id, *args, group=session_id)
         return reply
 
     def feature_codec(self, session_id: str) -> str:
@@ -92,7 +91,7 @@ class RouterSessions:
         if session_id not in self._open:
             return False
         del self._open[session_id]
-        task = asyncio.get_running_loop().create_task(self._call("cs_close", session_id, group=session_id))
+        task = asyncio.get_running_loop().create_task(self.call("cs_close", session_id, group=session_id))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         return True
@@ -101,9 +100,13 @@ class RouterSessions:
 @serve.deployment(name="Gateway")
 @serve.ingress(api)
 class Gateway:
-    def __init__(self, cfg: dict, router: DeploymentHandle):
+    def __init__(self, cfg: dict, router: DeploymentHandle | None, verifier: DeploymentHandle | None = None,
+                 drafter: DeploymentHandle | None = None):
+        """``router``: the Router deployment; None with ``router.in_gateway``, where this replica
+        runs a ``RouterCore`` over the pools ``verifier`` and ``drafter`` itself."""
         self.cfg = AppConfig.model_validate(cfg)
         self.router = router
+        self.core = RouterCore(self.cfg, verifier, drafter) if router is None else None
         info = load_target_info(self.cfg)
         r, lanes = self.cfg.router, self.cfg.gateway.lanes
         self.links = [self._link(f"lane/{i}") for i in range(lanes)]
@@ -113,7 +116,7 @@ class Gateway:
                                      retry_backoff_s=0.5)
         kind = self.cfg.drafter_spec.kind
         state.install(
-            cs=RouterSessions(router) if self.cfg.backend == "torch" else None,
+            cs=RouterSessions(self._call) if self.cfg.backend == "torch" else None,
             cs_unavailable="client-server mode needs backend: torch (this server runs backend: vllm)",
             frontend=Frontend(self.service, info.tokenizer, max_model_len=info.max_model_len,
                               stop_token_ids=info.stop_token_ids,
@@ -124,9 +127,24 @@ class Gateway:
                               drafter_needs_features=kind in ("moa", "eagle")),
             ready=self.ready, retry_after_s=r.retry_after_s, stats=self.stats)
 
+    async def _call(self, method: str, *args, group: str | None = None, **kwargs):
+        """One call to the Router (``group``: the affinity key), raising what the Router raised
+        (``LinkLost``, ``QueueFullError``, ``CSError``, ...)."""
+        if self.core is not None:
+            return await getattr(self.core, method)(*args, group=group, **kwargs)
+        try:
+            return await detached(lambda: getattr(self.router, method).remote(*args, group=group, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - Ray wraps the replica's exception
+            raise unwrapped(exc) from None
+
     def _link(self, lane: str) -> LaneLink:
-        """The lane's link to its Router replica: one stream carrying all its sessions' commits."""
+        """The lane's link to its Router: one stream carrying all its sessions' commits."""
         async def connect(link: str):
+            if self.core is not None:
+                async with aclosing(self.core.lane(link, group=lane)) as batches:
+                    async for batch in batches:
+                        yield batch
+                return
             batches = detached(lambda: self.router.options(stream=True).lane.remote(link, group=lane))
             try:
                 async for batch in batches:
@@ -135,13 +153,10 @@ class Gateway:
                 batches.cancel()
 
         async def start(session: Session, link: str) -> None:
-            try:
-                await detached(lambda: self.router.start.remote(session, link, group=lane))
-            except Exception as exc:  # noqa: BLE001 - LinkLost, QueueFullError: as the Router raised them
-                raise unwrapped(exc) from None
+            await self._call("start", session, link, group=lane)
 
         async def cancel(session_id: str) -> None:
-            await detached(lambda: self.router.cancel.remote(session_id, group=lane))
+            await self._call("cancel", session_id, group=lane)
 
         return LaneLink(connect, start, cancel)
 
@@ -154,15 +169,15 @@ class Gateway:
         """The Router replica of lane 0 (its rounds, pools, groups) and this Gateway's streams
         (``gateway``: admitted, resumed after a Router loss, ...)."""
         try:
-            d = await asyncio.wait_for(self.router.stats.remote(group="lane/0"), STATS_TIMEOUT_S)
+            d = await asyncio.wait_for(self._call("stats", group="lane/0"), STATS_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - stats never fail for a busy or restarting Router
-            d = {"router_error": type(unwrapped(exc)).__name__}
+            d = {"router_error": type(exc).__name__}
         d["queue_depth"] = d.get("queue_depth", 0) + self.service.queue_depth
         d["gateway"] = self.service.stats.as_dict()
         return d
 
     async def ready(self):
         try:
-            return await asyncio.wait_for(self.router.ready.remote(), STATS_TIMEOUT_S)
+            return await asyncio.wait_for(self._call("ready"), STATS_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - no live Router replica yet
-            return False, {"router": {"error": type(unwrapped(exc)).__name__}}
+            return False, {"router": {"error": type(exc).__name__}}

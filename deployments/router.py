@@ -1,6 +1,8 @@
-"""The Router: a Ray Serve deployment (not the ingress: ``gateway.py`` is) that holds the
-sessions and runs the RoundService, which batches the draft/verify rounds of all its sessions;
-pool calls go through Ray Serve handles with session-group affinity.
+"""The Router: holds the sessions and runs the RoundService, which batches the draft/verify rounds
+of all its sessions; pool calls go through Ray Serve handles with session-group affinity.
+``RouterCore`` is the Router itself; ``Router`` runs it as its own Ray Serve deployment behind the
+Gateway (``router.in_gateway: false``), and with ``router.in_gateway: true`` each Gateway replica
+runs one in its own process (``gateway.py``).
 
 The Gateway calls it for generations (``lane``: one stream per lane carrying the commits of the
 lane's sessions, ``start``, ``cancel``), for client-server sessions (``cs_*``), readiness and stats. Its committed tokens are the source of
@@ -99,10 +101,9 @@ def load_target_info(cfg: AppConfig) -> TargetInfo:
                       stop_token_ids(path, tokenizer))
 
 
-@serve.deployment(name="Router")
-class Router:
-    def __init__(self, cfg: dict, verifier: DeploymentHandle, drafter: DeploymentHandle | None = None):
-        self.cfg = AppConfig.model_validate(cfg)
+class RouterCore:
+    def __init__(self, cfg: dict | AppConfig, verifier: DeploymentHandle, drafter: DeploymentHandle | None = None):
+        self.cfg = cfg if isinstance(cfg, AppConfig) else AppConfig.model_validate(cfg)
         self.verifier = verifier
         self.drafter = drafter
         self.replica = _replica_id()
@@ -252,3 +253,9 @@ class Router:
                 detail[name] = {"error": type(exc).__name__}
         ok = all("error" not in d for d in detail.values())
         return ok, {"pools": detail}
+
+
+@serve.deployment(name="Router")
+class Router(RouterCore):
+    """``RouterCore`` as a Ray Serve deployment of its own: a standby replica takes a lane over
+    when the lane's replica dies, and the Gateway resumes its streams there."""

@@ -267,6 +267,8 @@ def group_sizes(app_config, groups: dict[str, dict], placement) -> dict[str, Gro
         lo: list = []
         hi: list = []
         for pool in pools:
+            if pool == "router" and app_config.router.in_gateway:
+                continue  # the Router runs inside each Gateway replica: no replicas of its own
             cfg = getattr(app_config, pool)
             demand = pool_demand(cfg)
             lo += [demand] * cfg.autoscaling_config.min_replicas

@@ -78,7 +78,9 @@ def cluster(target, stories_drafter):
     yield from serve_locally([
         (build_app(app_args(target, stories_drafter, max_sessions_per_round=8, session_groups=2,
                             speculation_governor=False)), "moa", "/"),
-        (build_app(app_args(target, None, max_sessions_per_round=1, session_groups=1, max_queued_requests=1)),
+        # the Router inside the Gateway (router.in_gateway), as local-cpu.yaml runs it
+        (build_app(app_args(target, None, max_sessions_per_round=1, session_groups=1, max_queued_requests=1,
+                            in_gateway=True)),
          "tight", "/tight")], ready_timeout_s=120, poll_s=0.5)
 
 
@@ -114,6 +116,23 @@ def test_greedy_http_identical_to_engine_and_rounds_are_shared(cluster, engine):
         assert o["usage"]["completion_tokens"] == len(o["token_ids"])
         assert o["speculative"]["rounds"] >= 1 and o["speculative"]["mean_accepted_length"] >= 1.0
     assert stats["multi_session_rounds"] > 0 and stats["max_sessions_in_round"] > 1
+
+
+def test_a_router_inside_the_gateway_streams_the_engines_greedy_text(cluster, engine):
+    apps = serve.status().applications
+    assert "Router" in apps["moa"].deployments and "Router" not in apps["tight"].deployments
+    prompt = PROMPTS[2]
+    ref = engine.generate([engine.tokenizer.encode(prompt)], 24)[0].token_ids
+    with httpx.Client(base_url=cluster + "/tight", timeout=120) as c:
+        full = c.post("/v1/generate", json={"prompt": prompt, "max_tokens": 24}).json()
+        tokens = []
+        with c.stream("POST", "/v1/generate", json={"prompt": prompt, "max_tokens": 24, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    tokens += json.loads(line[6:])["token_ids"]
+        stats = c.get("/v1/stats").json()
+    assert full["token_ids"] == ref and tokens == ref
+    assert stats["completed"] >= 2 and stats["tokens"] >= 48 and stats["gateway"]["completed"] >= 2
 
 
 def test_streaming_generate_concatenates_to_the_full_text(cluster):

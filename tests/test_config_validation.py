@@ -263,3 +263,13 @@ def test_client_drafter_serves_devices_beside_a_lookup_router():
     with pytest.raises(ValueError, match="client_drafter: client-server mode needs backend torch"):
         AppConfig.model_validate({**args_of("local-cpu-vllm.yaml"), "drafter": None,
                                   "client_drafter": "smollm2-135m-instruct-moa"})
+
+
+def test_a_router_in_the_gateway_admits_sessions_per_gateway_replica():
+    # one Router per Gateway replica: the Gateway's range counts, the Router replica range is unused
+    a = small(router={"in_gateway": True, "max_sessions_per_round": 8, "session_groups": 2,
+                      "autoscaling_config": {"min_replicas": 8, "max_replicas": 8}})
+    assert AppConfig.model_validate(a).router_replicas.max_replicas == 1
+    a["gateway"] = {"autoscaling_config": {"max_replicas": 2}}
+    with pytest.raises(ValueError, match=r"may admit 32 sessions \(gateway max_replicas 2 x session_groups 2"):
+        AppConfig.model_validate(a)
