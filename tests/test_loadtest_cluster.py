@@ -68,7 +68,7 @@ def test_soak_samples_the_local_cpu_cluster(tmp_path):
     samples = [json.loads(line) for line in (out / "soak_samples.jsonl").read_text().splitlines()]
     assert len(samples) >= 3
     for s in samples:
-        assert {"Router", "VerifierPool"} <= set(s["rss_mib"]) and all(v > 0 for v in s["rss_mib"].values())
+        assert {"Gateway", "VerifierPool"} <= set(s["rss_mib"]) and all(v > 0 for v in s["rss_mib"].values())
         assert s["slots_in_use"] is not None and s["retained_prefixes"] is not None and s["queue_depth"] is not None
     assert sum(s["requests"] for s in samples) > 0 and sum(s["failures"] for s in samples) == 0
     summary = json.loads((out / "soak.json").read_text())["summary"]
