@@ -102,6 +102,7 @@ class Generation:
         self._pieces: list[str] = []  # the text emitted so far
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.on_error = None  # called when the round fails for this generation (before it raises)
 
     @property
     def text(self) -> str:
@@ -125,6 +126,8 @@ class Generation:
             async for ev in events:
                 finish = ev.finish_reason
                 if finish is not None and finish.startswith("error"):
+                    if self.on_error is not None:
+                        self.on_error()
                     raise RuntimeError(finish)
                 self.token_ids.extend(ev.tokens)
                 pending += detok.add(ev.tokens)

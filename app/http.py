@@ -88,9 +88,11 @@ async def start_generation(readiness: Readiness, body, prompt, messages, max_tok
     fe = running_frontend()
     await readiness.admit()
     try:
-        return await fe.start(prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=body.sampling(),
-                              stops=body.stop_strings(), ignore_eos=body.ignore_eos,
-                              num_speculative_tokens=body.num_speculative_tokens)
+        gen = await fe.start(prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=body.sampling(),
+                             stops=body.stop_strings(), ignore_eos=body.ignore_eos,
+                             num_speculative_tokens=body.num_speculative_tokens)
+        gen.on_error = readiness.recheck  # pools that stopped answering: 503s, not a 500 per request
+        return gen
     except InputError as exc:
         raise ApiError(400, str(exc), exc.param) from None
     except QueueFullError as exc:

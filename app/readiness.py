@@ -29,13 +29,20 @@ def running_frontend() -> Frontend:
 class Readiness:
     """Admits generation requests once the ingress's readiness check (``state["ready"]``, the
     check behind ``/readyz``) has passed: before that, a request would wait on a pool that is still
-    loading, so it gets 503 with Retry-After instead. Concurrent requests share one check; the
-    first success is kept (later pool failures are the round service's to retry)."""
+    loading, so it gets 503 with Retry-After instead. Concurrent requests share one check; a
+    success is kept (pool failures are the round service's to retry) until a generation fails for
+    good (``recheck``): the next requests run the check again, and while the pools do not answer
+    they get 503 with Retry-After instead of being admitted to fail one by one with a 500."""
 
     def __init__(self, wait_s: float):
         self.wait_s = wait_s
         self.ready = False
+        self.served = False  # the check passed once: a failing check now means pools lost, not loading
         self._pending: asyncio.Future | None = None
+
+    def recheck(self) -> None:
+        """A generation failed after every retry: admit no more until the check passes again."""
+        self.ready = False
 
     async def check(self) -> tuple[bool, dict]:
         """Runs (or joins) the readiness check: (ready, detail)."""
@@ -47,6 +54,7 @@ class Readiness:
             self._pending = asyncio.ensure_future(check())
         ok, detail = await asyncio.shield(self._pending)
         self.ready = self.ready or ok
+        self.served = self.served or ok
         return ok, detail
 
     async def admit(self) -> None:
@@ -61,4 +69,5 @@ class Readiness:
             log.warning("readiness check failed", exc_info=True)
             ok = False
         if not ok:
-            raise unavailable("the server is starting: its pools are not ready yet (see /readyz)")
+            raise unavailable("the server's pools do not answer (see /readyz)" if self.served
+                              else "the server is starting: its pools are not ready yet (see /readyz)")

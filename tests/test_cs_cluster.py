@@ -61,8 +61,10 @@ def test_router_on_ray_serves_device_sessions_beside_http_requests(stories_path,
         assert stats["completed"] >= 1
 
         # a Router that drafts its own sessions by prompt lookup (no drafter pool) and serves
-        # devices the MoA checkpoint named by client_drafter; the device puts lookup in front of it
-        lookup_args = {**args, "drafter": "lookup", "client_drafter": str(stories_drafter)}
+        # devices the MoA checkpoint named by client_drafter; the device puts lookup in front of it.
+        # As local-cpu.yaml, the Router runs inside the Gateway (router.in_gateway)
+        lookup_args = {**args, "drafter": "lookup", "client_drafter": str(stories_drafter),
+                       "router": {**args["router"], "in_gateway": True}}
         lookup_args.pop("drafter_pool")
         serve.run(build_app(lookup_args), name="moa", route_prefix="/")
         ident = httpx.get(f"{url}/v1/cs", timeout=30).json()

@@ -239,6 +239,48 @@ def test_a_failed_round_is_a_documented_500(client, service, path, body):
     documented(client, path, "post", 500)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path, body", GENERATION_ROUTES)
+def test_after_a_failed_round_pools_that_do_not_answer_get_503_not_500s(client, service, path, body, stream):
+    pools_up = [True]
+
+    async def ready():
+        return (True, {}) if pools_up[0] else (False, {"pools": {"verifier": {"error": "ActorDiedError"}}})
+
+    state.install(ready=ready)
+    assert client.post(path, json=body).status_code == 200
+    service.fail, pools_up[0] = True, False  # the verifier pool is gone: the round fails for good
+    r = client.post(path, json={**body, "stream": stream})
+    if stream:  # the status went out with the first byte: the error is an event
+        assert r.status_code == 200 and '"type": "server_error"' in r.text
+    else:
+        assert_error(r, 500, "server_error", retry_after=False)
+    submitted = service.submitted
+    for _ in range(3):  # no more 500s: told to come back, nothing queued behind dead pools
+        r = client.post(path, json=body)
+        assert_error(r, 503, "service_unavailable", retry_after=True)
+        assert "do not answer" in r.json()["error"]["message"]
+    assert service.submitted == submitted
+    service.fail, pools_up[0] = False, True
+    assert client.post(path, json=body).status_code == 200
+
+
+def test_a_failed_round_with_pools_that_answer_keeps_admitting(client, service):
+    checks = []
+
+    async def ready():
+        checks.append(1)
+        return True, {}
+
+    state.install(ready=ready)
+    service.fail = True
+    assert client.post("/v1/generate", json={"prompt": "hi"}).status_code == 500
+    service.fail = False
+    n = len(checks)
+    assert client.post("/v1/generate", json={"prompt": "hi"}).status_code == 200
+    assert len(checks) == n + 1  # one check after the failure, then admitted as before
+
+
 def test_unknown_model_is_a_documented_404(client):
     r = client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})
     assert_error(r, 404, "not_found_error", retry_after=False)
