@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moa_serve import kernels
+from moa_serve.kernels import gpu_invariant
 
 
 class SlotKVCache:
@@ -130,9 +131,9 @@ class PackedBatch:
     def __init__(self, cache: SlotKVCache, slots: list[int], starts: list[int], lens: list[int],
                  device: torch.device | str = "cpu", kernel: bool = False,
                  twins: list[list[int]] | None = None):
-        """``kernel``: attend with ``moa_serve.kernels.attention`` (float32 or bfloat16 CPU caches):
-        every token alone over its own slot, in a fixed order, so its output does not depend on the
-        batch. ``twins``: per sequence, the chain index each of its trailing alternatives shares a
+        """``kernel``: attend with the batch-invariant kernels (``moa_serve.kernels.attention`` on a
+        CPU cache of float32 or bfloat16, ``gpu_invariant.slot_attention`` on a GPU): every token alone
+        over its own slot, in a fixed order, so its output does not depend on the batch. ``twins``: per sequence, the chain index each of its trailing alternatives shares a
         position with (empty or None: a plain chain)."""
         self.cache = cache
         self.kernel = kernel
@@ -183,6 +184,21 @@ class PackedBatch:
                 mask = _sees(torch.arange(a + n)[None, :], pos[i][:, None], store[i][:, None])  # [n, a+n]
                 self.long.append(dict(slot=slots[i], offset=offsets[i], n=n, total=a + n, mask=mask.to(device)))
 
+    @classmethod
+    def static(cls, cache: SlotKVCache, token_slots: torch.Tensor, positions: torch.Tensor,
+               store_at: torch.Tensor) -> "PackedBatch":
+        """A batch over per-token tensors the caller already holds on the device (fixed-address
+        buffers of a captured step): token i has rotary position ``positions[i]``, attends to keys
+        0..positions[i]-1 of slot ``token_slots[i]`` and to its own K/V, written at ``store_at[i]``
+        (``cache.max_len``, the scratch column, for padding rows). Always the batch-invariant
+        kernels; nothing is planned on the host."""
+        batch = cls.__new__(cls)
+        batch.cache, batch.kernel, batch.n = cache, True, positions.shape[0]
+        batch.positions, batch.token_slots = positions, token_slots
+        batch.store_at = batch._write_at = store_at
+        batch.short, batch.long = None, []
+        return batch
+
     def attention(self, layer: int):
         """The ``attention`` callable of ``DecoderLayer.forward_packed`` for cache layer ``layer``."""
         def attend_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -190,7 +206,9 @@ class PackedBatch:
             c.k[layer, self.token_slots, :, self._write_at] = k.to(c.k.dtype)  # a bf16 cache under a float32 model
             c.v[layer, self.token_slots, :, self._write_at] = v.to(c.v.dtype)
             if self.kernel:
-                return kernels.attention(q, c.k[layer], c.v[layer], self.token_slots, self.positions, self.store_at)
+                kernel = kernels.attention if q.device.type == "cpu" and not gpu_invariant.available("cpu") \
+                    else gpu_invariant.slot_attention
+                return kernel(q, c.k[layer], c.v[layer], self.token_slots, self.positions, self.store_at)
             n, heads, hd = q.shape
             kv_heads = k.shape[1]
             groups = heads // kv_heads

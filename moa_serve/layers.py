@@ -50,10 +50,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and state-dict keys) through :func:`linear`."""
+    """``nn.Linear`` (same parameters and state-dict keys) through :func:`linear`, or through the
+    ``matmul`` set on it by :func:`use_matmul` (e.g. the batch-invariant GPU matmul)."""
+
+    matmul = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.matmul is not None:
+            return self.matmul(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)
+
+
+def use_matmul(module: nn.Module, matmul) -> int:
+    """Every :class:`Linear` under ``module`` (fused projections included) multiplies with
+    ``matmul(x, weight, bias)`` instead of :func:`linear` (None: back to it). Returns how many."""
+    count = 0
+    for m in module.modules():  # fused projections are registered submodules: they are among them
+        if isinstance(m, Linear):
+            m.matmul = matmul
+            count += 1
+    return count
 
 
 class RMSNorm(nn.Module):
@@ -163,7 +179,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if mask is not None:
         mb, _, _, length = mask.shape
         mask = mask.unsqueeze(2).expand(mb, 1, groups, t, length).reshape(mb, 1, groups * t, length)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(b, heads, t, hd)
+    # reshape, not view: on CUDA this SDPA output is not contiguous (its kernels choose the layout)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(b, heads, t, hd)
 
 
 class PreNormLayer(nn.Module):

@@ -37,12 +37,14 @@ from moa_serve.sampling import SamplingParams, generator_for, warp_probs
 from moa_serve import kernels
 from moa_serve.kernels.packed import pack_target
 from moa_serve.kv_cache import PackedBatch
-from moa_serve.layers import fuse_dense_projections
+from moa_serve.kernels import gpu_invariant
+from moa_serve.layers import fuse_dense_projections, use_matmul
 from moa_serve.model_files import load_state_dict, read_config, resolve_model_path, target_dtype
 from moa_serve.verifier.acceptance import accept_greedy, accept_sampling
 from moa_serve.verifier.api import NO_FEATURES, FeatureSource, TargetBackend
 from moa_serve.protocol import VerifyRequest, VerifyResult
 from moa_serve.target_model import TargetModel
+from moa_serve.verifier.static_forward import StaticForward, packed_layout
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +130,14 @@ class RunnerOptions:
     prefix_caching: bool = True
     matmul_precision: str = "highest"
     kv_cache_dtype: str = "auto"  # "auto" (the target's dtype) or one of KV_CACHE_DTYPES
+    # forwards at fixed row counts over preallocated buffers (verifier/static_forward.py): "auto" on a
+    # GPU, replayed from CUDA graphs; "on": the same fixed-shape path on any device, without capture
+    # on a CPU (what the tests compare with the planned path); "off": every forward planned eagerly
+    static_forward: str = "auto"
+    # on a GPU, batch-invariant Triton matmuls and attention (moa_serve/kernels/gpu_invariant.py), so a
+    # session's greedy tokens do not depend on the batch it is verified in: "auto" (on where Triton
+    # runs) or "off" (cuBLAS and SDPA: faster per call, lossless only in float32 and then up to ties)
+    batch_invariant: str = "auto"
 
 
 class TorchTargetRunner(TargetBackend):
@@ -152,6 +162,9 @@ class TorchTargetRunner(TargetBackend):
             self.packing = {"packed": 0, "reason": "the runner was given an already built model"}
         if self.device.type != "cpu":  # torch's GEMMs on a GPU: fewer, larger ones per layer
             self.packing["fused_projections"] = fuse_dense_projections(model.model.layers)
+        # inference only: a forward outside inference mode (a benchmark's, a test's) must not make the
+        # KV cache part of an autograd graph, which would keep every such forward's activations alive
+        model.requires_grad_(False)
         self.model = model
         self.arch = model.arch
         self.max_model_len = min(max_model_len, self.arch.max_position_embeddings)
@@ -161,10 +174,21 @@ class TorchTargetRunner(TargetBackend):
             raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
         self.cache = model.new_cache(max_sessions, self.max_model_len, kv_dtype)
         # batch-invariant attention (every token alone over its slot, fixed order, float32 sums over a
-        # float32 or bfloat16 cache) where it runs
-        self.attention_kernel = (self.cache.k.dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
-                                 and self.arch.head_dim % 8 == 0 and self.arch.head_dim <= 256
-                                 and kernels.library() is not None)
+        # float32 or bfloat16 cache) where it runs: the C kernel on a CPU, Triton on a GPU
+        if options.batch_invariant not in ("auto", "off"):
+            raise ValueError(f"batch_invariant must be auto or off; got {options.batch_invariant!r}")
+        if options.static_forward not in ("auto", "on", "off"):
+            raise ValueError(f"static_forward must be auto, on or off; got {options.static_forward!r}")
+        hd = self.arch.head_dim
+        on_gpu_kernels = (self.device.type != "cpu" or gpu_invariant.available("cpu")) \
+            and options.batch_invariant == "auto" and gpu_invariant.available(self.device) and hd & (hd - 1) == 0
+        self.attention_kernel = on_gpu_kernels or (
+            self.cache.k.dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
+            and hd % 8 == 0 and hd <= 256 and kernels.library() is not None)
+        if on_gpu_kernels:
+            self.packing["batch_invariant_matmuls"] = use_matmul(model, gpu_invariant.matmul)
+        # the fixed-shape forward (below) needs the invariant attention: padding rows must not touch real ones
+        wanted = options.static_forward == "on" or (options.static_forward == "auto" and self.device.type == "cuda")
         if kv_dtype != self.dtype and not self.attention_kernel:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype} with a {str(self.dtype).removeprefix('torch.')} target "
                              f"needs the CPU attention kernel ({kernels.unavailable_reason() or 'not for this device'})")
@@ -179,6 +203,9 @@ class TorchTargetRunner(TargetBackend):
         self.retained: OrderedDict[int, list[int]] = OrderedDict()
         self.stats = {"forwards": 0, "tokens": 0, "forward_s": 0.0, "evictions": 0, "resyncs": 0,
                       "prefix_hits": 0, "prefix_tokens": 0, "alternatives_accepted": 0, "steps_cut": 0}
+        self.static = (StaticForward(model, self.cache, options.max_num_batched_tokens,
+                                     graphs=self.device.type == "cuda", stats=self.stats)
+                       if wanted and self.attention_kernel else None)
         # set from another thread (``cut_steps``): the verify running or next ends its multi-step
         # decoding after the forward in progress
         self._cut = threading.Event()
@@ -391,11 +418,9 @@ class TorchTargetRunner(TargetBackend):
                 self.stats["steps_cut"] += 1
                 return
             t0 = time.perf_counter()
-            batch = PackedBatch(self.cache, [w.session.slot for w in live], [w.session.cached for w in live],
-                                [1] * len(live), self.device, kernel=self.attention_kernel)
-            tokens = torch.tensor([w.session.committed[-1] for w in live], device=self.device)
-            logits, choice = self._logits_and_choice(self.model.forward_packed(tokens, batch),
-                                                     [plain[w.req.session_id] for w in live])
+            hidden = self._packed_forward([w.session.slot for w in live], [w.session.cached for w in live],
+                                          [[w.session.committed[-1]] for w in live], [[] for _ in live])
+            logits, choice = self._logits_and_choice(hidden, [plain[w.req.session_id] for w in live])
             for i, w in enumerate(live):
                 s, r = w.session, results[w.req.session_id]
                 position = w.req.base + len(w.req.tokens) + len(r.tokens)  # this token's index
@@ -414,10 +439,8 @@ class TorchTargetRunner(TargetBackend):
     def _forward(self, work: list[_Work]) -> list[VerifyResult]:
         t0 = time.perf_counter()
         twins = [[w.chain - len(w.req.drafts) + d for d in w.alt_depth] for w in work]
-        batch = PackedBatch(self.cache, [w.session.slot for w in work], [w.start for w in work],
-                            [len(w.fed) for w in work], self.device, kernel=self.attention_kernel, twins=twins)
-        tokens = torch.tensor([t for w in work for t in w.fed], device=self.device)
-        hidden = self.model.forward_packed(tokens, batch)  # [N, H]
+        hidden = self._packed_forward([w.session.slot for w in work], [w.start for w in work],
+                                      [w.fed for w in work], twins)  # [N, H]
         # logits only where needed: the last committed token, each draft and each alternative of
         # answering sessions
         rows, offset = [], 0
@@ -430,7 +453,7 @@ class TorchTargetRunner(TargetBackend):
         logits, choice = (self._logits_and_choice(hidden[rows], [w.req for w in work if w.done]) if rows
                           else (None, []))
         self.stats["forwards"] += 1
-        self.stats["tokens"] += batch.n
+        self.stats["tokens"] += hidden.shape[0]
         self.stats["forward_s"] += time.perf_counter() - t0
 
         results, row = [], 0
@@ -460,6 +483,21 @@ class TorchTargetRunner(TargetBackend):
             self.cache.lengths[w.session.slot] = w.session.cached
         self._attach_features(work, results, hidden)
         return results
+
+    def _packed_forward(self, slots: list[int], starts: list[int], fed: list[list[int]],
+                        twins: list[list[int]]) -> torch.Tensor:
+        """One forward over the sessions' new tokens packed one after another: final-norm hidden
+        states [N, H]. The fixed-shape (graph-replayed) forward when it covers the call, else the
+        forward planned for this call's shapes."""
+        if self.static is not None:
+            positions, store_at = packed_layout(starts, [len(f) for f in fed], twins)
+            token_slots = [s for s, f in zip(slots, fed) for _ in f]
+            hidden = self.static([t for f in fed for t in f], token_slots, positions, store_at)
+            if hidden is not None:
+                return hidden
+        batch = PackedBatch(self.cache, slots, starts, [len(f) for f in fed], self.device,
+                            kernel=self.attention_kernel, twins=twins)
+        return self.model.forward_packed(torch.tensor([t for f in fed for t in f], device=self.device), batch)
 
     def _logits_and_choice(self, hidden: torch.Tensor, answering: list[VerifyRequest]):
         """The LM head over ``hidden`` [n, H] and each row's argmax as a list (one host sync for

@@ -114,13 +114,15 @@ class SpeculativeEngine:
     @classmethod
     def load(cls, target: str, drafter: str | None, dtype="float32", device="cpu", max_sessions=16,
              max_model_len=2048, packed_weights: str = "auto",
-             matmul_precision: str = "highest", kv_cache_dtype: str = "auto") -> "SpeculativeEngine":
+             matmul_precision: str = "highest", kv_cache_dtype: str = "auto",
+             static_forward: str = "auto") -> "SpeculativeEngine":
         path = resolve_model_path(target)
         verifier = TorchTargetRunner(str(path), dtype, device, max_sessions, max_model_len,
                                      load_feature_source(drafter),
                                      options=RunnerOptions(packed_weights=packed_weights,
                                                            matmul_precision=matmul_precision,
-                                                           kv_cache_dtype=kv_cache_dtype))
+                                                           kv_cache_dtype=kv_cache_dtype,
+                                                           static_forward=static_forward))
         proposer = None
         if drafter is not None:
             proposer = load_proposer(drafter, target=target, dtype=dtype, device=device, max_sessions=max_sessions,

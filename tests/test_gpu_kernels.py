@@ -1,0 +1,83 @@
+"""The batch-invariant GPU kernels (moa_serve/kernels/gpu_invariant.py), checked on a CPU under
+Triton's interpreter: this file's ``interpreted`` tests run in a subprocess with
+``TRITON_INTERPRET=1`` (the interpreter must be chosen before Triton compiles anything)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the subprocess of test_under_the_triton_interpreter")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert re.search(r"\b4 passed", proc.stdout), proc.stdout[-2000:]
+
+
+@interpreted
+@pytest.mark.parametrize("bias", [False, True])
+def test_interpreted_matmul_rows_do_not_depend_on_the_batch(bias):
+    from moa_serve.kernels import gpu_invariant
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(70, 96, generator=g)
+    w = torch.randn(48, 96, generator=g)
+    b = torch.randn(48, generator=g) if bias else None
+    full = gpu_invariant.matmul(x, w, b)
+    torch.testing.assert_close(full, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    for m in (1, 3, 33):  # rows 0..m-1 alone, then the same rows among 70
+        assert torch.equal(gpu_invariant.matmul(x[:m], w, b), full[:m])
+    assert torch.equal(gpu_invariant.matmul(x[5:6].reshape(1, 1, 96), w, b)[0, 0], full[5])
+
+
+@interpreted
+def test_interpreted_slot_attention_matches_the_cpu_kernel():
+    from moa_serve import kernels
+    from moa_serve.kernels import gpu_invariant
+
+    if kernels.library() is None:
+        pytest.skip(kernels.unavailable_reason())
+    g = torch.Generator().manual_seed(1)
+    slots_n, kv_heads, length, hd, heads = 3, 2, 40, 16, 6
+    k = torch.randn(slots_n, kv_heads, length + 1, hd, generator=g)
+    v = torch.randn(slots_n, kv_heads, length + 1, hd, generator=g)
+    q = torch.randn(6, heads, hd, generator=g)
+    slots = torch.tensor([0, 0, 2, 1, 2, 1])
+    positions = torch.tensor([3, 4, 0, 39, 7, 36])
+    store_at = torch.tensor([3, 4, 0, 39, 40, 37])  # token 4 is an alternative stored past its chain
+    got = gpu_invariant.slot_attention(q, k, v, slots, positions, store_at)
+    torch.testing.assert_close(got, kernels.attention(q, k, v, slots, positions, store_at), rtol=1e-5, atol=1e-5)
+    for i in range(6):  # each token alone: bitwise its row of the batch
+        assert torch.equal(gpu_invariant.slot_attention(q[i:i + 1], k, v, slots[i:i + 1], positions[i:i + 1],
+                                                        store_at[i:i + 1]), got[i:i + 1])
+
+
+@interpreted
+def test_interpreted_verifier_on_the_gpu_kernels_is_lossless(stories_path, stories_drafter):
+    """The whole verifier on the Triton kernels (matmuls and attention) and the fixed-shape forward:
+    speculative greedy output is the same runner's plain greedy output, batched or alone."""
+    from moa_serve.engine.engine import SpeculativeEngine
+    from tests.test_lossless import STORY_PROMPTS
+
+    spec = SpeculativeEngine.load(str(stories_path), str(stories_drafter), "float32", max_sessions=4,
+                                  packed_weights="off", static_forward="on")
+    runner = spec.verifier
+    assert runner.attention_kernel and runner.packing["batch_invariant_matmuls"] > 0
+    plain_engine = SpeculativeEngine(runner, None, spec.tokenizer, spec.stop_ids, 4)
+    prompts = [spec.tokenizer.encode(p) for p in STORY_PROMPTS[:2]]
+    plain = [o.token_ids for o in plain_engine.generate(prompts, 6)]
+    assert [o.token_ids for o in spec.generate(prompts, 6, num_speculative_tokens=3)] == plain
+    assert runner.stats["static_calls"] > 0
+    assert spec.generate(prompts[1:], 6, num_speculative_tokens=2)[0].token_ids == plain[1]
