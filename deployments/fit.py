@@ -3,6 +3,7 @@
 Verifier replica:  target weights (params x dtype bytes)
                  + KV cache = layers x 2 x kv_heads x head_dim x (max_model_len + 1) x max_sessions x dtype bytes
                  + logits of one forward = max_num_batched_tokens x vocab x 4 bytes
+                 + on a GPU, the CUDA graphs' pool (the largest captured forward's activations)
 Drafter replica:   the target's embeddings + LM head (+ the TLI layers) + the draft head
                  + its caches (MoA: self- and cross-attention layer, + TLI layers; EAGLE-style: one
                    layer; independent: its layers) over (max_model_len + 1) positions x max_sessions
@@ -208,14 +209,30 @@ def vllm_kv_bytes(cfg: AppConfig, target: ModelShape) -> int:
     return kv
 
 
+def graph_pool_bytes(cfg: AppConfig, target: ModelShape) -> int:
+    """The CUDA graphs' memory pool of a torch verifier on a GPU (``verifier/static_forward.py``):
+    the largest captured forward's live activations, one layer's widest intermediates at a time
+    (the fused gate/up output, its product, the fused q/k/v output, the attention output, the
+    residual stream and its norm) plus the graph's output rows. 0 where nothing is captured."""
+    if cfg.backend == "vllm" or cfg.device != "cuda":
+        return 0
+    from moa_serve.verifier.static_forward import GRAPH_SIZES
+
+    rows = max((s for s in GRAPH_SIZES if s <= cfg.verifier_pool.max_num_batched_tokens), default=0)
+    q = target.heads * target.head_dim
+    per_row = 3 * target.intermediate + (q + 2 * target.kv_width) + q + 5 * target.hidden
+    return rows * per_row * dtype_bytes(cfg.dtype, cfg.device)
+
+
 def verifier_fit(cfg: AppConfig, target: ModelShape) -> Fit:
     b = dtype_bytes(cfg.dtype, cfg.device)
     pool = cfg.verifier_pool
     vllm = cfg.backend == "vllm"
     kv = vllm_kv_bytes(cfg, target) if vllm else full_kv_bytes(cfg, target)
-    logits = pool.max_num_batched_tokens * target.vocab * 4
+    activations = pool.max_num_batched_tokens * target.vocab * 4 + graph_pool_bytes(cfg, target)
     cap, of = capacity(pool, cfg.device)
-    return Fit("verifier_pool", target.params() * b, kv, logits, cap, of, " [vLLM paged KV cache]" if vllm else "")
+    return Fit("verifier_pool", target.params() * b, kv, activations, cap, of,
+               " [vLLM paged KV cache]" if vllm else "")
 
 
 def drafter_fit(cfg: AppConfig, target: ModelShape, drafter: DrafterShape) -> Fit:

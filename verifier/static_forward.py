@@ -24,9 +24,13 @@ that path token for token against the planned eager one.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from moa_serve.kv_cache import PackedBatch, SlotKVCache
+
+log = logging.getLogger(__name__)
 
 # row counts captured (vLLM's cudagraph sizes follow the same pattern: dense at small batches)
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -91,6 +95,8 @@ class StaticForward:
         entry = self._graphs.get(size)
         if entry is None:
             entry = self._capture(size)
+        if entry is None:  # capture failed: this replica runs the fixed shapes uncaptured
+            return self._body(size)[:n]
         graph, out = entry
         graph.replay()
         return out[:n]
@@ -122,8 +128,15 @@ class StaticForward:
             self._body(size)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._body(size)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._body(size)
+        except RuntimeError as exc:  # an op that cannot be captured: serve on, uncaptured, and say why
+            log.warning("CUDA graph capture of the %d-row forward failed (%s); this replica runs its "
+                        "fixed-shape forwards without graphs", size, exc)
+            self.use_graphs = False
+            self.stats["graph_capture_failed"] = str(exc)[:300]
+            return None
         self._graphs[size] = (graph, out)
         self.stats["graph_captures"] += 1
         return graph, out
@@ -134,7 +147,7 @@ class StaticForward:
         if not self.use_graphs:
             return 0
         for size in reversed(self.sizes):
-            if size not in self._graphs:
+            if size not in self._graphs and self.use_graphs:
                 self._fill(size, [0], [0], [0], [self.cache.max_len])
                 self._capture(size)
         return len(self._graphs)

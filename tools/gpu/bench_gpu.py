@@ -88,7 +88,11 @@ from moa_serve.layers import RMSNorm, Rotary  # noqa: E402
 from moa_serve.protocol import VerifyRequest  # noqa: E402
 from moa_serve.target_model import TargetArch, TargetModel, rotary_for  # noqa: E402
 from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner  # noqa: E402
+from tools.gpu.anchor import anchor_row  # noqa: E402
 from tools.gpu.replay import ReplayProposer, corruption_for  # noqa: E402
+from moa_serve.kernels import gpu_invariant  # noqa: E402
+from moa_serve.layers import use_matmul  # noqa: E402
+from moa_serve.verifier.static_forward import StaticForward  # noqa: E402
 
 GiB = 2 ** 30
 
@@ -490,6 +494,42 @@ def _verify_rows(run: Run, sec: dict, runner: TorchTargetRunner, target: TargetM
         runner.release(i)
 
 
+def _invariance_cost_rows(run: Run, sec: dict, runner: TorchTargetRunner, target: TargetModel, ids: list[str]) -> None:
+    """What batch invariance costs: the forward of B sessions x T tokens at a ``context``-token
+    cache, (a) as served: the fixed-shape forward replayed from a CUDA graph, Triton matmuls and
+    attention; (b) the same graphs with cuBLAS matmuls (Triton attention: the fixed shapes need it);
+    (c) the planned eager forward on cuBLAS and SDPA (not batch-invariant). CUDA only."""
+    d, ctx, reps = run.device, run.sizes["context"], run.sizes["reps"]
+    sec["invariance_cost"] = []
+    if d.type != "cuda" or runner.static is None:
+        sec["invariance_cost_skipped"] = "needs CUDA, Triton and the fixed-shape forward"
+        return
+    invariant = runner.packing.get("batch_invariant_matmuls", 0) > 0
+    cublas = StaticForward(target, runner.cache, runner.max_num_batched_tokens, graphs=True)
+    cells = [{"B": b, "T": t} for b in (1, 8, 64) if b <= len(ids) for t in (1, 5)]
+    for row in _rows(run, sec["invariance_cost"], cells, 10):
+        b, t = row["B"], row["T"]
+        slots = [runner.sessions[i].slot for i in ids[:b]]
+        args = ([1] * (b * t), [s for s in slots for _ in range(t)], [ctx + j for _ in range(b) for j in range(t)],
+                [ctx + j for _ in range(b) for j in range(t)])
+        row["served_ms"] = timed(lambda: runner.static(*args), d, reps, warmup=2)["ms"]
+        use_matmul(target, None)  # captured now, these graphs keep cuBLAS
+        try:
+            row["graph_cublas_ms"] = timed(lambda: cublas(*args), d, reps, warmup=2)["ms"]
+
+            def planned():
+                batch = PackedBatch(runner.cache, slots, [ctx] * b, [t] * b, d, kernel=False)
+                return target.forward_packed(torch.ones(b * t, dtype=torch.long, device=d), batch)
+            row["eager_cublas_sdpa_ms"] = timed(planned, d, reps, warmup=1)["ms"]
+        finally:
+            if invariant:
+                use_matmul(target, gpu_invariant.matmul)
+        row["invariance_cost"] = round(row["served_ms"] / row["graph_cublas_ms"], 3)
+        row["vs_eager"] = round(row["served_ms"] / row["eager_cublas_sdpa_ms"], 3)
+        run.save()
+    del cublas
+
+
 def _draft_rows(run: Run, sec: dict, proposer: MoAProposer, prompts: list[list[int]], hidden: int,
                 dtype: torch.dtype) -> None:
     """Drafting latency per K: a paper-sized MoA draft head over the target's embeddings and LM head."""
@@ -551,18 +591,23 @@ def production_section(run: Run, shape: dict, dtype: torch.dtype) -> dict:
                                options=RunnerOptions(max_num_batched_tokens=8192, prefix_caching=False))
     sec["verifier_fused_projections"] = runner.packing.get("fused_projections", 0)
     sec["verifier_attention_kernel"] = runner.attention_kernel
+    sec["verifier_batch_invariant_matmuls"] = runner.packing.get("batch_invariant_matmuls", 0)
+    sec["verifier_static_forward"] = runner.static is not None
     g = random.Random(0)
     vocab = shape["vocab_size"]
     prompts = [[g.randrange(vocab) for _ in range(ctx)] for _ in range(bmax)]
     ids = [f"v{i}" for i in range(bmax)]
     _prefill(runner, sec, ids, prompts, d)
     _verify_rows(run, sec, runner, target, ids, g, vocab)
+    _invariance_cost_rows(run, sec, runner, target, ids)
     proposer = MoAProposer(DrafterConfig(target=target.arch), moa.draft_head,
                            TargetParts(target, 0), max_sessions=bmax, max_model_len=room)
     _draft_rows(run, sec, proposer, prompts, shape["hidden_size"], dtype)
     engine = SpeculativeEngine(runner, proposer, None, frozenset(), max_batch=bmax)
     _round_rows(run, sec, engine, prompts)
     sec["memory"] = memory(d)
+    sec["runner_stats"] = {k: v for k, v in runner.stats.items() if k in ("static_calls", "graph_captures",
+                                                                         "eager_calls", "graph_capture_failed")}
     if dtype == torch.bfloat16 or run.toy:
         run.results["sections"].setdefault("invariance", {})["production_shape"] = \
             invariance_probe(runner, sz["invariance_b"], d)
@@ -699,8 +744,13 @@ def e2e_section(run: Run, models: dict, dtype: torch.dtype) -> None:
         base_s = time.perf_counter() - t
         refs = [o.token_ids for o in base]
         base_tps = b * n_new / base_s
-        sec["rows"].append({"B": b, "K": 0, "tau_target": None, "tokens_per_s": round(base_tps, 1),
-                            "s": round(base_s, 3), "speedup": 1.0})
+        row = {"B": b, "K": 0, "tau_target": None, "tokens_per_s": round(base_tps, 1), "s": round(base_s, 3),
+               "speedup": 1.0}
+        sec["rows"].append(row)
+        # the graphed plain-PyTorch step over the same weights, at the generation's mean context
+        anchor = anchor_row(target, b, plen + n_new // 2, reps=sz["reps"] * 4)
+        row.update(anchor_tokens_per_s=anchor["tokens_per_s"], vs_anchor=round(base_tps / anchor["tokens_per_s"], 3))
+        sec.setdefault("anchor", []).append(anchor)
         run.save()
         for tau in sz["e2e_tau"]:
             for k in sz["e2e_k"]:
@@ -793,6 +843,12 @@ def markdown(results: dict) -> str:
         lines += ["## Production shape: verify latency (ms, one call, MoA features included)", ""]
         lines.append(_table(p.get("verify", []), ["B", "K+1", "ms", "forward_only", "device_busy_ms",
                                                   "host_overhead_ms", "tokens_per_s_verified"]))
+        lines += ["## What batch invariance costs: one forward, ms (served: graphs + Triton matmuls and attention)", ""]
+        lines.append(_table(p.get("invariance_cost", []), ["B", "T", "served_ms", "graph_cublas_ms",
+                                                           "eager_cublas_sdpa_ms", "invariance_cost", "vs_eager"]))
+        if "invariance_cost_skipped" in p:
+            lines.append(f"Not measured: {p['invariance_cost_skipped']}\n")
+        lines.append(f"Runner statistics: {p.get('runner_stats', {})}\n")
         lines += ["## Drafting latency per K (paper-sized MoA draft head)", ""]
         lines.append(_table(p.get("draft", []), ["B", "K", "ms", "ms_per_step", "device_busy_ms", "host_overhead_ms"]))
         lines += ["## One engine round (draft + verify + commit), K = 4", ""]
@@ -815,7 +871,8 @@ def markdown(results: dict) -> str:
         lines += [f"## End to end: engine at controlled acceptance vs no speculation "
                   f"({e.get('new_tokens')} new tokens, {e.get('prompt_tokens')}-token prompts)", ""]
         lines.append(_table(e.get("rows", []), ["B", "K", "tau_target", "tau", "tokens_per_s", "speedup",
-                                                "est_moa_tok_s", "est_moa_speedup", "identical_to_plain"]))
+                                                "anchor_tokens_per_s", "vs_anchor", "est_moa_tok_s",
+                                                "est_moa_speedup", "identical_to_plain"]))
         lines.append(e.get("note", "") + "\n")
     errs = {k: v["error"] for k, v in s.items() if isinstance(v, dict) and "error" in v}
     for k, v in errs.items():
