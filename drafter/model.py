@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from moa_serve.drafter.config import DrafterConfig
-from moa_serve.layers import DecoderLayer, PreNormLayer, RMSNorm, Rotary, attend
+from moa_serve.layers import DecoderLayer, PreNormLayer, RMSNorm, Rotary, apply_rope, attend
 from moa_serve.model_files import load_selected_tensors, read_config, resolve_model_path
 from moa_serve.target_model import TargetArch, TargetModel, assign_weights
 
@@ -77,6 +77,15 @@ class CrossAttentionLayer(PreNormLayer):
     def forward(self, x, cos, sin, keys, values, mask):
         q = self.self_attn.query(self.input_layernorm(x), cos, sin)
         x = x + self.self_attn.output(attend(q, keys, values, mask))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention) -> torch.Tensor:
+        """``forward`` for tokens packed along one axis: x [N, hidden], cos/sin [N, 1, head_dim];
+        ``attention(q [N, H, hd])`` returns each token's attention output over its features."""
+        n = x.shape[0]
+        a, s = self.self_attn, self.self_attn.shape
+        q = apply_rope(a.q_proj(self.input_layernorm(x)).reshape(n, s.num_heads, s.head_dim), cos, sin)
+        x = x + a.o_proj(attention(q).reshape(n, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def single_feature_output(self, values: torch.Tensor) -> torch.Tensor:

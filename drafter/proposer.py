@@ -28,6 +28,7 @@ from moa_serve.drafter.model import DraftHead, MoADrafter, TargetParts
 from moa_serve.drafter.spec import TreeShape
 from moa_serve.protocol import DraftRequest, DraftResult
 from moa_serve.sampling import generator_for, sample, warp_probs
+from moa_serve import kernels
 from moa_serve.kernels.packed import FusedStack, fuse_projections, pack_bf16_exact, packed_lm_head
 from moa_serve.kv_cache import SlotKVCache
 from moa_serve.model_files import load_selected_tensors, read_config, resolve_model_path, target_dtype
@@ -267,6 +268,9 @@ class ProposerBase:
         # of its top-1 probabilities), for tree_min_value
         reach = torch.ones(len(live), device=self.device)
         for step in range(max(want)):
+            if step == 1 and self._static_steps_apply(live, ctx, slots):
+                self._draft_static(live, want, tokens[:, 0], slots, ctx, picked)
+                break
             if step:
                 keep = [b for b, i in enumerate(rows) if want[i] > step]
                 if len(keep) < len(rows):
@@ -308,6 +312,28 @@ class ProposerBase:
             if probs[i]:
                 res.probs = torch.stack(probs[i])
         self._set_lengths(torch.tensor([s.slot for _, s, _ in live]), torch.tensor([len(s.fed) for _, s, _ in live]))
+
+    static_steps = None  # a StaticDraftSteps (MoA, no TLI): steps after the first from one CUDA graph
+
+    def _static_steps_apply(self, live, ctx, slots: torch.Tensor) -> bool:
+        """Whether the rest of this call runs as static steps: greedy chains, every session with a
+        verified feature (or the single-feature CA), few enough sessions."""
+        if self.static_steps is None or self.branching or self.tree_min_value > 0:
+            return False
+        if not all(r.sampling.greedy for r, _, _ in live) or self.static_steps.size_for(len(live)) is None:
+            return False
+        return ctx[3] is not None or bool((self.ca_cache.lengths[slots] > 0).all())
+
+    def _draft_static(self, live, want: list[int], first: torch.Tensor, slots: torch.Tensor, ctx, picked) -> None:
+        """Steps 1 .. max(want)-1 for every session from the static steps; each session keeps the
+        drafts of its own ``want`` (``picked`` gets one entry per step, as the planned loop's)."""
+        steps = max(want) - 1
+        out = self.static_steps(first, slots.tolist(), self.sa_cache.lengths[slots].tolist(),
+                                self.ca_cache.lengths[slots].tolist(), steps, ctx[3])
+        for j in range(steps):
+            rows = [i for i in range(len(live)) if want[i] > j + 1]
+            picked.append((rows, out[torch.tensor(rows, device=out.device), j]))
+        self.stats["steps"] += steps
 
     def _runners_up(self, logits: torch.Tensor, width: int, reach: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The tokens ranked 2nd..``width``-th by the drafter, [B, width - 1] target ids (on the device);
@@ -368,6 +394,24 @@ class MoAProposer(ProposerBase):
         # computed once per draft call instead of per drafted token (CrossAttentionLayer)
         self.single_feature_ca = bool(cfg.cross_attention_latest_only)
         fuse_projections([self.head.cross_attention])  # its MLP's gate/up, when packed
+        if self.device.type == "cuda":
+            self.use_static_steps(graphs=True)
+
+    def use_static_steps(self, graphs: bool) -> bool:
+        """Drafting steps after the first from ``StaticDraftSteps`` (CUDA graphs when ``graphs``; on a
+        CPU the same fixed shapes uncaptured). Not for TLI drafters, nor where the batch-invariant
+        attention kernels do not run. Returns whether it is on."""
+        from moa_serve.drafter.static_steps import StaticDraftSteps
+        from moa_serve.kernels import gpu_invariant
+
+        sa_hd = self.cfg.sa_shape().head_dim
+        kernel = (gpu_invariant.available(self.device) and sa_hd & (sa_hd - 1) == 0) if self.device.type != "cpu" \
+            else kernels.library() is not None or gpu_invariant.available("cpu")
+        if len(self.parts.tli) or not kernel:
+            self.static_steps = None
+            return False
+        self.static_steps = StaticDraftSteps(self, graphs)
+        return True
 
     @classmethod
     def load(cls, drafter: str, target: str | None = None, dtype="float32", device="cpu", max_sessions=16,

@@ -206,9 +206,7 @@ class PackedBatch:
             c.k[layer, self.token_slots, :, self._write_at] = k.to(c.k.dtype)  # a bf16 cache under a float32 model
             c.v[layer, self.token_slots, :, self._write_at] = v.to(c.v.dtype)
             if self.kernel:
-                kernel = kernels.attention if q.device.type == "cpu" and not gpu_invariant.available("cpu") \
-                    else gpu_invariant.slot_attention
-                return kernel(q, c.k[layer], c.v[layer], self.token_slots, self.positions, self.store_at)
+                return invariant_attention(q, c.k[layer], c.v[layer], self.token_slots, self.positions, self.store_at)
             n, heads, hd = q.shape
             kv_heads = k.shape[1]
             groups = heads // kv_heads
@@ -237,6 +235,16 @@ class PackedBatch:
                 out[a:a + m] = o.view(kv_heads, groups, m, hd).permute(2, 0, 1, 3).reshape(m, heads, hd)
             return out
         return attend_packed
+
+
+def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                        positions: torch.Tensor, store_at: torch.Tensor | None) -> torch.Tensor:
+    """Batch-invariant attention of packed tokens over one slot-cache layer (the contract of
+    ``moa_serve.kernels.attention``): the C kernel on a CPU, the Triton kernel on a GPU (and on a
+    CPU under Triton's interpreter, which is how the tests reach it)."""
+    if q.device.type == "cpu" and not gpu_invariant.available("cpu"):
+        return kernels.attention(q, k, v, slots, positions, store_at)
+    return gpu_invariant.slot_attention(q, k, v, slots, positions, store_at)
 
 
 def _sees(k_pos: torch.Tensor, q_pos: torch.Tensor, q_at: torch.Tensor) -> torch.Tensor:

@@ -66,8 +66,9 @@ def test_interpreted_slot_attention_matches_the_cpu_kernel():
 
 @interpreted
 def test_interpreted_verifier_on_the_gpu_kernels_is_lossless(stories_path, stories_drafter):
-    """The whole verifier on the Triton kernels (matmuls and attention) and the fixed-shape forward:
-    speculative greedy output is the same runner's plain greedy output, batched or alone."""
+    """The whole verifier on the Triton kernels (matmuls and attention) and the fixed-shape forward,
+    the drafter's later steps as fixed shapes on the Triton attention: speculative greedy output is
+    the same runner's plain greedy output, batched or alone."""
     from moa_serve.engine.engine import SpeculativeEngine
     from tests.test_lossless import STORY_PROMPTS
 
@@ -75,9 +76,10 @@ def test_interpreted_verifier_on_the_gpu_kernels_is_lossless(stories_path, stori
                                   packed_weights="off", static_forward="on")
     runner = spec.verifier
     assert runner.attention_kernel and runner.packing["batch_invariant_matmuls"] > 0
+    assert spec.proposer.use_static_steps(graphs=False)  # draft steps on the Triton attention too
     plain_engine = SpeculativeEngine(runner, None, spec.tokenizer, spec.stop_ids, 4)
     prompts = [spec.tokenizer.encode(p) for p in STORY_PROMPTS[:2]]
     plain = [o.token_ids for o in plain_engine.generate(prompts, 6)]
     assert [o.token_ids for o in spec.generate(prompts, 6, num_speculative_tokens=3)] == plain
-    assert runner.stats["static_calls"] > 0
+    assert runner.stats["static_calls"] > 0 and spec.proposer.static_steps.stats["static_draft_calls"] > 0
     assert spec.generate(prompts[1:], 6, num_speculative_tokens=2)[0].token_ids == plain[1]

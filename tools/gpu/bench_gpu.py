@@ -603,6 +603,7 @@ def production_section(run: Run, shape: dict, dtype: torch.dtype) -> dict:
     proposer = MoAProposer(DrafterConfig(target=target.arch), moa.draft_head,
                            TargetParts(target, 0), max_sessions=bmax, max_model_len=room)
     _draft_rows(run, sec, proposer, prompts, shape["hidden_size"], dtype)
+    sec["draft_static_steps"] = dict(proposer.static_steps.stats) if proposer.static_steps is not None else None
     engine = SpeculativeEngine(runner, proposer, None, frozenset(), max_batch=bmax)
     _round_rows(run, sec, engine, prompts)
     sec["memory"] = memory(d)
@@ -851,6 +852,7 @@ def markdown(results: dict) -> str:
         lines.append(f"Runner statistics: {p.get('runner_stats', {})}\n")
         lines += ["## Drafting latency per K (paper-sized MoA draft head)", ""]
         lines.append(_table(p.get("draft", []), ["B", "K", "ms", "ms_per_step", "device_busy_ms", "host_overhead_ms"]))
+        lines.append(f"Static draft steps (CUDA graphs): {p.get('draft_static_steps')}\n")
         lines += ["## One engine round (draft + verify + commit), K = 4", ""]
         lines.append(_table(p.get("round", []), ["B", "ms", "draft_ms", "verify_ms", "device_busy_ms", "host_overhead_ms"]))
     f = s.get("fit", {})
