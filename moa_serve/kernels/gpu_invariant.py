@@ -59,7 +59,7 @@ if triton is not None:
 
     @triton.jit
     def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, sxk, swn, swk, sym, syn,
-                       HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -75,7 +75,10 @@ if triton is not None:
             if WIDEN:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
+            if IEEE:  # float32 operands: full float32 products, not TF32 (lossless is judged in float32)
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
@@ -144,6 +147,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         _matmul_kernel[grid](flat, weight, bias if bias is not None else weight, out, m, n, k,
                              flat.stride(0), flat.stride(1), weight.stride(0), weight.stride(1),
                              out.stride(0), out.stride(1), HAS_BIAS=bias is not None, WIDEN=_WIDEN,
+                             IEEE=x.dtype == torch.float32 or _WIDEN,
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return out.reshape(*x.shape[:-1], n)
 
