@@ -23,7 +23,7 @@ from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.model import TargetParts
 from moa_serve.drafter.proposer import ProposerBase, last_position, load_for_drafting
 from moa_serve.protocol import DraftRequest
-from moa_serve.kv_cache import SlotKVCache
+from moa_serve.kv_cache import PackedBatch, SlotKVCache
 from moa_serve.layers import DecoderLayer, RMSNorm
 
 
@@ -97,6 +97,9 @@ class _BaselineProposer(ProposerBase):
         self._init_lm_head(cfg, draft_vocab)
         self._init_sessions(max_sessions, max_model_len)
         self.fused = self._pack_layers(self.model, list(self._layers()), sh)
+        self.static_cache = self.cache
+        if self.device.type == "cuda":
+            self.use_static_steps(graphs=True)
 
     @classmethod
     def load(cls, drafter: str, target: str | None = None, dtype="float32", device="cpu", max_sessions=16,
@@ -143,6 +146,23 @@ class _BaselineProposer(ProposerBase):
         return out
 
 
+    def _static_inputs(self, ctx, slots):
+        return None, ctx["prev"]
+
+    def _static_step(self, tokens, slots, positions, store_at, extra, prev):
+        """One draft step over fixed-shape device tensors (``StaticDraftSteps``): the drafter's
+        layers over its cache. Returns the output before the LM head [N, H], which is also the
+        next step's ``prev`` (EAGLE-style; unused by an independent drafter)."""
+        x = self._static_embed(tokens, prev)
+        cos, sin = self.parts.rotary(positions, x.dtype)
+        cos, sin = cos[0][:, None], sin[0][:, None]  # [N, 1, hd]: broadcast over heads
+        batch = PackedBatch.static(self.cache, slots, positions, store_at)
+        for i, layer in enumerate(self._layers()):
+            x = layer.forward_packed(x, cos, sin, batch.attention(i))
+        x = self._final(x)
+        return x, x
+
+
 class EagleProposer(_BaselineProposer):
     """EAGLE-style drafting: verified positions read the target's hidden states (from the
     verifier's "hidden" feature head); drafted positions read the drafter's own predictions and
@@ -182,6 +202,9 @@ class EagleProposer(_BaselineProposer):
             prev = ctx["prev"][:, None]
         return self.model.fc(torch.cat((self.parts.embed_tokens(tokens), prev), -1))
 
+    def _static_embed(self, tokens, prev):
+        return self.model.fc(torch.cat((self.parts.embed_tokens(tokens), prev), -1))
+
 
 class IndependentProposer(_BaselineProposer):
     """A small causal LM drafting alone (no target features)."""
@@ -197,4 +220,10 @@ class IndependentProposer(_BaselineProposer):
         return self.model.norm(x)
 
     def _inputs(self, ctx, batch, tokens, step, feed):
+        return self.parts.embed_tokens(tokens)
+
+    def _static_inputs(self, ctx, slots):
+        return None, None
+
+    def _static_embed(self, tokens, prev):
         return self.parts.embed_tokens(tokens)

@@ -30,7 +30,7 @@ from moa_serve.protocol import DraftRequest, DraftResult
 from moa_serve.sampling import generator_for, sample, warp_probs
 from moa_serve import kernels
 from moa_serve.kernels.packed import FusedStack, fuse_projections, pack_bf16_exact, packed_lm_head
-from moa_serve.kv_cache import SlotKVCache
+from moa_serve.kv_cache import PackedBatch, SlotKVCache, invariant_attention
 from moa_serve.model_files import load_selected_tensors, read_config, resolve_model_path, target_dtype
 from moa_serve.target_model import TargetArch, TargetModel
 
@@ -313,23 +313,45 @@ class ProposerBase:
                 res.probs = torch.stack(probs[i])
         self._set_lengths(torch.tensor([s.slot for _, s, _ in live]), torch.tensor([len(s.fed) for _, s, _ in live]))
 
-    static_steps = None  # a StaticDraftSteps (MoA, no TLI): steps after the first from one CUDA graph
+    # a StaticDraftSteps: a call's steps after the first from one CUDA graph (use_static_steps); the
+    # proposer gives its cache (``static_cache``) and one step (``_static_step``, ``_static_inputs``)
+    static_steps = None
+    static_cache: SlotKVCache
+
+    def use_static_steps(self, graphs: bool) -> bool:
+        """Drafting steps after the first from ``StaticDraftSteps`` (CUDA graphs when ``graphs``; on a
+        CPU the same fixed shapes uncaptured). Not for TLI drafters, nor where the batch-invariant
+        attention kernels do not run. Returns whether it is on."""
+        from moa_serve.drafter.static_steps import StaticDraftSteps
+        from moa_serve.kernels import gpu_invariant
+
+        hd = self.cfg.sa_shape().head_dim
+        kernel = (gpu_invariant.available(self.device) and hd & (hd - 1) == 0) if self.device.type != "cpu" \
+            else kernels.library() is not None or gpu_invariant.available("cpu")
+        if len(self.parts.tli) or not kernel:
+            self.static_steps = None
+            return False
+        self.static_steps = StaticDraftSteps(self, graphs)
+        return True
 
     def _static_steps_apply(self, live, ctx, slots: torch.Tensor) -> bool:
-        """Whether the rest of this call runs as static steps: greedy chains, every session with a
-        verified feature (or the single-feature CA), few enough sessions."""
+        """Whether the rest of this call runs as static steps: greedy chains, few enough sessions,
+        and what the proposer's step needs at hand (``_static_ready``)."""
         if self.static_steps is None or self.branching or self.tree_min_value > 0:
             return False
         if not all(r.sampling.greedy for r, _, _ in live) or self.static_steps.size_for(len(live)) is None:
             return False
-        return ctx[3] is not None or bool((self.ca_cache.lengths[slots] > 0).all())
+        return self._static_ready(ctx, slots)
+
+    def _static_ready(self, ctx, slots: torch.Tensor) -> bool:
+        return True
 
     def _draft_static(self, live, want: list[int], first: torch.Tensor, slots: torch.Tensor, ctx, picked) -> None:
         """Steps 1 .. max(want)-1 for every session from the static steps; each session keeps the
         drafts of its own ``want`` (``picked`` gets one entry per step, as the planned loop's)."""
         steps = max(want) - 1
-        out = self.static_steps(first, slots.tolist(), self.sa_cache.lengths[slots].tolist(),
-                                self.ca_cache.lengths[slots].tolist(), steps, ctx[3])
+        extra, carry = self._static_inputs(ctx, slots)
+        out = self.static_steps(first, slots.tolist(), self.static_cache.lengths[slots].tolist(), steps, extra, carry)
         for j in range(steps):
             rows = [i for i in range(len(live)) if want[i] > j + 1]
             picked.append((rows, out[torch.tensor(rows, device=out.device), j]))
@@ -394,24 +416,9 @@ class MoAProposer(ProposerBase):
         # computed once per draft call instead of per drafted token (CrossAttentionLayer)
         self.single_feature_ca = bool(cfg.cross_attention_latest_only)
         fuse_projections([self.head.cross_attention])  # its MLP's gate/up, when packed
+        self.static_cache = self.sa_cache
         if self.device.type == "cuda":
             self.use_static_steps(graphs=True)
-
-    def use_static_steps(self, graphs: bool) -> bool:
-        """Drafting steps after the first from ``StaticDraftSteps`` (CUDA graphs when ``graphs``; on a
-        CPU the same fixed shapes uncaptured). Not for TLI drafters, nor where the batch-invariant
-        attention kernels do not run. Returns whether it is on."""
-        from moa_serve.drafter.static_steps import StaticDraftSteps
-        from moa_serve.kernels import gpu_invariant
-
-        sa_hd = self.cfg.sa_shape().head_dim
-        kernel = (gpu_invariant.available(self.device) and sa_hd & (sa_hd - 1) == 0) if self.device.type != "cpu" \
-            else kernels.library() is not None or gpu_invariant.available("cpu")
-        if len(self.parts.tli) or not kernel:
-            self.static_steps = None
-            return False
-        self.static_steps = StaticDraftSteps(self, graphs)
-        return True
 
     @classmethod
     def load(cls, drafter: str, target: str | None = None, dtype="float32", device="cpu", max_sessions=16,
@@ -475,6 +482,30 @@ class MoAProposer(ProposerBase):
 
     def _narrow(self, ctx, sel: torch.Tensor, slots: torch.Tensor):
         return self._start(None, slots)
+
+    # ------------------------------------------------------------------ static steps
+    def _static_ready(self, ctx, slots: torch.Tensor) -> bool:
+        """The single-feature CA's output is at hand, or every session has a verified feature."""
+        return ctx[3] is not None or bool((self.ca_cache.lengths[slots] > 0).all())
+
+    def _static_inputs(self, ctx, slots: torch.Tensor):
+        """(each session's last feature position, the single-feature CA output or None)."""
+        single = ctx[3]
+        return (self.ca_cache.lengths[slots] - 1).tolist(), (None if single is None else single[:, 0])
+
+    def _static_step(self, tokens, slots, positions, store_at, last_feature, single):
+        """One draft step over fixed-shape device tensors (``StaticDraftSteps``): SA over the SA
+        cache, CA over the session's features (or the single-feature output). Returns the hidden
+        state before the LM head [N, H] and ``single`` unchanged."""
+        sa, ca, head = self.sa_cache, self.ca_cache, self.head
+        x = self.parts.embed_tokens(tokens)
+        cos, sin = self.parts.rotary(positions, x.dtype)
+        cos, sin = cos[0][:, None], sin[0][:, None]  # [N, 1, hd]: broadcast over heads
+        x = head.self_attention.forward_packed(x, cos, sin, PackedBatch.static(sa, slots, positions, store_at).attention(0))
+        if single is not None:
+            return head.cross_attention.forward_single_feature(x, single), single
+        return head.cross_attention.forward_packed(
+            x, cos, sin, lambda q: invariant_attention(q, ca.k[0], ca.v[0], slots, last_feature, last_feature)), None
 
     def _forward(self, ctx, batch, tokens, qlens, slots, step, feed) -> torch.Tensor:
         """Feeds each session its tokens [B, T] (qlens real ones); returns the hidden state before

@@ -105,6 +105,34 @@ def test_deltas_draft_exactly_what_full_lists_draft(kind, smollm_target):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_static_draft_steps_draft_what_the_planned_loop_drafts(kind, smollm_target):
+    """A call's steps after the first as fixed shapes (drafter/static_steps.py: one CUDA graph per
+    call on a GPU, run uncaptured here) draft the planned per-step loop's tokens, for every drafter
+    kind, over ragged rounds whose sessions want different numbers of drafts."""
+    planned = load_proposer(smollm_drafter(kind), target_model=smollm_target, max_sessions=3, max_model_len=128)
+    static = load_proposer(smollm_drafter(kind), target_model=smollm_target, max_sessions=3, max_model_len=128)
+    assert planned.static_steps is None and static.use_static_steps(graphs=False)
+    ra, rb = _Router(576), _Router(576)
+    prompts = {"x": [1, 504, 3300, 281, 1345, 30], "y": [1, 88, 2020, 1900, 17, 420, 4950, 11, 279],
+               "z": [1, 2020, 30]}
+    for i, (sid, p) in enumerate(prompts.items()):
+        ra.add(sid, p, i)
+        rb.add(sid, p, i)
+    for rnd in range(4):
+        ks = {"x": 4, "y": 2 + rnd, "z": 1 + rnd % 2}
+        got = static.propose([ra.request(s, ks[s]) for s in prompts])
+        want = planned.propose([rb.request(s, ks[s]) for s in prompts])
+        assert [r.drafts for r in got] == [r.drafts for r in want]
+        for res in got:
+            ra.delivered(res)
+            rb.delivered(res)
+            new = res.drafts[:rnd % 3] + [(res.drafts[0] + 1 + rnd) % 49152]
+            ra.commit(res.session_id, new)
+            rb.commit(res.session_id, new)
+    assert static.static_steps.stats["static_draft_calls"] == 4
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_packed_fused_drafting_drafts_what_torch_layers_draft(kind, smollm_target, monkeypatch):
     """The shipped checkpoints are bf16, so a float32 CPU proposer reads them through the packed
     bf16 kernels with its decoder layers fused into one kernel call: over ragged rounds (sessions
