@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from moa_serve.app.schemas import ChatMessage, _Body, exactly_one_of
-from moa_serve.sampling import SamplingParams
+from moa_serve.sampling import TEMPERATURE_MAX, SamplingParams, Seed, Temperature, TopK, TopP
 
 SESSION_ID = r"^[A-Za-z0-9_-]{8,64}$"
 
@@ -32,10 +32,10 @@ class CreateSession(_Body):
     token_ids: list[int] | None = Field(None, min_length=1, description="the prompt as token ids, or after a "
                                         "resync every token the client has committed")
     max_tokens: int = Field(128, ge=1, le=32768, description="new tokens this session may commit")
-    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=0)
+    temperature: Temperature = Field(0.0, le=TEMPERATURE_MAX)
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    seed: Seed = None
     ignore_eos: bool = False
     fingerprints: Fingerprints
     want_features: bool = Field(True, description="the client's drafter reads the verifier's features (MoA, EAGLE)")

@@ -1,22 +1,51 @@
 """Sampling parameters of one request, validated once at the edge and carried per session, and the
 sampling primitives every side shares: warping logits into probabilities, seeded generators that
-depend only on (seed, position, stream) so replicas and rounds agree, and drawing a token."""
+depend only on (seed, position, stream) so replicas and rounds agree, and drawing a token.
+
+The field types below (``Temperature``, ``TopP``, ``TopK``, ``Seed``) are the one definition of
+what each sampling parameter accepts: ``SamplingParams`` and every request body that carries
+sampling parameters (``app/schemas.py``, ``app/cs_schemas.py``) use them, so the HTTP routes, the
+client-server protocol and the CLIs refuse the same values with an error naming the field. A float
+field takes finite numbers only (NaN and infinities are refused, never compared); a positive
+temperature below ``SAMPLING_EPS`` is greedy decoding (dividing logits by it would overflow
+float32 and turn the distribution into NaN)."""
 
 from __future__ import annotations
 
 import hashlib
+from typing import Annotated
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+SAMPLING_EPS = 1e-5  # as vLLM's vllm.sampling_params._SAMPLING_EPS: a temperature below it is greedy
+# the largest integer every JSON parser holds exactly (I-JSON): a bound that a schema validator comparing
+# as doubles checks as the server does; well within the 64-bit seeds of torch and vLLM generators
+SEED_MAX = 2**53 - 1
+TEMPERATURE_MAX = 10.0
+
+
+def _greedy_below_eps(temperature: float) -> float:
+    return 0.0 if temperature < SAMPLING_EPS else temperature
+
+
+Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False, description=(
+    f"0 = greedy; a temperature below {SAMPLING_EPS:g} is greedy too (as in vLLM)")),
+    AfterValidator(_greedy_below_eps)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False, description=(
+    "nucleus sampling: the smallest set of most likely tokens whose probability reaches top_p (at least the "
+    "most likely token); 1 = off"))]
+TopK = Annotated[int, Field(ge=0, description="0 = no top-k filtering; at least the vocabulary = off")]
+Seed = Annotated[int | None, Field(ge=0, le=SEED_MAX, description="makes sampling reproducible")]
 
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 = no top-k filtering")
-    seed: int | None = Field(None, ge=0, description="makes sampling reproducible")
+    temperature: Temperature = Field(0.0, le=TEMPERATURE_MAX)
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    seed: Seed = None
 
     @property
     def greedy(self) -> bool:
@@ -37,6 +66,7 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
         drop_sorted = before >= params.top_p  # keeps the smallest prefix whose mass reaches top_p
+        drop_sorted[..., 0] = False  # ... never empty: a top_p that rounds to 0 in float32 keeps the top token
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -245,6 +245,37 @@ def test_sampling_rounds_need_the_drafters_distribution(server):
     asyncio.run(main())
 
 
+def test_sessions_waiting_for_a_seat_take_those_of_idle_client_server_sessions(server, reference):
+    """Clients that open sessions and go away (or sit between rounds) must not hold every round
+    seat until their TTL: a session waiting for a seat takes the one idle longest, whose client's
+    next call resyncs; the client that was used more recently keeps its session."""
+    prompt = server.tokenizer.encode("Once upon a time")
+
+    async def main():
+        svc = RoundService(server.service.calls.verify_fn, None, server.service.calls.release_fn,
+                           RoundOptions(speculation_governor=False, max_sessions_per_round=2),
+                           features=AlwaysFeatures())
+        cs = ClientSessions(svc, server.identity)
+        old, _ = await cs.create(prompt, fingerprints=prints(server), max_tokens=8, sampling=GREEDY)
+        kept, r0 = await cs.create(prompt, fingerprints=prints(server), max_tokens=8, sampling=GREEDY)
+        assert svc.active_sessions == 2
+        local = svc.submit(Session("local", prompt, 6, max_model_len=512))
+        tokens = await asyncio.wait_for(_collect(svc, local), timeout=30)
+        assert tokens == reference(prompt, 6)
+        assert cs.stats["reclaimed"] == 1 and old not in cs.entries and kept in cs.entries
+        with pytest.raises(Resync):
+            await cs.verify(old, 1, len(prompt) + 1, [])
+        r1 = await cs.verify(kept, 1, len(prompt) + 1, [])
+        assert r1.round == 1 and r1.tokens == reference(prompt, 2)[1:]
+        await svc.stop()
+
+    asyncio.run(main())
+
+
+async def _collect(svc, tracked) -> list[int]:
+    return [tok async for ev in svc.stream(tracked) for tok in ev.tokens]
+
+
 # ---------------------------------------------------------------------- HTTP
 @pytest.fixture()
 def api(server):
@@ -359,3 +390,91 @@ def test_bad_verify_is_a_4xx_naming_the_field(api, server):
     url = f"/v1/cs/sessions/{wire.unpack(r.content)[0]['session_id']}/verify"
     r = api.post(url, json={"round": 1, "committed_length": 4, "draft_ids": [1], "alternatives": [[2]]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "alternatives"
+
+
+# ---------------------------------------------------------------------- sampling values the sampler cannot run
+REFUSED = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity", "overflow": "1e400", "huge": "1.7976931348623157e308",
+           "-denormal": "-5e-324"}
+DENORMALS = ("2.225073858507e-311", "5e-324")
+
+
+def _raw_json(body: dict, field: str, raw: str) -> str:
+    """``body`` as JSON text with ``"field": raw`` written in as is (NaN, Infinity, 1e400 ...)."""
+    return json.dumps(body)[:-1] + f', "{field}": {raw}}}'
+
+
+def _as_frame(text: str) -> bytes:
+    """The same message as a binary frame: its JSON header is the text, byte for byte."""
+    head = text.encode()
+    return len(head).to_bytes(4, "little") + head
+
+
+@pytest.mark.parametrize("framed", [False, True], ids=["json", "frame"])
+@pytest.mark.parametrize("raw", REFUSED.values(), ids=REFUSED.keys())
+def test_a_float_sampling_value_the_model_cannot_run_is_a_400_naming_the_field_on_create(api, server, raw, framed):
+    calls = len(server.verify_calls)
+    for field in ("temperature", "top_p"):
+        text = _raw_json(_create(server, max_tokens=4), field, raw)
+        kw = {"content": _as_frame(text), "headers": {"content-type": wire.MEDIA_TYPE}} if framed else \
+            {"content": text, "headers": {"content-type": "application/json"}}
+        r = api.post("/v1/cs/sessions", **kw)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field and err["type"] == "invalid_request_error", err
+    assert len(server.verify_calls) == calls  # refused before any round
+
+
+@pytest.mark.parametrize("framed", [False, True], ids=["json", "frame"])
+@pytest.mark.parametrize("raw", DENORMALS)
+def test_a_denormal_temperature_opens_a_greedy_session_and_a_denormal_top_p_a_sampling_one(api, server, raw, framed):
+    def create(field, extra):
+        text = _raw_json(_create(server, max_tokens=4, **extra), field, raw)
+        kw = {"content": _as_frame(text), "headers": {"content-type": wire.MEDIA_TYPE}} if framed else \
+            {"content": text, "headers": {"content-type": "application/json"}}
+        r = api.post("/v1/cs/sessions", **kw)
+        assert r.status_code == 200, r.text
+        header = wire.unpack(r.content)[0]
+        assert r.headers["session-id"] == header["session_id"] and len(header["tokens"]) == 1
+        return header["session_id"]
+
+    greedy = create("temperature", {"top_p": 0.5})
+    url = f"/v1/cs/sessions/{greedy}/verify"
+    r = api.post(url, json={"round": 1, "committed_length": 4, "draft_ids": [5, 6], "alternatives": [[7]]})
+    assert r.status_code == 200, r.text  # tree drafts: verified greedily, so the session is greedy
+    sampling = create("top_p", {"temperature": 1.0, "seed": 1})
+    url = f"/v1/cs/sessions/{sampling}/verify"
+    r = api.post(url, content=wire.pack({"round": 1, "committed_length": 4, "draft_ids": [5, 6]},
+                                        {"draft_probs": torch.full((2, 512), 1 / 512)}),
+                 headers={"content-type": wire.MEDIA_TYPE})
+    header = wire.unpack(r.content)[0]
+    assert r.status_code == 200 and 1 <= len(header["tokens"]) <= 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_draft_probs_that_are_not_finite_or_negative_are_a_400_and_denormal_or_huge_ones_run(api, server, dtype):
+    r = api.post("/v1/cs/sessions", json=_create(server, max_tokens=16, temperature=0.8, seed=1))
+    sid = wire.unpack(r.content)[0]["session_id"]
+    url, frame = f"/v1/cs/sessions/{sid}/verify", {"content-type": wire.MEDIA_TYPE}
+    n, rnd = 4, 1
+    tiny = torch.finfo(dtype).smallest_normal / 4  # denormal in every dtype that travels
+    for bad in (float("nan"), float("inf"), float("-inf"), -tiny, -1.0):
+        probs = torch.full((2, 512), 1 / 512).to(dtype)
+        probs[1, 7] = bad
+        r = api.post(url, content=wire.pack({"round": rnd, "committed_length": n, "draft_ids": [5, 6]},
+                                            {"draft_probs": probs}), headers=frame)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "draft_probs", (bad, r.text)
+    for field in ("round", "committed_length", "features_from"):  # integers: NaN, infinities, 1e400 are not
+        for raw in ("NaN", "Infinity", "-Infinity", "1e400", "5e-324"):
+            text = _raw_json({k: v for k, v in {"round": rnd, "committed_length": n}.items() if k != field},
+                             field, raw)
+            r = api.post(url, content=_as_frame(text), headers=frame)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, raw, r.text)
+    for odd in (tiny, torch.finfo(dtype).max, 0.0):  # finite, non-negative: acceptance runs on them
+        probs = torch.full((2, 512), odd, dtype=dtype)
+        r = api.post(url, content=wire.pack({"round": rnd, "committed_length": n, "draft_ids": [5, 6]},
+                                            {"draft_probs": probs}), headers=frame)
+        assert r.status_code == 200, (odd, r.text)
+        header = wire.unpack(r.content)[0]
+        assert 1 <= len(header["tokens"]) <= 3 and header["round"] == rnd
+        n, rnd = header["committed_length"], rnd + 1
+        if header.get("finish_reason"):
+            break

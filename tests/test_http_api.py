@@ -4,7 +4,11 @@ round service (the same routes, models and error handlers the Router mounts):
 * schemathesis fuzzes every operation (a bounded number of examples): no server error, and every
   status, content type and body is one the schema documents (400 for bad input, never 422);
 * before the pools are ready a generation gets 503 with Retry-After, a full queue 429 with
-  Retry-After, a failed round 500, a server without a frontend yet 503 — each documented."""
+  Retry-After, a failed round 500, a server without a frontend yet 503 — each documented;
+* every float sampling field (NaN, infinities, denormals, huge values) on every route: a 400
+  naming the field, or what the value means (a temperature below the epsilon is greedy) — the
+  fake service samples from a distribution warped with the session's parameters, as the
+  verifier does, so a value the sampler cannot run fails here as it would on a server."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import os
 
 import pytest
 import schemathesis
+import torch
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
 from starlette.requests import ClientDisconnect
@@ -24,6 +29,7 @@ from moa_serve.app.frontend import Frontend
 from moa_serve.app.http import create_app
 from moa_serve.engine.events import QueueFullError, TokenEvent
 from moa_serve.engine.round_stats import ServiceStats
+from moa_serve.sampling import SAMPLING_EPS, SEED_MAX, sample, warp_probs
 from tests.conftest import SMOLLM
 
 # examples per operation: 30 keep CI to seconds; MOA_SCHEMATHESIS_EXAMPLES=2000 for a long local run
@@ -38,7 +44,9 @@ GENERATION_ROUTES = [
 
 class FakeRoundService:
     """Answers every session with a few fixed tokens; ``full`` makes submit refuse (a full queue),
-    ``fail`` makes the round end in an error event."""
+    ``fail`` makes the round end in an error event. A sampling session first draws a token from
+    logits warped with its parameters, as the verifier does (an error there fails the request as
+    a verifier error would); ``sampled`` records each session's parameters."""
 
     queue_depth = active_sessions = 0
 
@@ -47,6 +55,7 @@ class FakeRoundService:
         self.stats = ServiceStats()
         self.full = self.fail = False
         self.submitted = 0
+        self.sampled = []
 
     def submit(self, session):
         if self.full:
@@ -56,6 +65,10 @@ class FakeRoundService:
 
     async def stream(self, tracked):
         await asyncio.sleep(0)
+        self.sampled.append(tracked.sampling)
+        if not tracked.sampling.greedy:
+            logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0)) * 30
+            sample(warp_probs(logits, tracked.sampling)[0], None)
         if self.fail:
             yield TokenEvent([], "error: RuntimeError: every verify retry failed")
             return
@@ -154,6 +167,39 @@ def test_openapi_documents_400_not_422_and_retry_after(client):
         assert "text/event-stream" in responses["200"]["content"]
 
 
+def test_openapi_describes_the_client_server_frames_and_links_a_sessions_calls(client):
+    """The binary bodies have a documented layout and 400; the links take a stateful fuzzer from the
+    handshake to create (the server's fingerprints) and from create (its Session-Id) to verify and
+    DELETE: every link names an operation and parameters that exist, and reads fields the source
+    answers."""
+    import dataclasses
+
+    from moa_serve.cs.sessions import ServerIdentity
+
+    schema = client.get("/openapi.json").json()
+    ops = {op["operationId"]: (path, method, op) for path, item in schema["paths"].items()
+           for method, op in item.items()}
+    for op_id in ("cs_create_session", "cs_verify_round"):
+        path, _, op = ops[op_id]
+        frame = op["requestBody"]["content"]["application/octet-stream"]["schema"]
+        assert frame["format"] == "binary" and "uint32, little-endian" in frame["description"]
+        assert "application/json" in op["requestBody"]["content"]
+        assert "malformed frame" in op["responses"]["400"]["description"]
+        assert set(op["responses"]["200"]["content"]) == {"application/octet-stream"}, path
+    handshake_fields = {f.name for f in dataclasses.fields(ServerIdentity)}
+    create = ops["cs_create_session"][2]["responses"]["200"]
+    assert create["headers"]["Session-Id"]["required"] is True
+    links = {**ops["cs_identity"][2]["responses"]["200"]["links"], **create["links"]}
+    assert {link["operationId"] for link in links.values()} == {"cs_create_session", "cs_verify_round",
+                                                                 "cs_close_session"}
+    for link in links.values():
+        target = ops[link["operationId"]][2]
+        for name, expr in link.get("parameters", {}).items():
+            assert name in {p["name"] for p in target["parameters"]} and expr == "$response.header.Session-Id"
+        for part, expr in link.get("requestBody", {}).get("fingerprints", {}).items():
+            assert expr == f"$response.body#/{part}" and part in handshake_fields
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/generate", {"prompt": "x", "top_p": 0}, "top_p"),
     ("/v1/generate", {"prompt": "x", "colour": "red"}, "colour"),
@@ -170,6 +216,67 @@ def test_bad_input_is_a_documented_400_naming_the_field(client, path, body, para
 def test_wrong_method_is_405_with_allow(client):
     r = client.get("/v1/generate")
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == 405
+
+
+# ---------------------------------------------------------------------- sampling values the sampler cannot run
+FLOAT_FIELDS = {"/v1/generate": ("temperature", "top_p"),
+                "/v1/completions": ("temperature", "top_p", "presence_penalty", "frequency_penalty"),
+                "/v1/chat/completions": ("temperature", "top_p", "presence_penalty", "frequency_penalty")}
+# as a client writes them in the JSON text (Python's json, as FastAPI's, reads NaN and Infinity, and
+# a number too large for a double as an infinity)
+REFUSED = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity", "overflow": "1e400", "huge": "1.7976931348623157e308",
+           "-denormal": "-5e-324", "negative": "-1"}
+DENORMALS = ("2.225073858507e-311", "5e-324")
+
+
+def post_raw(client, path: str, body: dict, field: str, raw: str):
+    """POSTs ``body`` with ``"field": raw`` written into the JSON text as is."""
+    text = json.dumps(body)[:-1] + f', "{field}": {raw}}}'
+    return client.post(path, content=text, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("raw", REFUSED.values(), ids=REFUSED.keys())
+@pytest.mark.parametrize("path, body", GENERATION_ROUTES)
+def test_a_float_sampling_value_the_model_cannot_run_is_a_400_naming_the_field(client, service, path, body, raw):
+    for field in FLOAT_FIELDS[path]:
+        r = post_raw(client, path, body, field, raw)
+        assert_error(r, 400, "invalid_request_error", retry_after=False)
+        assert r.json()["error"]["param"] == field, (field, r.json())
+    assert service.submitted == 0
+    documented(client, path, "post", 400)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("raw", DENORMALS + ("1e-30", repr(SAMPLING_EPS / 2)))
+@pytest.mark.parametrize("path, body", GENERATION_ROUTES)
+def test_a_temperature_below_the_epsilon_is_greedy_on_every_route(client, service, path, body, raw, stream):
+    """The input of the report: a denormal temperature reached the sampler and answered 500."""
+    r = post_raw(client, path, {**body, "stream": stream, "top_p": 0.5}, "temperature", raw)
+    assert r.status_code == 200, r.text
+    assert "error" not in r.text
+    assert service.sampled[-1].greedy and service.sampled[-1].temperature == 0.0
+    r = post_raw(client, path, body, "temperature", repr(SAMPLING_EPS))
+    assert r.status_code == 200 and service.sampled[-1].temperature == SAMPLING_EPS  # from the epsilon on: sampled
+
+
+@pytest.mark.parametrize("raw", DENORMALS)
+@pytest.mark.parametrize("path, body", GENERATION_ROUTES)
+def test_a_denormal_top_p_samples_the_most_likely_token(client, service, path, body, raw):
+    r = post_raw(client, path, {**body, "temperature": 1.0}, "top_p", raw)
+    assert r.status_code == 200, r.text
+    assert not service.sampled[-1].greedy and 0 < service.sampled[-1].top_p < 1e-300
+    if path != "/v1/generate":  # OpenAI's penalties: only 0 is served; a denormal is not 0
+        for field in ("presence_penalty", "frequency_penalty"):
+            r = post_raw(client, path, body, field, raw)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("path, body", GENERATION_ROUTES)
+def test_integer_sampling_fields_at_their_bounds(client, service, path, body):
+    assert client.post(path, json={**body, "temperature": 1.0, "seed": SEED_MAX, "top_k": 10**30}).status_code == 200
+    for field, value in (("seed", SEED_MAX + 1), ("seed", -1), ("top_k", -1)):
+        r = client.post(path, json={**body, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
 
 
 # ---------------------------------------------------------------------- startup and overload

@@ -2,11 +2,16 @@
 exact probabilities with a bound derived from the sample size, with a negative control."""
 
 
+import argparse
+import math
+
 import pytest
 import torch
+from pydantic import ValidationError
 
+from moa_serve.cli_args import CLIError, sampling_params
 from moa_serve.engine.engine import SpeculativeEngine
-from moa_serve.sampling import SamplingParams, warp_probs
+from moa_serve.sampling import SAMPLING_EPS, SEED_MAX, TEMPERATURE_MAX, SamplingParams, sample, warp_probs
 from moa_serve.kv_cache import PackedBatch
 from moa_serve.verifier.acceptance import accept_sampling
 
@@ -102,3 +107,56 @@ def test_seeded_sampling_is_reproducible(stories_path, stories_drafter):
     b = spec.generate([prompt], 20, params)[0].token_ids
     c = spec.generate([prompt], 20, params.model_copy(update={"seed": 99}))[0].token_ids
     assert a == b and a != c
+
+
+# ---------------------------------------------------------------------- values the sampler cannot run
+NON_FINITE = (math.nan, math.inf, -math.inf)
+DENORMALS = (2.225073858507e-311, 5e-324)
+
+
+@pytest.mark.parametrize("value", NON_FINITE + (1.7976931348623157e308, -5e-324, -1.0))
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_a_float_parameter_the_sampler_cannot_run_is_refused_naming_it(field, value):
+    with pytest.raises(ValidationError) as err:
+        SamplingParams(**{field: value})
+    assert err.value.errors()[0]["loc"] == (field,)
+    args = argparse.Namespace(temperature=0.0, top_p=1.0, top_k=0, seed=None)
+    setattr(args, field, value)
+    with pytest.raises(CLIError, match=f"--{field.replace('_', '-')}"):
+        sampling_params(args)  # the CLIs refuse what the HTTP routes refuse
+
+
+@pytest.mark.parametrize("temperature", DENORMALS + (1e-30, 1e-38, SAMPLING_EPS / 2))
+def test_a_temperature_below_the_epsilon_is_greedy(temperature):
+    params = SamplingParams(temperature=temperature, top_p=0.5, seed=3)
+    assert params.greedy and params.temperature == 0.0
+    at_eps = SamplingParams(temperature=SAMPLING_EPS)
+    assert not at_eps.greedy and at_eps.temperature == SAMPLING_EPS
+
+
+def test_integer_parameters_at_their_bounds():
+    assert SamplingParams(seed=SEED_MAX, top_k=10**30).seed == SEED_MAX
+    for field, value in (("seed", SEED_MAX + 1), ("seed", -1), ("top_k", -1)):
+        with pytest.raises(ValidationError) as err:
+            SamplingParams(**{field: value})
+        assert err.value.errors()[0]["loc"] == (field,)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=SAMPLING_EPS),
+    SamplingParams(temperature=TEMPERATURE_MAX),
+    SamplingParams(temperature=1.0, top_p=DENORMALS[0]),
+    SamplingParams(temperature=1.0, top_p=DENORMALS[1]),
+    SamplingParams(temperature=SAMPLING_EPS, top_p=DENORMALS[1], top_k=1),
+    SamplingParams(temperature=TEMPERATURE_MAX, top_k=10**30),
+], ids=["eps", "max", "top_p-denormal", "top_p-min", "all-edges", "top_k-huge"])
+def test_every_accepted_parameter_warps_to_a_distribution_the_sampler_draws_from(params):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=gen) * 30
+    probs = warp_probs(logits, params)
+    assert torch.isfinite(probs).all() and (probs >= 0).all()
+    assert torch.allclose(probs.sum(-1), torch.ones(4))
+    for row in probs:
+        sample(row, gen)
+    if params.top_p < 1e-300:  # a top_p that float32 rounds to 0: the most likely token alone
+        assert torch.equal(probs.argmax(-1), logits.argmax(-1)) and bool((probs.max(-1).values == 1).all())

@@ -14,7 +14,9 @@ every other user); the client drives it one round at a time:
   (HTTP 409) with the length the server expects: the client sends its committed ids again
   through ``create``.
 
-Sessions idle longer than ``ttl_s`` are dropped (their caches freed)."""
+Sessions idle longer than ``ttl_s`` are dropped (their caches freed). Before that, a session
+between rounds gives its round seat back when others wait for one (``reclaim``: the longest idle
+first): its client's next call is a resync, and nothing it committed is lost."""
 
 from __future__ import annotations
 
@@ -142,8 +144,9 @@ class ClientSessions:
         self.clock = clock
         self.entries: dict[str, _Entry] = {}
         self.stats = {"created": 0, "rounds": 0, "replays": 0, "resyncs": 0, "expired": 0, "closed": 0,
-                      "drafted": 0, "accepted": 0}
+                      "reclaimed": 0, "drafted": 0, "accepted": 0}
         self._sweeper: asyncio.Task | None = None
+        service.reclaim = self.reclaim  # seats of idle client-server sessions, for sessions waiting for one
 
     async def identity(self) -> ServerIdentity:
         if not isinstance(self._identity, ServerIdentity):
@@ -211,7 +214,8 @@ class ClientSessions:
         e = self.entries.get(session_id)
         if e is None:
             self.stats["resyncs"] += 1
-            raise Resync(f"unknown session {session_id} (expired, closed or lost by a server restart): "
+            raise Resync(f"unknown session {session_id} (expired, closed, reclaimed for waiting requests or lost "
+                         "by a server restart): "
                          "create it again with your committed token ids", 0, 0)
         e.touched = self.clock()
         key = (round, committed_length)
@@ -328,6 +332,20 @@ class ClientSessions:
         self.service.abort(e.tracked)
         self.stats["closed"] += 1
         return True
+
+    def reclaim(self, n: int) -> int:
+        """Gives back up to ``n`` round seats for sessions that wait for one (``RoundService``
+        asks when none is free): the sessions without a round running, the longest idle first,
+        are dropped as if expired. A client between rounds that comes back gets a resync and
+        creates its session again with its committed tokens; one that went away no longer holds
+        a seat until its TTL. Returns how many were dropped."""
+        idle = sorted((e for e in self.entries.values() if e.inflight is None and not e.tracked.session.finished),
+                      key=lambda e: e.touched)[:n]
+        for e in idle:
+            del self.entries[e.tracked.session.id]
+            self.service.abort(e.tracked)
+            self.stats["reclaimed"] += 1
+        return len(idle)
 
     def _sweep(self) -> None:
         """Drops sessions idle for longer than the TTL (never one with a round running)."""

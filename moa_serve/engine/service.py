@@ -16,7 +16,10 @@ duplicated.
 Client-server mode: a *remote* session (``submit(..., remote=True)``) drafts on the user's
 device. It joins a round only when its client has proposed drafts (``verify_remote``): the
 drafter pool is never asked for it, but its drafts go into the same verify call as everyone
-else's, and the round's tokens answer the client instead of a stream.
+else's, and the round's tokens answer the client instead of a stream. Between its rounds it holds
+a seat; when sessions wait for a seat and none is free, ``reclaim`` (installed by the client-server
+sessions) gives back seats of remote sessions waiting for their clients, so that clients that went
+away cannot hold every seat until their sessions expire.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -66,6 +69,8 @@ class RoundService:
         self._wake: dict[Hashable, asyncio.Event] = {}
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        # frees up to n seats held by remote sessions between rounds (ClientSessions.reclaim)
+        self.reclaim: Callable[[int], int] | None = None
 
     def governor_snapshot(self) -> dict:
         """Measured ms per committed token with speculation on/off, per group and batch bucket."""
@@ -177,6 +182,11 @@ class RoundService:
             self.rounds.admitted(g)
             if g in self._wake:
                 self._wake[g].set()
+        if self._waiting and self.reclaim is not None:
+            # seats of aborted sessions come free when their group loop drops them (then this runs again)
+            freeing = sum(t.session.finished for active in self._active.values() for t in active)
+            if len(self._waiting) > freeing:
+                self.reclaim(len(self._waiting) - freeing)
         self.observer.queue_depth(len(self._waiting))
 
     # ------------------------------------------------------------------ group loop
