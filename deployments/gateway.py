@@ -30,6 +30,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from moa_serve.app import state
+from moa_serve.app.access import Access
 from moa_serve.app.frontend import Frontend
 from moa_serve.app.http import create_app
 from moa_serve.deployments.config import AppConfig
@@ -125,7 +126,8 @@ class Gateway:
                               model_name=self.cfg.model_name or self.cfg.target,
                               adaptive_speculation=self.cfg.adaptive_speculation,
                               drafter_needs_features=kind in ("moa", "eagle")),
-            ready=self.ready, retry_after_s=r.retry_after_s, stats=self.stats)
+            ready=self.ready, retry_after_s=r.retry_after_s, stats=self.stats,
+            access=Access.for_gateway(self.cfg, info.max_model_len, info.vocab_size))  # keys, limits
 
     async def _call(self, method: str, *args, group: str | None = None, **kwargs):
         """One call to the Router (``group``: the affinity key), raising what the Router raised

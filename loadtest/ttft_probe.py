@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
 import urllib.request
+
+from moa_serve.app.auth import API_KEY_ENV
 
 
 def load_prompts(path: str, limit: int) -> list[str]:
@@ -41,12 +44,20 @@ def percentile(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
+def request_headers() -> dict[str, str]:
+    """JSON, and ``$MOA_API_KEY`` as a bearer token when set (a server with API keys)."""
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get(API_KEY_ENV):
+        headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
+    return headers
+
+
 def stream_one(base: str, model: str, prompt: str, max_tokens: int, timeout: float) -> tuple[float | None, float, int]:
     """(seconds to the first text chunk or None, seconds to the end, text chunks) of one request."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True}
     req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers=request_headers())
     t0 = time.perf_counter()
     first, chunks = None, 0
     with urllib.request.urlopen(req, timeout=timeout) as resp:

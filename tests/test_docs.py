@@ -122,5 +122,5 @@ def test_readme_is_short_and_the_license_is_there():
     assert "Apache License" in (ROOT / "LICENSE").read_text(encoding="utf-8")
     assert (ROOT / "NOTICE").is_file()
     for page in ("architecture", "configuration", "client-server", "vllm-backend", "training", "kubernetes",
-                 "benchmarks"):
+                 "benchmarks", "security"):
         assert f"docs/{page}.md" in readme, f"the README links docs/{page}.md"

@@ -531,7 +531,7 @@ def test_hf_token_comes_from_a_secret(built):
         assert not re.search(r"hf_[A-Za-z0-9]{20,}", path.read_text()), f"{path}: looks like a real token"
 
 
-def test_cpu_dev_needs_no_secret_and_uses_local_models(built):
+def test_cpu_dev_needs_no_hf_token_and_uses_local_models(built):
     rs = the_rayservice(built["cpu-dev"])
     for role, _, template in ray_pods(rs):
         env = env_of(ray_container(template))
@@ -539,6 +539,65 @@ def test_cpu_dev_needs_no_secret_and_uses_local_models(built):
         assert env["MOA_MODEL_DIR"]["value"] == "/opt/moa/models", role   # baked in by the Dockerfile
     assert "COPY --from=models" in (ROOT / "Dockerfile").read_text()
     assert "/opt/moa/models" in (ROOT / "Dockerfile").read_text()
+
+
+@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
+def test_api_keys_come_from_a_secret_on_every_ray_container(name, built):
+    """The Gateway may run on any Ray Pod: each mounts the Secret read-only and names the file;
+    the Secret is required (a Pod without it does not start) and no key is in the manifests."""
+    rs = the_rayservice(built[name])
+    for role, _, template in ray_pods(rs):
+        container = ray_container(template)
+        assert env_of(container)["MOA_API_KEYS_FILE"] == {"name": "MOA_API_KEYS_FILE", "value": render.API_KEYS_FILE}
+        [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == render.API_KEYS_DIR]
+        assert mount["readOnly"] is True, role
+        [volume] = [v for v in template["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"] == {"secretName": "moa-api-keys"}, role  # not optional: fail closed
+    assert "http_auth" not in render.the_application(embedded_serve_config(rs))["args"]
+
+
+def test_render_refuses_a_manifest_without_the_keys_or_with_keys_in_the_serve_config():
+    target = render.TARGETS[0]
+    text = (ROOT / target.manifest).read_text()
+    for dropped in ("                  - {name: api-keys, mountPath: /etc/moa/api-keys, readOnly: true}\n",
+                    "                  - {name: MOA_API_KEYS_FILE, value: /etc/moa/api-keys/keys}    # as on the head\n"):
+        assert dropped in text
+        with pytest.raises(render.RenderError, match="API keys are not mounted"):
+            render.render(target, text.replace(dropped, "", 1))
+    keyed = copy.deepcopy(render.load_yaml(ROOT / "deployments/configs/gpu.yaml"))
+    keyed["applications"][0]["args"]["http_auth"] = {"api_keys": ["sk-in-the-yaml"]}
+    with pytest.raises(render.RenderError, match="Secret"):
+        render.serve_config_v2(keyed)
+
+
+@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
+def test_network_policy_admits_the_api_port_only_from_labelled_clients(name, built):
+    objs = built[name]
+    [policy] = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    assert policy["metadata"].get("namespace") == the_rayservice(objs)["metadata"].get("namespace")
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"] and "egress" not in spec
+    for role, _, template in ray_pods(the_rayservice(objs)):  # it isolates every Ray Pod
+        assert spec["podSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items(), role
+    own = {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "moa-serve"}}}
+    clients = {"podSelector": {"matchLabels": {"moa-serve/client": "true"}}}
+    for rule in spec["ingress"]:
+        assert rule.get("from"), f"a rule without `from` admits every Pod: {rule}"
+        for peer in rule["from"]:
+            assert "ipBlock" not in peer, rule
+        ports = {p["port"] for p in rule.get("ports") or []}
+        if rule["from"] == [own]:
+            assert not ports  # the Ray Pods among themselves: every port
+        elif rule["from"] == [clients]:
+            assert ports == {8000}
+        else:  # infrastructure from other namespaces, each to named ports
+            [peer] = rule["from"]
+            assert peer["namespaceSelector"] == {} and peer["podSelector"]["matchLabels"], rule
+            assert ports and ports <= {8000, 8265, 8080}, rule
+    assert any(rule["from"] == [clients] for rule in spec["ingress"])
+    for doc in ("docs/security.md", "docs/kubernetes.md"):
+        assert "moa-serve/client" in (ROOT / doc).read_text(), f"{doc} names the client label"
 
 
 @pytest.mark.parametrize("name", list(KUSTOMIZATIONS))

@@ -296,3 +296,13 @@ def test_soak_arguments(tmp_path):
         settings("--users", "1,4", "--soak", "30m")
     with pytest.raises(runner.LoadTestError, match="fewer than two samples"):
         settings("--users", "4", "--soak", "20s", "--soak-interval", "15s")
+
+
+def test_load_tools_send_the_api_key_from_the_environment(monkeypatch):
+    from moa_serve.app.auth import API_KEY_ENV
+    from moa_serve.loadtest.ttft_probe import request_headers
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert "Authorization" not in request_headers()
+    monkeypatch.setenv(API_KEY_ENV, "k-123")
+    assert request_headers()["Authorization"] == "Bearer k-123"

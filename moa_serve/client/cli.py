@@ -4,12 +4,14 @@ on this machine (the device) and verifying on the server."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from moa_serve.cli_args import (DEFAULT_DRAFTER, CLIError, add_model_args, check_generation_args, prompt_tokens,
                                 sampling_params, tree_shape)
 from moa_serve.client import DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, ServerError, Transport
 from moa_serve.client.generate import AUTO
+from moa_serve.client.transport import API_KEY_ENV
 
 
 def cmd_client_generate(args) -> int:
@@ -19,7 +21,7 @@ def cmd_client_generate(args) -> int:
     sampling = sampling_params(args)
     branching = AUTO if args.branching == AUTO else tree_shape(args)
     device = DeviceDrafter.load(args.drafter, args.target, args.dtype, args.max_model_len, args.device)
-    transport = Transport(args.server, timeout_s=args.timeout)
+    transport = transport_of(args)
     gen = RemoteGenerator(device, transport, num_speculative_tokens=args.num_speculative_tokens,
                           adaptive_k=not args.fixed_k, offline=args.offline, feature_codec=args.feature_codec,
                           branching=branching)
@@ -44,11 +46,19 @@ def cmd_client_generate(args) -> int:
     return 0
 
 
+def transport_of(args) -> Transport:
+    """The link to ``--server``, sending ``--api-key`` (default: $MOA_API_KEY) when there is one."""
+    return Transport(args.server, timeout_s=args.timeout, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
+
+
 def register(sub) -> None:
     c = sub.add_parser("client", help="client-server mode: draft on this device, verify on a MoA-Serve server")
     csub = c.add_subparsers(dest="client_command", required=True)
     g = csub.add_parser("generate", help="generate through a server's /v1/cs API")
     g.add_argument("--server", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
+    g.add_argument("--api-key", default=None, help=f"the server's API key, sent as `Authorization: Bearer` on every "
+                   f"call (default: ${API_KEY_ENV}; a key on the command line shows in the process list, the "
+                   "environment variable does not)")
     add_model_args(g, drafter=False)
     g.set_defaults(target=None)
     g.add_argument("--drafter", default=f"hybrid+outputs:{DEFAULT_DRAFTER}",

@@ -20,6 +20,7 @@ import time
 import httpx
 import torch
 
+from moa_serve.app.auth import API_KEY_ENV  # noqa: F401 - the key ``moa client`` sends when --api-key is not given
 from moa_serve.client.deadline import CallDeadline
 from moa_serve.cs import wire
 
@@ -63,11 +64,12 @@ def _response_bytes(resp: httpx.Response) -> int:
 
 class Transport:
     """``timeout_s``: a fixed deadline per call, retries included (None: ``deadline``, or one that
-    follows the measured round trips)."""
+    follows the measured round trips). ``api_key``: sent on every call as ``Authorization: Bearer``
+    (a server with API keys answers 401 without it, raised as ``ServerError``)."""
 
     def __init__(self, server: str | None = None, *, http: httpx.Client | None = None, timeout_s: float | None = None,
                  connect_timeout_s: float = 3.0, attempts: int = 3, backoff_s: float = 0.2,
-                 deadline: CallDeadline | None = None):
+                 deadline: CallDeadline | None = None, api_key: str | None = None):
         self.deadline = deadline or CallDeadline(fixed_s=timeout_s)
         if http is None:
             if not server:
@@ -78,6 +80,8 @@ class Transport:
                                 limits=httpx.Limits(max_keepalive_connections=1, keepalive_expiry=300))
         for h in DEFAULT_TRIM:
             http.headers.pop(h, None)
+        if api_key:
+            http.headers["authorization"] = f"Bearer {api_key}"
         self.http = http
         self.attempts = attempts
         self.connect_timeout_s = connect_timeout_s

@@ -1,0 +1,109 @@
+"""How much one request may ask for, checked before any work is done: the request body's size
+(413, counted while it arrives, by ``app/access.py``), new tokens (``max_tokens``), stop strings
+(their number and length, in the request schemas), and the requests one API key may have in
+flight (429 with Retry-After). ``HttpLimitsConfig`` is the ``http_limits`` block of the serve
+config."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MIN_BODY_BYTES = 1 << 20  # the default body cap is never below this
+BODY_BYTES_PER_TOKEN = 64  # default body cap per token of the context: JSON-escaped text of a full prompt
+FRAME_DRAFTS = 64  # the most drafts of one client-server verify (moa_serve.cs.sessions.MAX_DRAFTS)
+FRAME_BYTES_PER_PROB = 4  # draft_probs in float32, the widest dtype a frame may carry
+DEFAULT_MAX_MODEL_LEN = 2048  # an app without a Gateway (tests, the one-process client-server server)
+DEFAULT_VOCAB = 1 << 18
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+# the ``stop`` field of a generation request: one string or a list, both bounded
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None
+
+
+class HttpLimitsConfig(BaseModel):
+    """What one request may ask for, refused before any work is done (docs/security.md). Stop
+    strings are bounded by the API itself: at most 16, of at most 256 characters each."""
+    model_config = ConfigDict(extra="forbid")
+
+    max_body_bytes: int | None = Field(
+        None, ge=1024, description="the largest request body; a larger one gets 413 before it is parsed (at once "
+        "when its Content-Length says so, else as soon as the bytes received pass it: the Gateway never holds more). "
+        "Default: 64 bytes per token of max_model_len, at least 1 MiB")
+    max_frame_bytes: int | None = Field(
+        None, ge=1024, description="the largest body of a client-server verify (POST /v1/cs/sessions/{id}/verify), "
+        "whose frame may carry the drafter's distribution for up to 64 drafts. Default: max_body_bytes + 64 x the "
+        "vocabulary x 4 bytes")
+    max_tokens: int | None = Field(
+        None, ge=1, description="the most new tokens a request may ask for (max_tokens, max_completion_tokens, a "
+        "client-server session's max_tokens): more is a 400 naming the field; a request that names none gets at most "
+        "this. Default: no cap beyond the API's 32768 (a generation also ends at the context, max_model_len)")
+    max_concurrent_requests_per_key: int | None = Field(
+        None, ge=1, description="POST requests one API key may have in flight on one Gateway replica (streams count "
+        "until they end); one more gets 429 with Retry-After. Applies when API keys are set; default: no limit")
+
+
+class BodyCaps:
+    """The body caps of one Gateway: ``json`` for every route, ``frame`` for a client-server verify."""
+
+    def __init__(self, limits: HttpLimitsConfig, max_model_len: int, vocab_size: int):
+        self.json = limits.max_body_bytes or max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
+        self.frame = limits.max_frame_bytes or self.json + FRAME_DRAFTS * vocab_size * FRAME_BYTES_PER_PROB
+
+    def field(self, frame: bool) -> str:
+        return "http_limits.max_frame_bytes" if frame else "http_limits.max_body_bytes"
+
+
+def max_tokens_param(body) -> str:
+    """The field that named a request's new tokens (chat: ``max_completion_tokens`` when given)."""
+    return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+
+
+class LimitError(ValueError):
+    """A request beyond a limit; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def capped_max_tokens(limits: HttpLimitsConfig | None, body, max_tokens: int) -> int:
+    """``max_tokens`` of ``body`` under ``limits.max_tokens``: a request that asked for more is refused
+    (``LimitError``); one that asked for nothing gets the cap when its default is above it."""
+    cap = limits.max_tokens if limits is not None else None
+    if cap is None or max_tokens <= cap:
+        return max_tokens
+    param = max_tokens_param(body)
+    asked = param in body.model_fields_set
+    if asked:
+        raise LimitError(f"{param}: {max_tokens} new tokens asked; this server allows at most {cap} "
+                         "(http_limits.max_tokens)", param)
+    return cap
+
+
+class KeyConcurrency:
+    """Requests in flight per API key (its digest). ``acquire`` answers False at the limit."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self._in_flight: dict[bytes, int] = {}
+
+    def acquire(self, key: bytes) -> bool:
+        n = self._in_flight.get(key, 0)
+        if self.limit is not None and n >= self.limit:
+            return False
+        self._in_flight[key] = n + 1
+        return True
+
+    def release(self, key: bytes) -> None:
+        n = self._in_flight.get(key, 0) - 1
+        if n > 0:
+            self._in_flight[key] = n
+        else:
+            self._in_flight.pop(key, None)
+
+    def in_flight(self, key: bytes) -> int:
+        return self._in_flight.get(key, 0)
