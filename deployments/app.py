@@ -3,19 +3,23 @@
 
 A config that cannot work is refused here, with the reason and the arithmetic, before any
 replica starts: sessions the Routers admit against the sessions the pools hold (in
-``AppConfig``), and each pool replica's weights + caches against its memory (``fit.py``)."""
+``AppConfig``), each pool replica's weights + caches against its memory (``fit.py``), and, when
+it builds inside a running Ray cluster (``serve run``, ``serve.run`` after ``ray.init``), every
+replica's CPU and GPU reservation against the cluster's nodes (``placement_report``)."""
 
 from __future__ import annotations
 
 import logging
+import os
 
+import ray
 from ray import serve
 
 from moa_serve.deployments import fit
 from moa_serve.deployments.affinity import AFFINITY
 from moa_serve.deployments.autoscaling import policy_options
 from moa_serve.deployments.config import (AppConfig, ConfigError, GatewayConfig, PoolConfig, RouterConfig,
-                                          session_warnings)
+                                          placement_report, reservations, session_warnings)
 from moa_serve.deployments.gateway import Gateway
 from moa_serve.deployments.pools import DrafterPool, VerifierPool
 from moa_serve.deployments.router import Router
@@ -65,9 +69,40 @@ def validate(cfg: AppConfig, target: fit.ModelShape | None = None,
     return results
 
 
+# set in the Ray containers of a KubeRay cluster (the operator injects them): its autoscaler adds
+# worker Pods for replicas that wait, so a cluster smaller than the config at build time is normal
+KUBERAY_ENV = ("KUBERAY_GEN_RAY_START_CMD", "RAY_CLUSTER_NAME")
+
+
+def cluster_nodes() -> list[dict[str, float]] | None:
+    """The CPU and GPU totals of each live node of the Ray cluster this process is connected to;
+    None outside one (``build_app`` called before ``ray.init``: nothing to check against)."""
+    if not ray.is_initialized():
+        return None
+    return [{r: float(n.get("Resources", {}).get(r, 0.0)) for r in ("CPU", "GPU")}
+            for n in ray.nodes() if n.get("Alive")]
+
+
+def cluster_may_grow() -> bool:
+    return any(os.environ.get(k) for k in KUBERAY_ENV)
+
+
+def check_placement(cfg: AppConfig, nodes: list[dict[str, float]] | None, may_grow: bool = False) -> None:
+    """Raises ConfigError when the replicas at start cannot all be placed on ``nodes``; logs what
+    waits on a cluster that may grow, or once autoscaling passes what the cluster holds."""
+    if nodes is None:
+        return
+    problems, warnings = placement_report(reservations(cfg), nodes, may_grow)
+    for w in warnings:
+        log.warning("config: %s", w)
+    if problems:
+        raise ConfigError("this config cannot be placed on this Ray cluster:\n  - " + "\n  - ".join(problems))
+
+
 def build_app(args: dict | AppConfig) -> serve.Application:
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
     validate(cfg)
+    check_placement(cfg, cluster_nodes(), cluster_may_grow())
     if cfg.backend == "vllm":
         if not vllm_available():
             raise ConfigError(f"backend: vllm, but {INSTALL_HINT}")

@@ -19,6 +19,7 @@ from moa_serve.engine.engine import SpeculativeEngine
 from moa_serve.loadtest.runner import LoadTestError, add_arguments as add_loadtest_arguments, run as run_loadtest
 from moa_serve.tools.bench import register as register_bench
 from moa_serve.tools.cs_bench import register as register_cs_bench
+from moa_serve.tools.fidelity import register as register_fidelity
 from moa_serve.tools.netem import register as register_netem
 from moa_serve.tools.regenerate import register as register_regenerate
 from moa_serve.tools.vllm_bench import register as register_vllm_bench
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands() -> list:
     return [register_train, register_bench, register_regenerate, _register_loadtest, register_netem, register_client,
-            register_cs_bench, register_vllm_bench]
+            register_cs_bench, register_vllm_bench, register_fidelity]
 
 
 def _cmd_loadtest(args) -> int:
