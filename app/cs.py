@@ -11,7 +11,16 @@ Requests are JSON, or a binary frame (``application/octet-stream``: JSON header 
 drafter's distribution when sampling). Answers are frames: a JSON header (round, tokens, accepted
 count, ...) and the features as float16 or int8 tensors. Errors are the API's usual JSON
 ``{"error": {"message", "type", "param", "code"}}``; a resync (409) adds ``expected_length`` and
-``expected_round``; 429 and 503 carry ``Retry-After``. Every status is in the OpenAPI schema."""
+``expected_round``; 429 and 503 carry ``Retry-After``. Every status is in the OpenAPI schema.
+
+The schema describes the frames (``FRAME_LAYOUT``: the byte layout; the JSON header's schema; the
+400 of a malformed frame) and links the calls of a session: the handshake's fingerprints to
+``create``'s body, and ``create``'s ``Session-Id`` header to ``verify`` and ``DELETE``, so that a
+stateful fuzzer opens sessions and uses them. No JSON Schema can say which bytes form a frame (a
+length prefix that must match what follows), so "schema-valid" bytes may still be a malformed
+frame; and whether a well-formed create or verify is accepted depends on the server's state (its
+models' fingerprints, its vocabulary, the session's round), which the schema cannot carry either.
+A malformed or refused body is a documented 400 naming what is wrong."""
 
 from __future__ import annotations
 
@@ -22,8 +31,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from moa_serve.app import state
-from moa_serve.app.cs_schemas import CreateSession, VerifyRound
+from moa_serve.app import access, state
+from moa_serve.app.cs_schemas import SESSION_ID, CreateSession, VerifyRound
 from moa_serve.app.frontend import InputError
 from moa_serve.app.errors import error_param, errors, retry_after
 from moa_serve.app.readiness import Readiness, running_frontend
@@ -31,6 +40,7 @@ from moa_serve.cs import wire
 from moa_serve.cs.sessions import ClientSessions, CSError, Reply
 
 REQUEST_TENSORS = {"draft_probs"}
+SESSION_HEADER = "Session-Id"  # create's answer: the session's id, for the calls that use it (OpenAPI links)
 
 
 async def _read(request: Request, model: type[BaseModel]):
@@ -60,12 +70,13 @@ async def _read(request: Request, model: type[BaseModel]):
         raise CSError(400, f"{param}: {msg}", param) from None
 
 
-def _frame(reply: Reply, codec: str, **extra) -> Response:
+def _frame(reply: Reply, codec: str, headers: dict | None = None, **extra) -> Response:
     header = {**extra, "round": reply.round, "committed_length": reply.committed_length, "tokens": reply.tokens,
               "accepted": reply.accepted, "finish_reason": reply.finish_reason,
               "feature_start": reply.feature_start if reply.features is not None else None}
     header = {k: v for k, v in header.items() if v is not None}  # absent = null
-    return Response(wire.pack(header, wire.encode_features(reply.features, codec)), media_type=wire.MEDIA_TYPE)
+    return Response(wire.pack(header, wire.encode_features(reply.features, codec)), media_type=wire.MEDIA_TYPE,
+                    headers=headers)
 
 
 def _sessions() -> ClientSessions:
@@ -76,15 +87,66 @@ def _sessions() -> ClientSessions:
     return cs
 
 
-FRAME = {200: {"description": "a frame: JSON header + feature tensors (moa_serve.cs.wire)",
-                "content": {wire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}}
+FRAME_LAYOUT = (
+    "A frame (`application/octet-stream`) is `header_length | header | tensor bytes`: `header_length` is a "
+    f"uint32, little-endian, at most {wire.MAX_HEADER}; `header` is that many bytes of UTF-8 JSON, one object, "
+    f"whose `tensors` lists each tensor as `[name, dtype, shape]` (dtype one of {', '.join(sorted(wire.DTYPES))}) "
+    "in the order their bytes follow; then each tensor's bytes, row-major, little-endian, and nothing after the "
+    "last (moa_serve.cs.wire).")
+REQUEST_TENSORS_DOC = {
+    "CreateSession": "A create carries no tensors.",
+    "VerifyRound": "A verify may carry `draft_probs` [len(draft_ids), vocabulary or draft vocabulary] (the "
+                   "drafter's distribution; needed when the session samples): finite and non-negative.",
+}
+ANSWER_HEADER = ("The header's other fields: `round`, `committed_length`, `tokens`, `accepted`, `finish_reason`, "
+                 "`feature_start` (absent = null); its tensors: `features` [n, hidden size] (float16, or int8 with "
+                 "`feature_scales`, one float32 per row).")
+MALFORMED = ("bad input, as JSON `ErrorResponse`: a field is invalid (error.param names it, dotted for nested ones); "
+             "a malformed frame (error.message starts with `malformed frame`; error.param is `body`, `tensors.N` or "
+             "the tensor's name); the client's fingerprints are not the server's (type `fingerprint_mismatch`); "
+             "token ids outside the vocabulary")
+
+
+def _frame_response(description: str, headers: dict | None = None, links: dict | None = None) -> dict:
+    """A 200 that answers a frame."""
+    response = {"description": f"{description}. {FRAME_LAYOUT} {ANSWER_HEADER}",
+                "content": {wire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}
+    if headers:
+        response["headers"] = headers
+    if links:
+        response["links"] = links
+    return response
 
 
 def _body(model: type[BaseModel]) -> dict:
     """``openapi_extra`` of a route that reads its body itself (JSON or a binary frame)."""
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}},
-        wire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}}
+    name = model.__name__
+    frame = f"{FRAME_LAYOUT} The header's other fields are the message, as the JSON body (`{name}`). " \
+            f"{REQUEST_TENSORS_DOC[name]}"
+    return {"requestBody": {"required": True, "description": f"JSON (`{name}`) or a frame. {frame}", "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}},
+        wire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary", "description": frame}}}}}
+
+
+def _responses(frame: dict, *codes: int) -> dict:
+    """A frame route's responses: ``frame`` (200), the error statuses, its 400 saying what a body can get wrong."""
+    out = {200: frame, **errors(*codes)}
+    out[400] = {**out[400], "description": MALFORMED}
+    return out
+
+
+SESSION_ID_PARAM = {"session_id": f"$response.header.{SESSION_HEADER}"}
+IDENTITY_LINKS = {"CreateSession": {
+    "operationId": "cs_create_session",
+    "description": "a session opened with the server's own fingerprints (the handshake's target, tokenizer, "
+                   "drafter)",
+    "requestBody": {"fingerprints": {part: f"$response.body#/{part}" for part in ("target", "tokenizer", "drafter")}}}}
+SESSION_LINKS = {
+    "VerifyRound": {"operationId": "cs_verify_round", "parameters": SESSION_ID_PARAM,
+                    "description": "a round of the session just created"},
+    "CloseSession": {"operationId": "cs_close_session", "parameters": SESSION_ID_PARAM,
+                     "description": "closes the session just created"},
+}
 
 
 def _document_bodies(api: FastAPI, models: list[type[BaseModel]]) -> None:
@@ -113,18 +175,28 @@ def install(api: FastAPI, readiness: Readiness) -> None:
         return JSONResponse({"error": body}, status_code=exc.status,
                             headers=retry_after() if exc.status in (429, 503) else None)
 
-    @api.get("/v1/cs", responses=errors(404, 503))
+    @api.get("/v1/cs", operation_id="cs_identity", responses={
+        200: {"description": "the handshake: fingerprints, vocabulary sizes, stop tokens, limits",
+              "links": IDENTITY_LINKS}, **errors(404, 503)})
     async def cs_identity():
         cs = _sessions()
         await readiness.admit()
         return (await cs.identity()).as_dict()
 
-    @api.post("/v1/cs/sessions", responses={**FRAME, **errors(400, 404, 409, 429, 503)},
-              openapi_extra=_body(CreateSession))
+    @api.post("/v1/cs/sessions", operation_id="cs_create_session", openapi_extra=_body(CreateSession),
+              response_class=Response,
+              responses=_responses(_frame_response(
+                  "round 0 of a new session: its first token and the prompt's features; the frame's header adds "
+                  "`session_id`", headers={SESSION_HEADER: {
+                      "description": "the session's id (as the frame header's `session_id`): the path of its "
+                                     "verify and DELETE calls", "required": True,
+                      "schema": {"type": "string", "pattern": SESSION_ID}}}, links=SESSION_LINKS),
+                  400, 404, 409, 429, 503))
     async def cs_create(request: Request):
         cs = _sessions()
         await readiness.admit()
         body, _ = await _read(request, CreateSession)
+        body.max_tokens = access.max_tokens_of(body, body.max_tokens)  # http_limits.max_tokens
         ids = body.token_ids
         if ids is None:
             try:
@@ -135,10 +207,13 @@ def install(api: FastAPI, readiness: Readiness) -> None:
                                      sampling=body.sampling(), ignore_eos=body.ignore_eos,
                                      want_features=body.want_features, feature_codec=body.feature_codec,
                                      features_from=body.features_from, session_id=body.session_id)
-        return _frame(reply, body.feature_codec, session_id=sid)
+        return _frame(reply, body.feature_codec, headers={SESSION_HEADER: sid}, session_id=sid)
 
-    @api.post("/v1/cs/sessions/{session_id}/verify", responses={**FRAME, **errors(400, 404, 409, 503)},
-              openapi_extra=_body(VerifyRound))
+    @api.post("/v1/cs/sessions/{session_id}/verify", operation_id="cs_verify_round", openapi_extra=_body(VerifyRound),
+              response_class=Response,
+              responses=_responses(_frame_response("the round's answer: accepted drafts, the target's token, the "
+                                                   "features of the newly committed positions"),
+                                   400, 404, 409, 503))
     async def cs_verify(session_id: str, request: Request):
         cs = _sessions()
         body, tensors = await _read(request, VerifyRound)
@@ -146,7 +221,7 @@ def install(api: FastAPI, readiness: Readiness) -> None:
                                 tensors.get("draft_probs"), body.features_from, body.alternatives)
         return _frame(reply, cs.feature_codec(session_id))
 
-    @api.delete("/v1/cs/sessions/{session_id}", responses=errors(404))
+    @api.delete("/v1/cs/sessions/{session_id}", operation_id="cs_close_session", responses=errors(404))
     async def cs_close(session_id: str):
         if not _sessions().close(session_id):
             raise CSError(404, f"unknown session {session_id}", "session_id", "not_found_error")

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moa_serve.app import cs, state
+from moa_serve.app import access, cs, state
 from moa_serve.app.errors import RETRY_AFTER, ApiError, error, error_param, errors, loc_param, retry_after
 from moa_serve.app.frontend import Generation, InputError
 from moa_serve.app.readiness import READY_WAIT_S, Readiness, running_frontend
@@ -85,6 +85,7 @@ def _install_error_handlers(api: FastAPI) -> None:
 # ---------------------------------------------------------------------- a generation's steps
 async def start_generation(readiness: Readiness, body, prompt, messages, max_tokens) -> Generation:
     """Admits the request and starts its generation on the running frontend (400 / 429 / 503 as ApiError)."""
+    max_tokens = access.max_tokens_of(body, max_tokens)  # http_limits.max_tokens
     fe = running_frontend()
     await readiness.admit()
     try:
@@ -291,4 +292,5 @@ def create_app(ready_wait_s: float = READY_WAIT_S) -> FastAPI:
     _ops_routes(api, readiness)
     _native_routes(api, readiness)
     _openai_routes(api, readiness)
+    access.install(api)  # API keys and request limits, before any route (app/access.py)
     return api

@@ -10,7 +10,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from moa_serve.sampling import SamplingParams
+from moa_serve.app.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, Stop
+from moa_serve.sampling import TEMPERATURE_MAX, SamplingParams, Seed, Temperature, TopK, TopP
 
 
 def _integral(value):
@@ -44,11 +45,14 @@ class ChatMessage(_Body):
 
 
 class SamplingFields(_Body):
-    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 = off")
-    seed: int | None = Field(None, ge=0)
-    stop: str | list[str] | None = Field(None, description="stop strings (not included in the output)")
+    """The sampling parameters, typed once in ``moa_serve.sampling``: NaN, infinities and values out
+    of range are a 400 naming the field; a temperature below ``SAMPLING_EPS`` is greedy."""
+    temperature: Temperature = Field(0.0, le=TEMPERATURE_MAX)
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    seed: Seed = None
+    stop: Stop = Field(None, description=f"stop strings (not included in the output): at most {MAX_STOP_STRINGS}, "
+                       f"of at most {MAX_STOP_CHARS} characters each")
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(None, ge=1, le=16, description="default: the server's")
 
@@ -88,9 +92,9 @@ class _OpenAIFields(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported; must be 0")
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported; must be 0")
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, allow_inf_nan=False, description="not supported; must be 0")
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, allow_inf_nan=False, description="not supported; must be 0")
+    temperature: Temperature = Field(1.0, le=2.0)  # OpenAI's default and range
 
 
 class CompletionRequest(_OpenAIFields):

@@ -9,10 +9,13 @@ replica's memory) needs the model configs and runs in ``build_app`` (``deploymen
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from moa_serve.app.auth import HttpAuthConfig
+from moa_serve.app.limits import HttpLimitsConfig
 from moa_serve.drafter.spec import DrafterSpec, parse_branching
 
 
@@ -178,6 +181,15 @@ class AppConfig(_Strict):
         "auto", description="torch backend: the verifier's KV cache dtype (as vLLM's --kv-cache-dtype; auto = the "
         "target's dtype). bfloat16 under a float32 CPU target halves the cache and the bytes attention reads; K/V are "
         "rounded once when written, still batch-invariant (lossless against that target)")
+    static_forward: Literal["auto", "on", "off"] = Field(
+        "auto", description="torch backend: the verifier's forward at fixed row counts over preallocated buffers, "
+        "replayed from CUDA graphs (auto: on a GPU; on: also on a CPU, without capture; off: every forward planned "
+        "for its call's shapes). A call larger than max_num_batched_tokens' largest row count runs planned")
+    batch_invariant: Literal["auto", "off"] = Field(
+        "auto", description="torch backend on a GPU: auto = Triton matmuls with one tile configuration per weight "
+        "and per-token attention, so a session's tokens do not depend on its batch (greedy speculation lossless in "
+        "bfloat16 too); off = cuBLAS and SDPA (lossless in float32 up to near-ties). CPUs always run their "
+        "batch-invariant kernels")
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="most draft tokens per session per round (K)")
     adaptive_speculation: bool = Field(True, description="per session, draft about as many tokens as recently accepted (at most num_speculative_tokens)")
     branching: str = Field("chain", description="tree drafts (backend torch, greedy sessions): candidates per "
@@ -190,6 +202,8 @@ class AppConfig(_Strict):
     model_name: str | None = Field(None, description="name served by /v1/models; default: the target")
     gateway: GatewayConfig = Field(GatewayConfig(), description="the HTTP ingress: routes, tokenization, streams; "
                                    "resumes a generation on another Router replica when its Router dies")
+    http_auth: HttpAuthConfig = Field(HttpAuthConfig(), description="API keys (app/auth.py, docs/security.md)")
+    http_limits: HttpLimitsConfig = Field(HttpLimitsConfig(), description="request limits (app/limits.py)")
     router: RouterConfig = Field(RouterConfig(), description="sessions and round scheduling, behind the Gateway")
     verifier_pool: VerifierPoolConfig = Field(VerifierPoolConfig(), description="replicas that run the target and verify drafts")
     drafter_pool: PoolConfig = Field(PoolConfig(ray_actor_options=RayActorOptions(num_cpus=0.5)),
@@ -275,6 +289,8 @@ def backend_problems(cfg: AppConfig) -> list[str]:
     if cfg.kv_cache_dtype != "auto":
         out.append(f"kv_cache_dtype {cfg.kv_cache_dtype!r} is a torch-backend setting; with backend vllm the KV cache "
                    "follows dtype")
+    if cfg.static_forward != "auto" or cfg.batch_invariant != "auto":
+        out.append("static_forward and batch_invariant are torch-backend settings; vLLM captures its own CUDA graphs")
     if cfg.drafter_spec.outputs and cfg.drafter_checkpoint is None:
         out.append(f"drafter {cfg.drafter!r}: the output store is looked up in the Router's rounds (backend torch); "
                    "with backend vllm use 'lookup' (vLLM's n-gram proposer)")
@@ -325,3 +341,104 @@ def session_warnings(cfg: AppConfig) -> list[str]:
             out.append(f"at start the Routers admit {admitted} sessions but {start} {name} replica(s) hold "
                        f"{start * pool.max_sessions}: sessions are evicted and re-prefilled until the pool scales up")
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# placement: the replicas' CPU and GPU reservations against the cluster's nodes
+
+RESOURCES = ("CPU", "GPU")
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What one deployment reserves: ``start`` replicas at deploy time (at least one: the first
+    request scales a deployment at zero up), up to ``most``; ``cpus`` / ``gpus`` per replica."""
+    deployment: str
+    start: int
+    most: int
+    cpus: float
+    gpus: float
+
+    def per_replica(self, resource: str) -> float:
+        return self.cpus if resource == "CPU" else self.gpus
+
+
+def reservations(cfg: AppConfig) -> list[Reservation]:
+    """Every deployment ``build_app`` deploys, by its Serve name, with its replicas' reservation."""
+    def one(name: str, scaling: AutoscalingConfig, actor: RayActorOptions) -> Reservation:
+        start = scaling.initial_replicas if scaling.initial_replicas is not None else scaling.min_replicas
+        return Reservation(name, max(1, start), max(1, start, scaling.max_replicas), actor.num_cpus, actor.num_gpus)
+
+    out = [one("Gateway", cfg.gateway.autoscaling_config, cfg.gateway.ray_actor_options)]
+    if not cfg.router.in_gateway:
+        out.append(one("Router", cfg.router.autoscaling_config, cfg.router.ray_actor_options))
+    verifier = cfg.verifier_pool
+    out.append(one("VllmVerifier" if cfg.backend == "vllm" else "VerifierPool", verifier.autoscaling_config,
+                   verifier.ray_actor_options))
+    if cfg.drafter_checkpoint is not None:
+        out.append(one("DrafterPool", cfg.drafter_pool.autoscaling_config, cfg.drafter_pool.ray_actor_options))
+    return out
+
+
+_EPS = 1e-6  # Ray counts resources in units of 1e-4
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+def _unplaced(replicas: list[tuple[str, float, float]], nodes: list[dict[str, float]]) -> list[str]:
+    """First fit, largest replicas first: the deployments of the replicas no node has room left for."""
+    free = [{r: float(n.get(r, 0.0)) for r in RESOURCES} for n in nodes]
+    left = []
+    for name, cpu, gpu in sorted(replicas, key=lambda x: (x[2], x[1]), reverse=True):
+        node = next((f for f in free if f["CPU"] + _EPS >= cpu and f["GPU"] + _EPS >= gpu), None)
+        if node is None:
+            left.append(name)
+            continue
+        node["CPU"] -= cpu
+        node["GPU"] -= gpu
+    return list(dict.fromkeys(left))
+
+
+def placement_report(demands: list[Reservation], nodes: list[dict[str, float]],
+                     may_grow: bool = False) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of placing ``demands`` on ``nodes`` (each node's total ``CPU`` /
+    ``GPU``, as ``ray.nodes()`` reports them). A problem: the replicas at start do not all fit,
+    so some would wait to be scheduled forever; with ``may_grow`` (a cluster whose autoscaler adds
+    nodes) it is a warning naming the deployment that waits. A warning too: autoscaling up to
+    ``max_replicas`` would reserve more than the cluster has. Custom resources are not checked."""
+    problems, warnings, short = [], [], False
+    start = [(d.deployment, d.cpus, d.gpus) for d in demands for _ in range(d.start)]
+    for resource in RESOURCES:
+        have = sum(float(n.get(resource, 0.0)) for n in nodes)
+        used = [d for d in demands if d.per_replica(resource) > 0]
+        need = sum(d.start * d.per_replica(resource) for d in used)
+        if need > have + _EPS:
+            short = True
+            terms = " + ".join(f"{d.deployment} {d.start} x {_fmt(d.per_replica(resource))}" for d in used)
+            # which replicas are left over, this resource alone counted
+            waits = _unplaced([(n, c if resource == "CPU" else 0.0, g if resource == "GPU" else 0.0)
+                               for n, c, g in start], nodes)
+            text = (f"the replicas at start reserve {_fmt(need)} {resource}s ({terms}) but the cluster has "
+                    f"{_fmt(have)}: {', '.join(waits) or 'a replica'} would wait to be scheduled")
+            if may_grow:
+                warnings.append(f"{text} until the cluster adds nodes")
+            else:
+                problems.append(f"{text} forever; lower ray_actor_options.num_{resource.lower()}s (a deployment "
+                                f"that computes little, such as the Gateway, may reserve 0) or start fewer replicas")
+        top = sum(d.most * d.per_replica(resource) for d in used)
+        if need <= have + _EPS and top > have + _EPS:
+            growing = [d for d in used if d.most > d.start]
+            terms = " + ".join(f"{d.deployment} {d.most} x {_fmt(d.per_replica(resource))}" for d in used)
+            warnings.append(f"at max_replicas the replicas reserve {_fmt(top)} {resource}s ({terms}), more than the "
+                            f"cluster's {_fmt(have)}: new {', '.join(d.deployment for d in growing)} replicas wait "
+                            f"for {resource}s{' until the cluster adds nodes' if may_grow else ''}")
+    if not short:  # the sums fit: does every replica fit on a node (several nodes)?
+        waits = _unplaced(start, nodes)
+        if waits:
+            sizes = ", ".join(f"{_fmt(n.get('CPU', 0.0))} CPU / {_fmt(n.get('GPU', 0.0))} GPU" for n in nodes)
+            text = (f"the replicas at start fit the cluster's totals but not its nodes ({sizes}): "
+                    f"{', '.join(waits)} would wait to be scheduled")
+            (warnings if may_grow else problems).append(text + (" until the cluster adds nodes" if may_grow else ""))
+    return problems, warnings

@@ -123,7 +123,8 @@ class VerifierPool(_Pool):
         _threads(pool)
         options = RunnerOptions(max_num_batched_tokens=pool.max_num_batched_tokens,
                                 packed_weights=self.cfg.packed_weights, prefix_caching=pool.prefix_caching,
-                                matmul_precision=self.cfg.matmul_precision, kv_cache_dtype=self.cfg.kv_cache_dtype)
+                                matmul_precision=self.cfg.matmul_precision, kv_cache_dtype=self.cfg.kv_cache_dtype,
+                                static_forward=self.cfg.static_forward, batch_invariant=self.cfg.batch_invariant)
         self.runner = TorchTargetRunner(self.cfg.target, self.cfg.dtype, self.cfg.device, pool.max_sessions,
                                         self.cfg.max_model_len, load_feature_source(self.cfg.feature_drafter),
                                         draft_vocab=load_draft_vocab(self.cfg.feature_drafter), options=options)

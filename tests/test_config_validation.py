@@ -8,8 +8,9 @@ import pytest
 import yaml
 
 from moa_serve.deployments import fit
-from moa_serve.deployments.app import _options, build_app, validate
-from moa_serve.deployments.config import AppConfig, session_warnings
+from moa_serve.deployments.app import KUBERAY_ENV, _options, build_app, check_placement, cluster_may_grow, validate
+from moa_serve.deployments.config import (AppConfig, ConfigError, Reservation, placement_report, reservations,
+                                          session_warnings)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "deployments" / "configs"
@@ -152,6 +153,8 @@ def test_vllm_backend_rules(llama3_dir):
         AppConfig.model_validate({**args_of("gpu.yaml"), "drafter": "lookup+outputs"})
     with pytest.raises(ValueError, match="tree drafts need backend torch"):
         AppConfig.model_validate({**args_of("gpu.yaml"), "branching": "4-2"})
+    with pytest.raises(ValueError, match="static_forward and batch_invariant are torch-backend settings"):
+        AppConfig.model_validate({**args_of("gpu.yaml"), "batch_invariant": "off"})
 
 
 def test_branching_is_a_tree_shape():
@@ -273,3 +276,80 @@ def test_a_router_in_the_gateway_admits_sessions_per_gateway_replica():
     a["gateway"] = {"autoscaling_config": {"max_replicas": 2}}
     with pytest.raises(ValueError, match=r"may admit 32 sessions \(gateway max_replicas 2 x session_groups 2"):
         AppConfig.model_validate(a)
+
+
+# --------------------------------------------------------------------------- placement on the cluster
+TWO_CORES = [{"CPU": 2.0, "GPU": 0.0}]  # one 2-core machine, as `serve run` starts Ray on it
+
+
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "local-cpu-2x.yaml", "local-cpu-vllm.yaml"])
+def test_every_one_machine_config_is_placed_on_two_cores(name):
+    problems, _ = placement_report(reservations(AppConfig.model_validate(args_of(name))), TWO_CORES)
+    assert problems == []
+
+
+def test_reservations_name_every_deployment_with_its_replicas():
+    cfg = AppConfig.model_validate(args_of("local-cpu-2x.yaml"))
+    assert {(r.deployment, r.start, r.cpus) for r in reservations(cfg)} == {
+        ("Gateway", 1, 0.0), ("Router", 1, 0.0), ("VerifierPool", 2, 0.5), ("DrafterPool", 2, 0.5)}
+    # the Router inside the Gateway has no replicas; prompt lookup needs no drafter pool
+    assert [r.deployment for r in reservations(AppConfig.model_validate(args_of("local-cpu.yaml")))] == [
+        "Gateway", "VerifierPool"]
+    assert "VllmVerifier" in {r.deployment for r in reservations(AppConfig.model_validate(args_of("local-cpu-vllm.yaml")))}
+    # a deployment that scales from zero still needs room for its first replica
+    zero = AppConfig.model_validate(small(verifier_pool={"autoscaling_config": {"min_replicas": 0, "max_replicas": 1}}))
+    assert next(r for r in reservations(zero) if r.deployment == "VerifierPool").start == 1
+
+
+def test_a_gateway_left_without_a_core_is_refused_with_the_arithmetic():
+    a = args_of("local-cpu-2x.yaml")
+    a["gateway"] = {"ray_actor_options": {"num_cpus": 0.25}}  # all 2 cores already go to the pools
+    cfg = AppConfig.model_validate(a)
+    problems, _ = placement_report(reservations(cfg), TWO_CORES)
+    assert problems == [
+        "the replicas at start reserve 2.25 CPUs (Gateway 1 x 0.25 + VerifierPool 2 x 0.5 + DrafterPool 2 x 0.5) "
+        "but the cluster has 2: Gateway would wait to be scheduled forever; lower ray_actor_options.num_cpus (a "
+        "deployment that computes little, such as the Gateway, may reserve 0) or start fewer replicas"]
+    with pytest.raises(ConfigError, match=r"(?s)cannot be placed .* reserve 2.25 CPUs .* the cluster has 2: Gateway"):
+        check_placement(cfg, TWO_CORES)
+    check_placement(cfg, None)  # outside a Ray cluster there is nothing to check against
+    # on a cluster that grows (KubeRay), the same is a warning naming who waits
+    problems, warnings = placement_report(reservations(cfg), TWO_CORES, may_grow=True)
+    assert problems == [] and len(warnings) == 1 and "Gateway would wait to be scheduled until the cluster adds" in warnings[0]
+
+
+def test_gpus_and_nodes_are_counted_too():
+    gpu = [Reservation("VerifierPool", 1, 8, 4, 1.0), Reservation("DrafterPool", 1, 8, 2, 0.25)]
+    problems, _ = placement_report(gpu, [{"CPU": 16, "GPU": 1}])
+    assert len(problems) == 1 and "reserve 1.25 GPUs (VerifierPool 1 x 1 + DrafterPool 1 x 0.25) but the cluster has 1: " \
+        "DrafterPool would wait" in problems[0]
+    # the totals fit two 1-GPU nodes; growing to 8 + 8 replicas would not: a warning naming both
+    problems, warnings = placement_report(gpu, [{"CPU": 16, "GPU": 1}] * 2)
+    assert problems == [] and any("at max_replicas the replicas reserve 10 GPUs" in w
+                                  and "new VerifierPool, DrafterPool replicas wait" in w for w in warnings)
+    # 3 CPUs in all, but no node holds a 1.5-CPU replica
+    big = [Reservation("VerifierPool", 1, 1, 1.5, 0.0)]
+    problems, _ = placement_report(big, [{"CPU": 1}, {"CPU": 2}])
+    assert problems == []
+    problems, _ = placement_report(big, [{"CPU": 1}, {"CPU": 1}, {"CPU": 1}])
+    assert problems == ["the replicas at start fit the cluster's totals but not its nodes (1 CPU / 0 GPU, 1 CPU / 0 "
+                        "GPU, 1 CPU / 0 GPU): VerifierPool would wait to be scheduled"]
+
+
+def test_the_kuberay_head_alone_warns_instead_of_refusing(llama3_dir, monkeypatch):
+    """gpu.yaml on KubeRay: at build time the cluster may be the CPU-less head alone; its
+    autoscaler adds the worker Pods the waiting replicas ask for."""
+    for k in KUBERAY_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert not cluster_may_grow()
+    monkeypatch.setenv("KUBERAY_GEN_RAY_START_CMD", "ray start --head --num-cpus=0")  # what KubeRay's Pods carry
+    assert cluster_may_grow()
+    cfg = AppConfig.model_validate(args_of("gpu.yaml"))
+    head = [{"CPU": 0.0, "GPU": 0.0}]
+    problems, warnings = placement_report(reservations(cfg), head, may_grow=True)
+    assert problems == [] and len(warnings) == 2  # CPUs and GPUs
+    assert ("reserve 18 CPUs (Gateway 1 x 2 + Router 5 x 2 + VllmVerifier 1 x 4 + DrafterPool 1 x 2) but the "
+            "cluster has 0: VllmVerifier, Gateway, Router, DrafterPool would wait to be scheduled until the cluster "
+            "adds nodes") in warnings[0]
+    with pytest.raises(ConfigError, match="reserve 18 CPUs"):  # the same cluster that cannot grow
+        check_placement(cfg, head, may_grow=False)
