@@ -25,6 +25,8 @@ import logging
 
 import torch
 
+from moa_serve import cuda_graphs
+
 
 log = logging.getLogger(__name__)
 
@@ -99,16 +101,9 @@ class StaticDraftSteps:
         return torch.stack(picked, 1)
 
     def _capture(self, key):
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._body(*key)  # Triton compiles, the allocator warms up; writes are this call's own
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._body(*key)
-        except RuntimeError as exc:
+            graph, out = cuda_graphs.capture(lambda: self._body(*key), self.device, self._pool)
+        except RuntimeError as exc:  # an op that cannot be captured: draft on, uncaptured, and say why
             log.warning("CUDA graph capture of %d draft steps for %d rows failed (%s); drafting without graphs",
                         key[1], key[0], exc)
             self.use_graphs = False

@@ -111,3 +111,13 @@ def test_static_forward_sizes_stop_at_the_token_budget(stories_path):
     runner = TorchTargetRunner(str(stories_path), "float32", max_sessions=2, options=RunnerOptions(static_forward="off"))
     static = StaticForward(runner.model, runner.cache, 100, graphs=False)
     assert static.sizes[-1] == 96 and static.size_for(97) is None and static.size_for(5) == 8
+
+
+def test_the_fixed_shape_forward_refuses_positions_past_the_cache(stories_path):
+    """A position past the cache would land in (or beyond) the scratch column: refused before any
+    write, as the planned forward refuses it (on a GPU an index past the cache is a device fault)."""
+    runner = TorchTargetRunner(str(stories_path), "float32", max_sessions=2, max_model_len=16,
+                               options=RunnerOptions(static_forward="on"))
+    with pytest.raises(ValueError, match="exceed the cache"):
+        runner.static([1, 2], [0, 0], [15, 16], [15, 16])
+    assert runner.stats["static_calls"] == 0

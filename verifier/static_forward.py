@@ -28,6 +28,7 @@ import logging
 
 import torch
 
+from moa_serve import cuda_graphs
 from moa_serve.kv_cache import PackedBatch, SlotKVCache
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ class StaticForward:
         """Final-norm hidden states [n, H] of the n tokens (a view of the graph's output: valid
         until the next call), or None when n is above every size."""
         n = len(tokens)
+        if n and max(store_at) >= self.cache.max_len:  # as PackedBatch: never into the scratch column
+            raise ValueError(f"positions up to {max(store_at)} exceed the cache ({self.cache.max_len})")
         size = self.size_for(n)
         if size is None or n == 0:
             self.stats["eager_calls"] += 1
@@ -119,19 +122,12 @@ class StaticForward:
         return self.model.forward_packed(tokens, batch)
 
     def _capture(self, size: int):
-        """Runs the forward for real on a side stream (Triton compiles, cuBLAS and the allocator
-        warm up; the K/V it writes are this call's own), then captures it; the caller replays it,
-        which writes the same K/V again."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._body(size)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        """Captures the forward at ``size`` rows during a real call (the capture's warm-up run writes
+        this call's K/V; the caller's replay writes the same again). None where capture fails: the
+        replica then runs its fixed shapes uncaptured, and says why."""
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._body(size)
-        except RuntimeError as exc:  # an op that cannot be captured: serve on, uncaptured, and say why
+            graph, out = cuda_graphs.capture(lambda: self._body(size), self.device, self._pool)
+        except RuntimeError as exc:
             log.warning("CUDA graph capture of the %d-row forward failed (%s); this replica runs its "
                         "fixed-shape forwards without graphs", size, exc)
             self.use_graphs = False
