@@ -27,6 +27,13 @@ KEYS_FILE_ENV = "MOA_API_KEYS_FILE"  # a key file, when http_auth.api_keys_file 
 RELOAD_CHECK_S = 2.0  # how often the key file's identity (inode, size, mtime) is looked at
 
 
+def client_headers() -> dict[str, str]:
+    """``Authorization: Bearer $MOA_API_KEY`` when that variable is set (what the project's load
+    tools send to a server with API keys), else nothing."""
+    key = os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 class HttpAuthConfig(BaseModel):
     """API keys (docs/security.md). The keys are those of `api_keys`, of the file `api_keys_file`
     (default: the file named by $MOA_API_KEYS_FILE) and of $MOA_API_KEYS (comma-separated), all

@@ -35,7 +35,6 @@ the named Spec-Bench categories.
 from __future__ import annotations
 
 import json
-import os
 import random
 import threading
 import time
@@ -43,7 +42,7 @@ import time
 import requests
 from locust import User, constant, events, task
 
-from moa_serve.app.auth import API_KEY_ENV
+from moa_serve.app.auth import client_headers
 from moa_serve.loadtest.prompts import DEFAULT_PROMPTS, load_prompts, messages_to_prompt
 
 
@@ -166,8 +165,7 @@ class _LLMUser(User):
     def on_start(self):
         self.session = requests.Session()
         self.session.headers["Content-Type"] = "application/json"
-        if os.environ.get(API_KEY_ENV):  # a server with API keys (docs/security.md)
-            self.session.headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
+        self.session.headers.update(client_headers())  # $MOA_API_KEY for a server with keys (docs/security.md)
         self.opts = self.environment.parsed_options
         if self.openai and _State.model is None:
             _State.model = self.opts.model or self._discover_model()

@@ -30,6 +30,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from moa_serve.app.auth import client_headers
+
 from . import report, soak
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
@@ -324,10 +326,12 @@ def warmup(url: str, args) -> None:
     try:
         if any(c.startswith("Generate") for c in classes) and not any(
                 c.startswith(("Chat", "Completions")) for c in classes):
-            r = httpx.post(url + "/v1/generate", json={"prompt": "Hello", "max_tokens": 8}, timeout=300)
+            r = httpx.post(url + "/v1/generate", json={"prompt": "Hello", "max_tokens": 8}, timeout=300,
+                           headers=client_headers())
         else:
-            model = args.model or httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-            r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+            model = args.model or httpx.get(url + "/v1/models", timeout=30,
+                                            headers=client_headers()).json()["data"][0]["id"]
+            r = httpx.post(url + "/v1/chat/completions", timeout=300, headers=client_headers(), json={
                 "model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]})
         log(f"warm-up request: HTTP {r.status_code}")
     except Exception as exc:  # noqa: BLE001 — the load test will show what is wrong

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from moa_serve.app.auth import client_headers
+
 from . import report
 
 # ray::ServeReplica:moa:Router, ray::ServeReplica:moa:VerifierPool.verify; while the replica
@@ -102,7 +104,7 @@ def server_counters(url: str) -> dict:
     """Queue depth, sessions and the verifier engine's slots from ``GET /v1/stats`` (None for a
     server without them)."""
     try:
-        stats = httpx.get(url + "/v1/stats", timeout=10).json()
+        stats = httpx.get(url + "/v1/stats", timeout=10, headers=client_headers()).json()
     except (httpx.HTTPError, ValueError) as exc:
         return {"stats_error": type(exc).__name__}
     engine = stats.get("verifier_engine") or {}

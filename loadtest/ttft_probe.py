@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
 import urllib.request
 
-from moa_serve.app.auth import API_KEY_ENV
+from moa_serve.app.auth import client_headers
 
 
 def load_prompts(path: str, limit: int) -> list[str]:
@@ -46,10 +45,7 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 def request_headers() -> dict[str, str]:
     """JSON, and ``$MOA_API_KEY`` as a bearer token when set (a server with API keys)."""
-    headers = {"Content-Type": "application/json"}
-    if os.environ.get(API_KEY_ENV):
-        headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
-    return headers
+    return {"Content-Type": "application/json", **client_headers()}
 
 
 def stream_one(base: str, model: str, prompt: str, max_tokens: int, timeout: float) -> tuple[float | None, float, int]:
