@@ -51,6 +51,18 @@ def test_toy_run_writes_every_section(toy_run):
         assert title in md
 
 
+def test_toy_round_profile_reports_each_part(tmp_path, stories_path):
+    env = dict(os.environ, MOA_MODEL_DIR=str(stories_path.parent))
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu" / "profile_round.py"), "--toy", "--out",
+                           str(tmp_path), "--sessions", "1,2", "--rounds", "2"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = (tmp_path / "profile_round.txt").read_text()
+    for b in (1, 2):
+        assert f"engine round, {b} session(s), K = 4:" in text and f"kernels of one engine round, {b} session(s)" in text
+    assert "host functions by tottime" in text and "run_round" in text
+
+
 def test_toy_run_greedy_speculative_equals_plain_on_cpu(toy_run):
     _, res = toy_run
     for dtype in ("float32", "bfloat16"):

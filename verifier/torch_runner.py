@@ -38,7 +38,7 @@ from moa_serve import kernels
 from moa_serve.kernels.packed import pack_target
 from moa_serve.kv_cache import PackedBatch
 from moa_serve.kernels import gpu_invariant
-from moa_serve.layers import fuse_dense_projections, use_matmul
+from moa_serve.layers import fuse_dense_projections, use_matmul, use_rms_norm
 from moa_serve.model_files import load_state_dict, read_config, resolve_model_path, target_dtype
 from moa_serve.verifier.acceptance import accept_greedy, accept_sampling
 from moa_serve.verifier.api import NO_FEATURES, FeatureSource, TargetBackend
@@ -187,6 +187,7 @@ class TorchTargetRunner(TargetBackend):
             and hd % 8 == 0 and hd <= 256 and kernels.library() is not None)
         if on_gpu_kernels:
             self.packing["batch_invariant_matmuls"] = use_matmul(model, gpu_invariant.matmul)
+            self.packing["batch_invariant_norms"] = use_rms_norm(model, gpu_invariant.rms_norm)
         # the fixed-shape forward (below) needs the invariant attention: padding rows must not touch real ones
         wanted = options.static_forward == "on" or (options.static_forward == "auto" and self.device.type == "cuda")
         if kv_dtype != self.dtype and not self.attention_kernel:

@@ -7,8 +7,11 @@ drafts in whatever batch the round holds, so every op the verify forward runs mu
 to the rows beside it.
 
 * :func:`matmul` — ``x @ w.T`` (+ bias) with ONE tile configuration per weight shape, chosen from
-  (N, K) only, never from the number of rows M, and no split-K: every output element is the same
-  sequence of ``tl.dot`` steps over K whatever M is.
+  (N, K) only, never from the number of rows M: every output element is the same sequence of
+  ``tl.dot`` steps over K whatever M is. A narrow weight splits K into a fixed number of ranges
+  (so one decode row keeps the GPU's SMs busy) whose float32 partial sums are added in a fixed
+  order by a second kernel, never by atomics.
+* :func:`rms_norm` — one program per row, the row's sum of squares over one fixed block.
 * :func:`slot_attention` — causal attention of packed tokens over a per-slot KV cache layer, one
   program per (token, KV head): each token reads its own slot's keys in a fixed block order with an
   online softmax in float32, so its output depends on its own position only (the same contract as
@@ -23,6 +26,7 @@ cores with float32 accumulation).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -58,20 +62,25 @@ def unavailable_reason(device: torch.device | str) -> str:
 if triton is not None:
 
     @triton.jit
-    def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, sxk, swn, swk, sym, syn,
-                       HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+    def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, K_SPLIT, sxm, sxk, swn, swk, sym, syn,
+                       HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One (BLOCK_M x BLOCK_N) tile over the K range [pid_s * K_SPLIT, +K_SPLIT): written to
+        y (PARTIAL false: the whole K) or, in float32, to split pid_s of the partials [S, M, N]."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_s = tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_lo = pid_s * K_SPLIT
+        k_hi = tl.minimum(K, k_lo + K_SPLIT)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk,
-                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+                        mask=(rm[:, None] < M) & (rk[None, :] < k_hi), other=0.0)
             b = tl.load(w_ptr + rn[None, :] * swn + rk[:, None] * swk,
-                        mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+                        mask=(rn[None, :] < N) & (rk[:, None] < k_hi), other=0.0)
             if WIDEN:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -79,10 +88,39 @@ if triton is not None:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if PARTIAL:
+            tl.store(part_ptr + pid_s * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _split_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, S, sym, syn, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        """y = partials[0] + partials[1] + ... in that order (+ bias), element by element."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = offs < M * N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(0, S):
+            acc += tl.load(part_ptr + s * M * N + offs, mask=live, other=0.0)
+        m = offs // N
+        n = offs % N
         if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+            acc += tl.load(b_ptr + n, mask=live, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * sym + n * syn, acc.to(y_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, sx, sy, eps, BLOCK: tl.constexpr):
+        """One row: y = w * (x * rsqrt(mean(x^2) + eps)) in x's dtype, the sum over one fixed block."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        live = cols < H
+        x = tl.load(x_ptr + row * sx + cols, mask=live, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+        y = (x * r).to(y_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * sy + cols, (w * y).to(y_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
     def _slot_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, pos_ptr, at_ptr,
@@ -124,32 +162,85 @@ if triton is not None:
                  mask=gmask[:, None])
 
 
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """How :func:`matmul` cuts a weight of N rows and K columns: output tiles of block_m x block_n,
+    K in blocks of block_k, and K split into ``split`` ranges summed in a fixed order (enough
+    programs in flight for a few decode rows on a narrow weight)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
 @functools.lru_cache(maxsize=None)
-def tile_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for a weight of N rows and K columns. A function of
-    the weight's shape alone: the number of rows multiplied never changes it (batch invariance).
-    Narrow tiles along N for narrow weights keep enough programs in flight for one decode row."""
-    block_n = 64 if n >= 8192 else 32
-    block_k = 64 if k >= 64 else 32 if k >= 32 else 16  # tl.dot needs at least 16
-    return 32, block_n, block_k, 4
+def tile_config(n: int, k: int, itemsize: int = 2, programs: int = 128) -> Tiles:
+    """The tiles of a weight of N rows and K columns: a function of the weight's shape alone (and
+    of the operands' size), never of the number of rows M multiplied, so a row's result is the
+    same sequence of float32 additions whatever shares its call (batch invariance).
+
+    128 x 128 x 64 tiles, 8 warps; K split in two, four, ... until one decode row runs at least
+    ``programs`` programs (about the SMs of an H100), each range keeping 8 blocks of K or more.
+    Chosen from 32 candidates per weight measured on an H100 over Llama-3-8B's weights at 1 to 512
+    rows (``tools/gpu/tile_sweep.py``, docs/benchmarks.md#gpu): 0.98-1.39x cuBLAS at 1 and 8 rows,
+    up to 1.64x at 64 and 1.2-2x at 256-512, where one M-independent tile cannot match cuBLAS's
+    per-shape choice; a whole graphed forward costs 1.03-1.09x the same graphs on cuBLAS."""
+    block_k = 64 if k >= 64 else 32 if k >= 32 else 16  # tl.dot needs K blocks of 16 or more
+    block_n = 128
+    split = 1
+    if triton is not None:
+        tiles_n, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+        while tiles_n * split < programs and k_blocks // (split * 2) >= 8:
+            split *= 2
+    # three stages of bfloat16 tiles take 96 KiB of shared memory; float32 operands get two
+    return Tiles(128, block_n, block_k, split, num_warps=8, num_stages=3 if itemsize <= 2 else 2)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, batch-invariant: x [..., K], weight [N, K] -> [..., N] in x's dtype."""
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tiles: Tiles | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, batch-invariant: x [..., K], weight [N, K] -> [..., N] in x's
+    dtype. ``tiles``: instead of :func:`tile_config` (the GPU check's tile sweep)."""
     k = x.shape[-1]
     n = weight.shape[0]
     flat = x.reshape(-1, k)
     m = flat.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        bm, bn, bk, warps = tile_config(n, k)
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-        _matmul_kernel[grid](flat, weight, bias if bias is not None else weight, out, m, n, k,
+        t = tiles or tile_config(n, k, x.element_size())
+        k_split = triton.cdiv(triton.cdiv(k, t.split), t.block_k) * t.block_k
+        split = triton.cdiv(k, k_split)
+        partial = split > 1
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if partial else out
+        grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)
+        _matmul_kernel[grid](flat, weight, bias if bias is not None else weight, out, part, m, n, k, k_split,
                              flat.stride(0), flat.stride(1), weight.stride(0), weight.stride(1),
-                             out.stride(0), out.stride(1), HAS_BIAS=bias is not None, WIDEN=_WIDEN,
-                             IEEE=x.dtype == torch.float32 or _WIDEN,
-                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+                             out.stride(0), out.stride(1), HAS_BIAS=bias is not None and not partial,
+                             WIDEN=_WIDEN, IEEE=x.dtype == torch.float32 or _WIDEN, PARTIAL=partial,
+                             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                             num_warps=t.num_warps, num_stages=t.num_stages)
+        if partial:
+            block = 1024
+            _split_sum_kernel[(triton.cdiv(m * n, block),)](
+                part, bias if bias is not None else weight, out, m, n, split, out.stride(0), out.stride(1),
+                HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return out.reshape(*x.shape[:-1], n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``layers.RMSNorm``'s arithmetic, one program per row: torch's reduction kernel picks how it
+    splits a row's sum by the number of rows, so its result may depend on the batch."""
+    h = x.shape[-1]
+    flat = x.reshape(-1, h)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out = torch.empty(flat.shape, dtype=x.dtype, device=x.device)
+    if flat.shape[0]:
+        block = triton.next_power_of_2(h)
+        _rms_norm_kernel[(flat.shape[0],)](flat, weight, out, h, flat.stride(0), out.stride(0), eps,
+                                           BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return out.reshape(x.shape)
 
 
 def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

@@ -490,8 +490,6 @@ def _verify_rows(run: Run, sec: dict, runner: TorchTargetRunner, target: TargetM
         row["forward_only"] = timed(forward, d, reps, warmup=1)
         _add_device_busy(row, call, d)
         run.save()
-    for i in ids:
-        runner.release(i)
 
 
 def _invariance_cost_rows(run: Run, sec: dict, runner: TorchTargetRunner, target: TargetModel, ids: list[str]) -> None:
@@ -592,6 +590,7 @@ def production_section(run: Run, shape: dict, dtype: torch.dtype) -> dict:
     sec["verifier_fused_projections"] = runner.packing.get("fused_projections", 0)
     sec["verifier_attention_kernel"] = runner.attention_kernel
     sec["verifier_batch_invariant_matmuls"] = runner.packing.get("batch_invariant_matmuls", 0)
+    sec["verifier_batch_invariant_norms"] = runner.packing.get("batch_invariant_norms", 0)
     sec["verifier_static_forward"] = runner.static is not None
     g = random.Random(0)
     vocab = shape["vocab_size"]
@@ -600,6 +599,8 @@ def production_section(run: Run, shape: dict, dtype: torch.dtype) -> dict:
     _prefill(runner, sec, ids, prompts, d)
     _verify_rows(run, sec, runner, target, ids, g, vocab)
     _invariance_cost_rows(run, sec, runner, target, ids)
+    for i in ids:
+        runner.release(i)
     proposer = MoAProposer(DrafterConfig(target=target.arch), moa.draft_head,
                            TargetParts(target, 0), max_sessions=bmax, max_model_len=room)
     _draft_rows(run, sec, proposer, prompts, shape["hidden_size"], dtype)
@@ -753,6 +754,7 @@ def e2e_section(run: Run, models: dict, dtype: torch.dtype) -> None:
         row.update(anchor_tokens_per_s=anchor["tokens_per_s"], vs_anchor=round(base_tps / anchor["tokens_per_s"], 3))
         sec.setdefault("anchor", []).append(anchor)
         run.save()
+        diverged: dict[int, list[int]] = {}  # session -> a speculative output that is not the plain one
         for tau in sz["e2e_tau"]:
             for k in sz["e2e_k"]:
                 p = corruption_for(tau, k)
@@ -774,12 +776,22 @@ def e2e_section(run: Run, models: dict, dtype: torch.dtype) -> None:
                 row.update(tau=round(sum(o.mean_accepted_length for o in outs) / b, 3), rounds=engine.last_stats.rounds,
                            tokens_per_s=round(tps, 1), s=round(s, 3), speedup=round(tps / base_tps, 3),
                            identical_to_plain=compare([o.token_ids for o in outs], refs)["identical"])
+                for i, o in enumerate(outs):
+                    if o.token_ids != refs[i]:
+                        diverged.setdefault(i, o.token_ids)
                 dm = draft_ms.get((b, k))
                 if dm is not None:
                     est = s + engine.last_stats.rounds * dm / 1e3
                     row["est_moa_tok_s"] = round(b * n_new / est, 1)
                     row["est_moa_speedup"] = round(b * n_new / est / base_tps, 3)
                 run.save()
+        if diverged:  # which side is off: each diverging session decoded alone, plainly
+            for i in sorted(diverged)[:4]:
+                alone = plain.generate([prompts[i]], n_new, ignore_eos=True)[0].token_ids
+                sec.setdefault("divergence", []).append(
+                    {"B": b, "session": i, "plain_batch_vs_alone": compare([refs[i]], [alone])["first_divergence"],
+                     "speculative_vs_alone": compare([diverged[i]], [alone])["first_divergence"]})
+            run.save()
     sec["status"] = "done"
     del runner
     free(d)
@@ -906,7 +918,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = TOY_LLAMA if a.toy else LLAMA3_8B
     models = None
-    plan = [("correctness", 0.17, lambda: correctness_section(run, ["float32", "bfloat16"])),
+    plan = [("correctness", 0.13, lambda: correctness_section(run, ["float32", "bfloat16"])),
             ("production", 0.52, None), ("fit", 0.62, None), ("e2e", 0.97, None)]
     for name, until, fn in plan:
         if name not in wanted:
