@@ -23,7 +23,7 @@ def test_under_the_triton_interpreter():
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert re.search(r"\b6 passed", proc.stdout), proc.stdout[-2000:]
+    assert re.search(r"\b7 passed", proc.stdout), proc.stdout[-2000:]
 
 
 @interpreted
@@ -76,6 +76,29 @@ def test_interpreted_rms_norm_matches_the_module_row_by_row():
                                norm.bfloat16()(xb).float(), rtol=2e-2, atol=2e-2)  # rounding: 1-2 bfloat16 ulps
 
 
+@interpreted
+def test_interpreted_chunked_attention_matches_the_cpu_kernel_across_chunks():
+    from moa_serve import kernels
+    from moa_serve.kernels import gpu_invariant
+
+    if kernels.library() is None:
+        pytest.skip(kernels.unavailable_reason())
+    g = torch.Generator().manual_seed(4)
+    slots_n, kv_heads, length, hd, heads = 2, 2, 700, 16, 6  # chunks of 256 keys: 3 per slot
+    assert gpu_invariant.attention_chunk(length + 1) == 256
+    k = torch.randn(slots_n, kv_heads, length + 1, hd, generator=g)
+    v = torch.randn(slots_n, kv_heads, length + 1, hd, generator=g)
+    q = torch.randn(5, heads, hd, generator=g)
+    slots = torch.tensor([0, 1, 0, 1, 1])
+    positions = torch.tensor([0, 255, 256, 511, 690])  # first key, both sides of a chunk edge, the last chunk
+    store_at = torch.tensor([0, 255, 256, 700, 690])  # token 3's own key sits in the scratch column
+    got = gpu_invariant.chunked_slot_attention(q, k, v, slots, positions, store_at)
+    torch.testing.assert_close(got, kernels.attention(q, k, v, slots, positions, store_at), rtol=1e-5, atol=1e-5)
+    for i in range(5):
+        assert torch.equal(gpu_invariant.chunked_slot_attention(q[i:i + 1], k, v, slots[i:i + 1], positions[i:i + 1],
+                                                                store_at[i:i + 1]), got[i:i + 1])
+
+
 def test_tile_config_splits_k_only_for_weights_too_narrow_to_fill_the_gpu():
     from moa_serve.kernels import gpu_invariant
 
@@ -84,6 +107,7 @@ def test_tile_config_splits_k_only_for_weights_too_narrow_to_fill_the_gpu():
     wide = gpu_invariant.tile_config(128256, 4096)  # its LM head
     assert narrow.split > 1 and wide.split == 1
     assert 14336 // narrow.block_k // narrow.split >= 8  # every range still loops over K
+    assert gpu_invariant.attention_chunk(8193) == 512 and gpu_invariant.attention_chunk(600) == 256
 
 
 @interpreted

@@ -17,8 +17,12 @@ to the rows beside it.
   online softmax in float32, so its output depends on its own position only (the same contract as
   the CPU kernel ``moa_serve.kernels.attention``). The loop bound is read from the position buffer
   on the device, so a captured CUDA graph replays it for any context length.
+* :func:`chunked_slot_attention` — the same contract with a token's keys split into chunks whose
+  size depends on the cache only, run side by side and merged in chunk order (flash-decoding):
+  for long contexts at few tokens per call. The GPU check times it beside
+  :func:`slot_attention` (``tools/gpu/bench_gpu.py``, production section) before it serves.
 
-Both run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the
+All run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the
 tests check them without a GPU; the interpreter's bfloat16 ``tl.dot`` is wrong, so there the
 operands are widened to float32 first (``_WIDEN``: the GPU path multiplies bfloat16 on tensor
 cores with float32 accumulation).
@@ -162,6 +166,96 @@ if triton is not None:
                  mask=gmask[:, None])
 
 
+if triton is not None:
+
+    @triton.jit
+    def _chunk_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, slots_ptr, pos_ptr, at_ptr,
+                                sqn, sqh, sks, skh, skp, scale, GROUPS, KV_HEADS, NC,
+                                HEAD_DIM: tl.constexpr, GROUPS_P2: tl.constexpr, BLOCK: tl.constexpr,
+                                CHUNK: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
+        """Keys [c * CHUNK, (c + 1) * CHUNK) of one (token, KV head): the running max, the sum of
+        exponentials and the unnormalised output of its query heads, written to the scratch rows
+        of chunk c (nothing for a chunk past the token's position). Scores and outputs as tensor-core
+        products with float32 accumulation."""
+        tok = tl.program_id(0)
+        kvh = tl.program_id(1)
+        c = tl.program_id(2)
+        slot = tl.load(slots_ptr + tok)
+        pos = tl.load(pos_ptr + tok)
+        at = tl.load(at_ptr + tok)
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, pos + 1)
+        g = tl.arange(0, GROUPS_P2)
+        d = tl.arange(0, HEAD_DIM)
+        heads = kvh * GROUPS + g
+        gmask = g < GROUPS
+        q = tl.load(q_ptr + tok * sqn + heads[:, None] * sqh + d[None, :], mask=gmask[:, None], other=0.0)
+        if WIDEN:
+            q = q.to(tl.float32)
+        m = tl.full((GROUPS_P2,), float("-inf"), dtype=tl.float32)
+        denom = tl.zeros((GROUPS_P2,), dtype=tl.float32)
+        acc = tl.zeros((GROUPS_P2, HEAD_DIM), dtype=tl.float32)
+        base = k_ptr + slot * sks + kvh * skh
+        vbase = v_ptr + slot * sks + kvh * skh
+        for start in range(lo, hi, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            live = j < hi
+            where = tl.where(j == pos, at, j)  # the token's own key, stored at ``at``
+            kb = tl.load(base + where[:, None] * skp + d[None, :], mask=live[:, None], other=0.0)
+            vb = tl.load(vbase + where[:, None] * skp + d[None, :], mask=live[:, None], other=0.0)
+            kb = kb.to(q.dtype)  # a bfloat16 cache under a float32 model (or widened by the interpreter)
+            vb = vb.to(q.dtype)
+            if IEEE:
+                s = tl.dot(q, tl.trans(kb), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(kb))
+            s = tl.where(live[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            pr = tl.exp(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(pr, axis=1)
+            if IEEE:
+                pv = tl.dot(pr, vb, input_precision="ieee")
+            else:
+                pv = tl.dot(pr.to(vb.dtype), vb)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        row = ((tok * KV_HEADS + kvh) * NC + c) * GROUPS + g
+        keep = gmask & (lo + g * 0 <= pos)  # a chunk past the position stores nothing
+        tl.store(m_ptr + row, m, mask=keep)
+        tl.store(l_ptr + row, denom, mask=keep)
+        tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
+
+    @triton.jit
+    def _chunk_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, pos_ptr, son, soh, GROUPS, KV_HEADS, NC,
+                              HEAD_DIM: tl.constexpr, GROUPS_P2: tl.constexpr, CHUNK: tl.constexpr):
+        """A (token, KV head)'s chunks merged in chunk order: the output of its query heads."""
+        tok = tl.program_id(0)
+        kvh = tl.program_id(1)
+        pos = tl.load(pos_ptr + tok)
+        g = tl.arange(0, GROUPS_P2)
+        d = tl.arange(0, HEAD_DIM)
+        gmask = g < GROUPS
+        m = tl.full((GROUPS_P2,), float("-inf"), dtype=tl.float32)
+        denom = tl.zeros((GROUPS_P2,), dtype=tl.float32)
+        acc = tl.zeros((GROUPS_P2, HEAD_DIM), dtype=tl.float32)
+        for c in range(0, pos // CHUNK + 1):
+            row = ((tok * KV_HEADS + kvh) * NC + c) * GROUPS + g
+            mc = tl.load(m_ptr + row, mask=gmask, other=0.0)  # padding heads: finite, never stored
+            lc = tl.load(l_ptr + row, mask=gmask, other=1.0)
+            ac = tl.load(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=gmask[:, None], other=0.0)
+            m_new = tl.maximum(m, mc)
+            a = tl.exp(m - m_new)
+            b = tl.exp(mc - m_new)
+            denom = denom * a + lc * b
+            acc = acc * a[:, None] + ac * b[:, None]
+            m = m_new
+        out = acc / denom[:, None]
+        heads = kvh * GROUPS + g
+        tl.store(o_ptr + tok * son + heads[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=gmask[:, None])
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """How :func:`matmul` cuts a weight of N rows and K columns: output tiles of block_m x block_n,
@@ -262,4 +356,43 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: tor
             q, k, v, out, slots, positions, store_at, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             k.stride(2), out.stride(0), out.stride(1), hd ** -0.5, groups, HEAD_DIM=hd,
             GROUPS_P2=triton.next_power_of_2(groups), BLOCK=32, num_warps=4)
+    return out
+
+
+def attention_chunk(cache_len: int) -> int:
+    """Keys per program of :func:`chunked_slot_attention` for a cache of ``cache_len`` positions:
+    256, or more so that a cache splits into at most 32 chunks. A function of the cache alone, so
+    every call of a replica chunks a token's keys the same way (batch invariance)."""
+    return max(256, triton.next_power_of_2(triton.cdiv(cache_len, 32)))
+
+
+def chunked_slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                           positions: torch.Tensor, store_at: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`slot_attention`'s contract, a token's keys split into fixed chunks
+    (:func:`attention_chunk`) that run side by side, then merged in chunk order by a second
+    kernel (flash-decoding with a split that depends on the cache, never on the batch): one decode
+    row at a long context keeps many programs busy where :func:`slot_attention` runs one per KV
+    head. Query heads of a KV head are one tensor-core product (padded to 16 rows)."""
+    n, heads, hd = q.shape
+    kv_heads, cache_len = k.shape[1], k.shape[2]
+    if hd & (hd - 1) or hd < 16 or k.stride(-1) != 1 or k.stride() != v.stride():
+        raise ValueError("chunked_slot_attention: head_dim must be a power of two >= 16 and K/V alike, rows contiguous")
+    groups = heads // kv_heads
+    store_at = positions if store_at is None else store_at
+    out = torch.empty_like(q)
+    if n:
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        chunk = attention_chunk(cache_len)
+        nc = triton.cdiv(cache_len, chunk)
+        m = torch.empty(n * kv_heads * nc * groups, dtype=torch.float32, device=q.device)
+        denom = torch.empty_like(m)
+        acc = torch.empty(m.shape[0], hd, dtype=torch.float32, device=q.device)
+        gp2 = max(16, triton.next_power_of_2(groups))  # tl.dot takes 16 rows or more
+        _chunk_attention_kernel[(n, kv_heads, nc)](
+            q, k, v, m, denom, acc, slots, positions, store_at, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), k.stride(2), hd ** -0.5, groups, kv_heads, nc, HEAD_DIM=hd, GROUPS_P2=gp2,
+            BLOCK=64, CHUNK=chunk, WIDEN=_WIDEN, IEEE=q.dtype == torch.float32 or _WIDEN, num_warps=4)
+        _chunk_combine_kernel[(n, kv_heads)](
+            m, denom, acc, out, positions, out.stride(0), out.stride(1), groups, kv_heads, nc,
+            HEAD_DIM=hd, GROUPS_P2=triton.next_power_of_2(groups), CHUNK=chunk, num_warps=4)
     return out

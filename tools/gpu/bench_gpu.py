@@ -528,6 +528,39 @@ def _invariance_cost_rows(run: Run, sec: dict, runner: TorchTargetRunner, target
     del cublas
 
 
+def _attention_rows(run: Run, sec: dict, arch: TargetArch, dtype: torch.dtype) -> None:
+    """The two batch-invariant attention kernels side by side at long contexts: B sessions x 1 token
+    at context L over a cache of 8,192 positions (GPU microseconds from a CUDA graph), whether the
+    chunked kernel's rows are bitwise the same alone as in the batch, and how far the two differ."""
+    d = run.device
+    sec["attention"] = []
+    if d.type != "cuda":
+        sec["attention_skipped"] = "needs CUDA"
+        return
+    import triton.testing
+
+    kvh, hd, heads, length = arch.num_kv_heads, arch.head_dim, arch.num_heads, 8193
+    gen = torch.Generator(device=d).manual_seed(3)
+    k = torch.randn(64, kvh, length, hd, device=d, dtype=dtype, generator=gen)
+    v = torch.randn(64, kvh, length, hd, device=d, dtype=dtype, generator=gen)
+    q = torch.randn(64, heads, hd, device=d, dtype=dtype, generator=gen)
+    for row in _rows(run, sec["attention"], [{"B": b, "context": c} for c in (512, 2048, 8192) for b in (1, 8, 64)], 8):
+        b, c = row["B"], row["context"]
+        slots = torch.arange(b, device=d)
+        pos = torch.full((b,), c - 1, device=d, dtype=torch.long)
+        for name, fn in (("per_token_us", gpu_invariant.slot_attention),
+                         ("chunked_us", gpu_invariant.chunked_slot_attention)):
+            row[name] = round(1e3 * triton.testing.do_bench_cudagraph(lambda fn=fn: fn(q[:b], k, v, slots, pos), rep=20), 1)
+        row["chunked_speedup"] = round(row["per_token_us"] / row["chunked_us"], 2)
+        full = gpu_invariant.chunked_slot_attention(q[:b], k, v, slots, pos)
+        row["chunked_row_alone_bitwise"] = bool(torch.equal(
+            gpu_invariant.chunked_slot_attention(q[:1], k, v, slots[:1], pos[:1]), full[:1]))
+        row["max_abs_diff"] = float((full.float() - gpu_invariant.slot_attention(q[:b], k, v, slots, pos).float())
+                                    .abs().max())
+        run.save()
+    del k, v
+
+
 def _draft_rows(run: Run, sec: dict, proposer: MoAProposer, prompts: list[list[int]], hidden: int,
                 dtype: torch.dtype) -> None:
     """Drafting latency per K: a paper-sized MoA draft head over the target's embeddings and LM head."""
@@ -599,6 +632,7 @@ def production_section(run: Run, shape: dict, dtype: torch.dtype) -> dict:
     _prefill(runner, sec, ids, prompts, d)
     _verify_rows(run, sec, runner, target, ids, g, vocab)
     _invariance_cost_rows(run, sec, runner, target, ids)
+    _attention_rows(run, sec, target.arch, dtype)
     for i in ids:
         runner.release(i)
     proposer = MoAProposer(DrafterConfig(target=target.arch), moa.draft_head,
@@ -862,6 +896,11 @@ def markdown(results: dict) -> str:
         if "invariance_cost_skipped" in p:
             lines.append(f"Not measured: {p['invariance_cost_skipped']}\n")
         lines.append(f"Runner statistics: {p.get('runner_stats', {})}\n")
+        lines += ["## Attention kernels: per token vs chunked (GPU us, B sessions x 1 token, 8,192-position cache)", ""]
+        lines.append(_table(p.get("attention", []), ["B", "context", "per_token_us", "chunked_us", "chunked_speedup",
+                                                     "chunked_row_alone_bitwise", "max_abs_diff"]))
+        if "attention_skipped" in p:
+            lines.append(f"Not measured: {p['attention_skipped']}\n")
         lines += ["## Drafting latency per K (paper-sized MoA draft head)", ""]
         lines.append(_table(p.get("draft", []), ["B", "K", "ms", "ms_per_step", "device_busy_ms", "host_overhead_ms"]))
         lines.append(f"Static draft steps (CUDA graphs): {p.get('draft_static_steps')}\n")
