@@ -213,15 +213,22 @@ def graph_pool_bytes(cfg: AppConfig, target: ModelShape) -> int:
     """The CUDA graphs' memory pool of a torch verifier on a GPU (``verifier/static_forward.py``):
     the largest captured forward's live activations, one layer's widest intermediates at a time
     (the fused gate/up output, its product, the fused q/k/v output, the attention output, the
-    residual stream and its norm) plus the graph's output rows. 0 where nothing is captured."""
+    residual stream and its norm), the float32 partial sums of the widest split-K matmul
+    (``gpu_invariant.tile_config``) and the graph's output rows. 0 where nothing is captured."""
     if cfg.backend == "vllm" or cfg.device != "cuda":
         return 0
+    from moa_serve.kernels.gpu_invariant import tile_config
     from moa_serve.verifier.static_forward import GRAPH_SIZES
 
     rows = max((s for s in GRAPH_SIZES if s <= cfg.verifier_pool.max_num_batched_tokens), default=0)
+    b = dtype_bytes(cfg.dtype, cfg.device)
     q = target.heads * target.head_dim
-    per_row = 3 * target.intermediate + (q + 2 * target.kv_width) + q + 5 * target.hidden
-    return rows * per_row * dtype_bytes(cfg.dtype, cfg.device)
+    per_row = (3 * target.intermediate + (q + 2 * target.kv_width) + q + 5 * target.hidden) * b
+    weights = [(q + 2 * target.kv_width, target.hidden), (target.hidden, q), (2 * target.intermediate, target.hidden),
+               (target.hidden, target.intermediate)]  # (N, K) of q/k/v, o, gate/up, down
+    splits = [tile_config(n, k, b).split * n for n, k in weights if tile_config(n, k, b).split > 1]
+    per_row += 4 * max(splits, default=0)
+    return rows * per_row
 
 
 def verifier_fit(cfg: AppConfig, target: ModelShape) -> Fit:

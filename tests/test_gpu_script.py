@@ -39,6 +39,7 @@ def test_toy_run_writes_every_section(toy_run):
     assert all("ms" in r and "forward_only" in r for r in s["production"]["verify"])
     assert all("ms_per_step" in r for r in s["production"]["draft"])
     assert all("verify_ms" in r for r in s["production"]["round"])
+    assert s["production"]["round_profile"]["top"][0]["own_ms"] > 0  # where a round's host time goes
     fit = {r["pool"]: r for r in s["fit"]["fit_py"]}  # fit.py's arithmetic for gpu.yaml
     assert fit["verifier_pool"]["kv_gib"] == 48.0 and fit["drafter_pool"]["total_gib"] > 0
     rows = s["e2e"]["rows"]
@@ -54,7 +55,7 @@ def test_toy_run_writes_every_section(toy_run):
 def test_toy_round_profile_reports_each_part(tmp_path, stories_path):
     env = dict(os.environ, MOA_MODEL_DIR=str(stories_path.parent))
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu" / "profile_round.py"), "--toy", "--out",
-                           str(tmp_path), "--sessions", "1,2", "--rounds", "2"],
+                           str(tmp_path), "--batch-sizes", "1,2", "--rounds", "2"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = (tmp_path / "profile_round.txt").read_text()

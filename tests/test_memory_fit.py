@@ -67,3 +67,10 @@ def test_a_gpu_verifier_counts_its_cuda_graph_pool(tmp_path, monkeypatch):
     # the largest graph is 256 rows (the largest size within the 300-token budget)
     assert pool == 256 * (3 * 896 + (256 + 2 * 64) + 256 + 5 * 256) * 2
     assert fit.verifier_fit(gpu, shape).activations == 300 * 2048 * 4 + pool
+    # at Llama-3-8B's width the narrow matmuls split K: their float32 partials are in the pool too
+    import pytest
+    pytest.importorskip("triton")
+    wide = fit.ModelShape(vocab=128256, hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
+                          intermediate=14336, tied=False, max_positions=8192)
+    base_row = (3 * 14336 + 6144 + 4096 + 5 * 4096) * 2
+    assert fit.graph_pool_bytes(gpu, wide) == 256 * (base_row + 4 * 4 * 6144)  # q/k/v: 4 ranges of 6,144 columns

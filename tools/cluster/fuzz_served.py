@@ -94,6 +94,10 @@ def schemathesis_toml(path: Path, max_response_time: float) -> Path:
     ids = ", ".join(f'"{op}"' for op in STATEFUL_BODIES)
     path.write_text("[checks]\nenabled = true\n"
                     f"max_response_time = {max_response_time}\n\n"
+                    "# the stateful phase follows the schema's own links; links inferred from responses stay off:\n"
+                    "# schemathesis reads every string of a JSON response as a possible URL, and generated text\n"
+                    "# such as 'http://[...]' stops its run with an internal ValueError (urlsplit), not a finding\n"
+                    "[phases.stateful.inference]\nalgorithms = []\n\n"
                     "# schema-valid bodies the server may refuse (a binary frame; fingerprints, vocabulary, round):\n"
                     "# tools/cluster/fuzz_served.py says why\n"
                     f"[[operations]]\ninclude-operation-id = [{ids}]\n"

@@ -190,6 +190,25 @@ def device_busy_ms(fn, device: torch.device) -> float | None:
         return f"profiler failed: {exc!r}"[:200]
 
 
+def host_profile(fn, device: torch.device, calls: int, top: int = 25) -> list[dict]:
+    """The host functions of ``calls`` calls of ``fn`` by own time (cProfile): function, calls,
+    its calls, own and cumulative milliseconds, each per call of ``fn``."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    sync(device)
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(f).name}:{line}({name})", "calls": round(nc / calls, 1), "own_ms": round(tt / calls * 1e3, 3),
+             "cumulative_ms": round(ct / calls * 1e3, 3)} for (f, line, name), (cc, nc, tt, ct, _) in rows]
+
+
 def memory(device: torch.device) -> dict:
     if device.type != "cuda":
         return {}
@@ -599,12 +618,14 @@ def _round_rows(run: Run, sec: dict, engine: SpeculativeEngine, prompts: list[li
             engine.run_round(sessions)
             if all(len(s.generated) >= 2 for s in sessions):
                 break
+        engine.run_round(sessions)  # compiles and captures of this batch's shapes happen here
         d0, v0 = engine.timings["draft_s"], engine.timings["verify_s"]
-        row.update(timed(lambda: engine.run_round(sessions), d, reps, warmup=1))
-        n = reps + 1
-        row["draft_ms"] = round((engine.timings["draft_s"] - d0) / n * 1e3, 3)
-        row["verify_ms"] = round((engine.timings["verify_s"] - v0) / n * 1e3, 3)
+        row.update(timed(lambda: engine.run_round(sessions), d, reps, warmup=0))
+        row["draft_ms"] = round((engine.timings["draft_s"] - d0) / reps * 1e3, 3)
+        row["verify_ms"] = round((engine.timings["verify_s"] - v0) / reps * 1e3, 3)
         _add_device_busy(row, lambda: engine.run_round(sessions), d)
+        if "round_profile" not in sec:  # where the smallest batch's round spends its host time
+            sec["round_profile"] = {"B": b, "rounds": 3, "top": host_profile(lambda: engine.run_round(sessions), d, 3)}
         for s in sessions:
             engine.release(s.id)
         run.save()
@@ -729,7 +750,7 @@ def fit_section(run: Run, models: dict) -> None:
                                max_sessions=n, max_model_len=cfg.max_model_len)
         caches = torch.cuda.memory_allocated(d) - base
         parts = TargetParts(target, 0)
-        md = {"sessions": n, "caches_gib": round(caches / GiB, 3),
+        md = {"max_sessions": n, "caches_gib": round(caches / GiB, 3),
               "borrowed_gib": round((param_bytes(parts.embed_tokens) + param_bytes(parts.lm_head)) / GiB, 3),
               "draft_head_gib": round(param_bytes(moa.draft_head) / GiB, 3)}
         torch.cuda.reset_peak_memory_stats(d)
@@ -906,6 +927,10 @@ def markdown(results: dict) -> str:
         lines.append(f"Static draft steps (CUDA graphs): {p.get('draft_static_steps')}\n")
         lines += ["## One engine round (draft + verify + commit), K = 4", ""]
         lines.append(_table(p.get("round", []), ["B", "ms", "draft_ms", "verify_ms", "device_busy_ms", "host_overhead_ms"]))
+        if p.get("round_profile"):
+            rp = p["round_profile"]
+            lines += [f"Host functions of a round at B = {rp['B']} by own time (cProfile, ms per round):", ""]
+            lines.append(_table(rp["top"], ["function", "calls", "own_ms", "cumulative_ms"]))
     f = s.get("fit", {})
     if f:
         lines += ["## Memory: deployments/fit.py for gpu.yaml vs measured", ""]

@@ -9,7 +9,7 @@ Prints and writes to ``OUT/profile_round.txt``:
   what the host does between kernels;
 * the drafter's and the verifier's share of each round (the engine's timings).
 
-    python tools/gpu/profile_round.py --out DIR [--sessions 1,8]
+    python tools/gpu/profile_round.py --out DIR [--batch-sizes 1,8]
 
 ``--toy`` runs the same at toy size on a CPU (the fixed-shape forward uncaptured), which is how
 the tests keep the script working.
@@ -47,7 +47,7 @@ def kernel_table(fn, device: torch.device, rows: int = 18) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--sessions", default="1,8")
+    ap.add_argument("--batch-sizes", default="1,8", help="sessions per round, comma-separated")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--toy", action="store_true", help="toy shapes on a CPU")
     a = ap.parse_args(argv)
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         d, dtype, shape, ctx = torch.device("cuda"), torch.bfloat16, bench.LLAMA3_8B, 512
     target = bench.random_target(shape, dtype, d)
     moa = bench.random_moa(target, dtype, d)
-    bmax = max(int(b) for b in a.sessions.split(","))
+    bmax = max(int(b) for b in a.batch_sizes.split(","))
     room = ctx + 64 * (a.rounds + 60)
     runner = bench.TorchTargetRunner("", dtype, str(d), max_sessions=bmax, max_model_len=room,
                                      features=bench.MoAFeatures(moa.feature_head), model=target,
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     proposer = bench.MoAProposer(bench.DrafterConfig(target=target.arch), moa.draft_head,
                                  bench.TargetParts(target, 0), max_sessions=bmax, max_model_len=room)
     engine = bench.SpeculativeEngine(runner, proposer, None, frozenset(), max_batch=bmax)
-    for b in (int(x) for x in a.sessions.split(",")):
+    for b in (int(x) for x in a.batch_sizes.split(",")):
         sessions = [engine.new_session(prompts[i][:ctx // 2], 10 ** 6, num_speculative_tokens=4, ignore_eos=True)
                     for i in range(b)]
         for _ in range(50):  # prefill, then rounds until every session drafts with features
