@@ -1,5 +1,6 @@
-"""CI smoke load test against the real cluster: `serve run deployments/configs/local-cpu.yaml`
-started and stopped by the runner, 2 users for ~12 s; any failed request fails the test."""
+"""CI smoke load test and soak against the real cluster: `serve run deployments/configs/local-cpu.yaml`
+started once for the module the way the runner starts it (``runner.Cluster``), 2 users for ~12 s
+then a 14 s soak, both through ``moa loadtest --host``; any failed request fails the test."""
 
 from __future__ import annotations
 
@@ -29,17 +30,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(_APP_ERROR is not None,
-                    reason=f"moa_serve.deployments.app cannot be imported yet ({_APP_ERROR})")
-def test_smoke_load_local_cpu_cluster(tmp_path):
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(_APP_ERROR is not None,
+                                 reason=f"moa_serve.deployments.app cannot be imported yet ({_APP_ERROR})")]
+
+
+@pytest.fixture(scope="module")
+def local_cpu(tmp_path_factory):
+    """The URL of `local-cpu.yaml` served on a free port (a cluster that someone runs on :8000 is
+    left alone), started and stopped as ``moa loadtest --config`` does."""
+    from moa_serve.loadtest import runner
+
+    out = tmp_path_factory.mktemp("local-cpu")
+    cfg, url = runner.derived_config(REPO / "deployments" / "configs" / "local-cpu.yaml", False, _free_port(), out)
+    with runner.Cluster(cfg, url, out / "serve.log", ready_timeout=300):
+        yield url
+
+
+def test_smoke_load_local_cpu_cluster(local_cpu, tmp_path):
     from moa_serve.loadtest import runner
 
     out = tmp_path / "smoke"
-    # one streaming chat user and one streaming /v1/generate user; a free port, so a
-    # cluster that someone runs on :8000 is left alone
-    rc = runner.main(["--config", str(REPO / "deployments" / "configs" / "local-cpu.yaml"),
-                      "--port", str(_free_port()), "--users", "2", "--duration", "12s", "--max-tokens", "64",
+    # one streaming chat user and one streaming /v1/generate user
+    rc = runner.main(["--host", local_cpu, "--users", "2", "--duration", "12s", "--max-tokens", "64",
                       "--user-class", "ChatStreamUser,GenerateStreamUser", "--out", str(out),
                       "--fail-on-failures"])
     s = json.loads((out / "summary.json").read_text())
@@ -52,17 +65,13 @@ def test_smoke_load_local_cpu_cluster(tmp_path):
     assert (out / "throughput.png").exists() and (out / "latency.png").exists()
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(_APP_ERROR is not None,
-                    reason=f"moa_serve.deployments.app cannot be imported yet ({_APP_ERROR})")
-def test_soak_samples_the_local_cpu_cluster(tmp_path):
-    """A 14 s soak of the real cluster, a sample every 4 s: the replicas of the cluster the runner
-    started are found and measured, and the verifier's counters come from /v1/stats."""
+def test_soak_samples_the_local_cpu_cluster(local_cpu, tmp_path):
+    """A 14 s soak of the real cluster, a sample every 4 s: the cluster's replicas on this machine
+    are found and measured, and the verifier's counters come from /v1/stats."""
     from moa_serve.loadtest import runner
 
     out = tmp_path / "soak"
-    rc = runner.main(["--config", str(REPO / "deployments" / "configs" / "local-cpu.yaml"),
-                      "--port", str(_free_port()), "--users", "2", "--soak", "14s", "--soak-interval", "4s",
+    rc = runner.main(["--host", local_cpu, "--users", "2", "--soak", "14s", "--soak-interval", "4s",
                       "--max-tokens", "32", "--out", str(out), "--fail-on-failures"])
     assert rc == 0
     samples = [json.loads(line) for line in (out / "soak_samples.jsonl").read_text().splitlines()]
