@@ -226,8 +226,8 @@ def graph_pool_bytes(cfg: AppConfig, target: ModelShape) -> int:
     per_row = (3 * target.intermediate + (q + 2 * target.kv_width) + q + 5 * target.hidden) * b
     weights = [(q + 2 * target.kv_width, target.hidden), (target.hidden, q), (2 * target.intermediate, target.hidden),
                (target.hidden, target.intermediate)]  # (N, K) of q/k/v, o, gate/up, down
-    splits = [tile_config(n, k, b).split * n for n, k in weights if tile_config(n, k, b).split > 1]
-    per_row += 4 * max(splits, default=0)
+    partials = [t.split * n for n, k in weights if (t := tile_config(n, k, b)).split > 1]
+    per_row += 4 * max(partials, default=0)
     return rows * per_row
 
 

@@ -61,26 +61,25 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+def _set_on_every(module: nn.Module, kind: type, attribute: str, value) -> int:
+    """Sets ``attribute`` on every submodule of class ``kind`` under ``module``; returns how many."""
+    found = [m for m in module.modules() if isinstance(m, kind)]
+    for m in found:
+        setattr(m, attribute, value)
+    return len(found)
+
+
 def use_matmul(module: nn.Module, matmul) -> int:
-    """Every :class:`Linear` under ``module`` (fused projections included) multiplies with
-    ``matmul(x, weight, bias)`` instead of :func:`linear` (None: back to it). Returns how many."""
-    count = 0
-    for m in module.modules():  # fused projections are registered submodules: they are among them
-        if isinstance(m, Linear):
-            m.matmul = matmul
-            count += 1
-    return count
+    """Every :class:`Linear` under ``module`` (fused projections included: they are registered
+    submodules) multiplies with ``matmul(x, weight, bias)`` instead of :func:`linear` (None: back
+    to it). Returns how many."""
+    return _set_on_every(module, Linear, "matmul", matmul)
 
 
 def use_rms_norm(module: nn.Module, rms_norm) -> int:
     """Every :class:`RMSNorm` under ``module`` normalises with ``rms_norm(x, weight, eps)`` (e.g.
     the batch-invariant GPU kernel; None: back to torch's ops). Returns how many."""
-    count = 0
-    for m in module.modules():
-        if isinstance(m, RMSNorm):
-            m.kernel = rms_norm
-            count += 1
-    return count
+    return _set_on_every(module, RMSNorm, "kernel", rms_norm)
 
 
 class RMSNorm(nn.Module):

@@ -165,9 +165,6 @@ if triton is not None:
         tl.store(o_ptr + tok * son + heads[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=gmask[:, None])
 
-
-if triton is not None:
-
     @triton.jit
     def _chunk_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, slots_ptr, pos_ptr, at_ptr,
                                 sqn, sqh, sks, skh, skp, scale, GROUPS, KV_HEADS, NC,
@@ -337,21 +334,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
+def _attention_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      store_at: torch.Tensor | None, min_head_dim: int):
+    """The checked arguments of the attention kernels: (tokens, head_dim, KV heads, query heads per
+    KV head, q with unit last stride, store_at defaulting to positions). Raises ValueError for a
+    head_dim that is not a power of two of at least ``min_head_dim`` or K/V rows laid out apart."""
+    n, heads, hd = q.shape
+    if hd & (hd - 1) or hd < min_head_dim or k.stride(-1) != 1 or k.stride() != v.stride():
+        at_least = f" >= {min_head_dim}" if min_head_dim > 1 else ""
+        raise ValueError(f"{name}: head_dim must be a power of two{at_least} and K/V alike, rows contiguous")
+    kv_heads = k.shape[1]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    return n, hd, kv_heads, heads // kv_heads, q, positions if store_at is None else store_at
+
+
 def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                    positions: torch.Tensor, store_at: torch.Tensor | None = None) -> torch.Tensor:
     """The contract of ``moa_serve.kernels.attention`` on the GPU: q [n, H, hd]; k/v one cache layer
     [slots, KVH, max_len, hd] (rows contiguous); token i attends to keys 0..positions[i]-1 of slot
     slots[i] and to its own key at ``store_at[i]`` (default: positions[i]). Returns [n, H, hd] in
     q's dtype. ``head_dim`` must be a power of two."""
-    n, heads, hd = q.shape
-    kv_heads = k.shape[1]
-    if hd & (hd - 1) or k.stride(-1) != 1 or k.stride() != v.stride():
-        raise ValueError("slot_attention: head_dim must be a power of two and K/V alike, rows contiguous")
-    groups = heads // kv_heads
-    store_at = positions if store_at is None else store_at
+    n, hd, kv_heads, groups, q, store_at = _attention_inputs("slot_attention", q, k, v, positions, store_at, 1)
     out = torch.empty_like(q)
     if n:
-        q = q if q.stride(-1) == 1 else q.contiguous()
         _slot_attention_kernel[(n, kv_heads)](
             q, k, v, out, slots, positions, store_at, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             k.stride(2), out.stride(0), out.stride(1), hd ** -0.5, groups, HEAD_DIM=hd,
@@ -373,15 +378,11 @@ def chunked_slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
     kernel (flash-decoding with a split that depends on the cache, never on the batch): one decode
     row at a long context keeps many programs busy where :func:`slot_attention` runs one per KV
     head. Query heads of a KV head are one tensor-core product (padded to 16 rows)."""
-    n, heads, hd = q.shape
-    kv_heads, cache_len = k.shape[1], k.shape[2]
-    if hd & (hd - 1) or hd < 16 or k.stride(-1) != 1 or k.stride() != v.stride():
-        raise ValueError("chunked_slot_attention: head_dim must be a power of two >= 16 and K/V alike, rows contiguous")
-    groups = heads // kv_heads
-    store_at = positions if store_at is None else store_at
+    n, hd, kv_heads, groups, q, store_at = _attention_inputs("chunked_slot_attention", q, k, v, positions,
+                                                             store_at, 16)  # tl.dot: 16 columns or more
+    cache_len = k.shape[2]
     out = torch.empty_like(q)
     if n:
-        q = q if q.stride(-1) == 1 else q.contiguous()
         chunk = attention_chunk(cache_len)
         nc = triton.cdiv(cache_len, chunk)
         m = torch.empty(n * kv_heads * nc * groups, dtype=torch.float32, device=q.device)

@@ -191,8 +191,8 @@ def device_busy_ms(fn, device: torch.device) -> float | None:
 
 
 def host_profile(fn, device: torch.device, calls: int, top: int = 25) -> list[dict]:
-    """The host functions of ``calls`` calls of ``fn`` by own time (cProfile): function, calls,
-    its calls, own and cumulative milliseconds, each per call of ``fn``."""
+    """The ``top`` host functions of ``calls`` calls of ``fn`` by own time (cProfile): each with its
+    calls, own and cumulative milliseconds, all per call of ``fn``."""
     import cProfile
     import pstats
 
