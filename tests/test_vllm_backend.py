@@ -30,9 +30,14 @@ QUESTIONS = [
 ]
 
 
+# Engines whose tests are not about compilation run eager (compile=False), the reference ``plain``
+# among them: tracing and running a torch.compile'd forward costs a test engine seconds per build
+# and a quarter more per step on two cores. ``moa`` (the default, compiled), ``eagle`` and
+# ``moa_inductor`` cover the compiled forward.
 @pytest.fixture(scope="module")
 def plain():
-    engine = VllmEngine(str(SMOLLM), None, VllmOptions(dtype="float32", max_model_len=1024, max_num_seqs=8))
+    engine = VllmEngine(str(SMOLLM), None, VllmOptions(dtype="float32", max_model_len=1024, max_num_seqs=8,
+                                                       compile=False))
     yield engine
     engine.close()
 
@@ -41,6 +46,29 @@ def speculative_engine(drafter: str, **kw) -> VllmEngine:
     options = VllmOptions(num_speculative_tokens=K, dtype="float32", max_model_len=1024, max_num_seqs=8, **kw)
     return VllmEngine(str(SMOLLM), drafter, options, features=load_feature_source(drafter),
                       proposer_factory=load_proposer)
+
+
+def hooked_engine(drafter: str, **kw) -> VllmEngine:
+    """The fallback for targets without a registered model class: features through forward hooks,
+    vLLM in eager mode (SmolLM2 is a Llama, so the class is declined here to select it)."""
+    from moa_serve.verifier import vllm_model
+
+    supports = vllm_model.supports
+    vllm_model.supports = lambda architectures: False
+    try:
+        engine = speculative_engine(drafter, **kw)
+    finally:
+        vllm_model.supports = supports
+    assert engine.eager and not engine.features_in_forward
+    return engine
+
+
+def model_of(engine: VllmEngine):
+    return engine.engine.model_executor.driver_worker.worker.model_runner.model
+
+
+def proposer_of(engine: VllmEngine):
+    return engine.engine.model_executor.driver_worker.worker.model_runner.drafter
 
 
 def untrained_drafter(tmp_path_factory, name: str, seed: int, **options) -> str:
@@ -99,6 +127,24 @@ def test_greedy_moa_on_vllm_equals_plain_vllm_and_the_torch_backend(plain, moa, 
     assert moa.stats()["accepted"] > 0
 
 
+def test_the_default_path_keeps_features_inside_a_compiled_forward_without_hooks(moa):
+    """A Llama target is served by the registered class: vLLM compiles its forward (no
+    enforce_eager), the features are kept inside it, and no module of the target has a hook."""
+    from vllm.config import CompilationMode
+
+    from moa_serve.verifier.vllm_backend import KeptFeatures
+
+    assert not moa.eager and moa.features_in_forward
+    config = moa.engine.vllm_config
+    assert not config.model_config.enforce_eager
+    assert config.compilation_config.mode != CompilationMode.NONE
+    model = model_of(moa)
+    assert type(model).__name__ == "MoALlamaForCausalLM" and model.kept_kind == "per_layer_kv"
+    assert isinstance(proposer_of(moa).capture, KeptFeatures)
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    assert hooks == 0
+
+
 def test_each_request_alone_equals_the_batch(moa, prompts):
     together = [r.token_ids for r in moa.generate(prompts[:3], 32)]
     alone = [moa.generate([p], 32)[0].token_ids for p in prompts[:3]]
@@ -114,7 +160,7 @@ def all_positions_drafter(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moa_all(all_positions_drafter):
-    engine = speculative_engine(all_positions_drafter)
+    engine = speculative_engine(all_positions_drafter, compile=False)
     yield engine
     engine.close()
 
@@ -128,25 +174,74 @@ def long_prompt(plain):
     return prompt
 
 
-def test_lsa_features_equal_the_torch_backends(moa_all, all_positions_drafter, prompts):
+def assert_features_equal_the_torch_backends(engine: VllmEngine, drafter: str, prompt: list[int]) -> None:
+    """Greedy tokens and every feature the drafter is sent equal the torch backend's."""
     from moa_serve.engine.engine import SpeculativeEngine
 
-    torch_engine = SpeculativeEngine.load(str(SMOLLM), all_positions_drafter, "float32", max_sessions=8,
-                                          max_model_len=1024)
-    assert not moa_all.drafting.latest_feature_only
-    rec_v = Recorder(moa_all.drafting.source)
+    torch_engine = SpeculativeEngine.load(str(SMOLLM), drafter, "float32", max_sessions=8, max_model_len=1024)
+    rec_v = Recorder(engine.drafting.source)
     rec_t = Recorder(torch_engine.proposer)
-    moa_all.drafting.source, torch_engine.proposer = rec_v, rec_t
+    engine.drafting.source, torch_engine.proposer = rec_v, rec_t
     try:
-        a = moa_all.generate(prompts[:1], 24)[0]
-        b = torch_engine.generate(prompts[:1], 24, num_speculative_tokens=K)[0]
+        a = engine.generate([prompt], 24)[0]
+        b = torch_engine.generate([prompt], 24, num_speculative_tokens=K)[0]
     finally:
-        moa_all.drafting.source = rec_v.inner
+        engine.drafting.source = rec_v.inner
     assert a.token_ids == b.token_ids
     (fv,), (ft,) = rec_v.features.values(), rec_t.features.values()
     n = min(len(fv), len(ft))
-    assert n >= len(prompts[0]) + 10
+    assert n >= len(prompt) + 10
     torch.testing.assert_close(fv[:n], ft[:n], atol=2e-4, rtol=1e-3)
+
+
+def test_lsa_features_equal_the_torch_backends(moa_all, all_positions_drafter, prompts):
+    assert not moa_all.drafting.latest_feature_only
+    assert_features_equal_the_torch_backends(moa_all, all_positions_drafter, prompts[0])
+
+
+@pytest.fixture(scope="module")
+def moa_inductor(all_positions_drafter):
+    """An engine compiled as users run it: inductor's generated code (minutes to build on 2 cores)."""
+    from vllm import envs
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_CPU_CI_ENV", "0")
+    envs.disable_envs_cache()  # an engine started in this process froze vLLM's reading of the environment
+    try:
+        engine = speculative_engine(all_positions_drafter)
+    finally:
+        mp.undo()
+        envs.disable_envs_cache()  # the engine froze the reading with inductor on: the later ones read anew
+    yield engine
+    engine.close()
+
+
+def test_inductor_compiled_forward_keeps_the_same_features_and_tokens(moa_inductor, all_positions_drafter, plain,
+                                                                     prompts):
+    """vLLM's full CPU compile (inductor's generated code, as users run it): greedy output equals
+    plain vLLM's, and every feature the drafter is sent equals the torch backend's."""
+    engine = moa_inductor
+    assert engine.engine.vllm_config.compilation_config.backend == "inductor"
+    assert [r.token_ids for r in engine.generate(prompts, 32)] == [r.token_ids for r in plain.generate(prompts, 32)]
+    assert_features_equal_the_torch_backends(engine, all_positions_drafter, prompts[0])
+
+
+EAGLE = str(REPO / "drafter" / "checkpoints" / "smollm2-135m-instruct-eagle")
+
+
+@pytest.fixture(scope="module")
+def eagle():
+    engine = speculative_engine(EAGLE)
+    yield engine
+    engine.close()
+
+
+def test_an_eagle_style_drafter_gets_the_final_hidden_states_kept_in_the_forward(eagle, prompts):
+    """An EAGLE-style drafter reads the target's final-norm output: the registered class keeps it
+    ("hidden") in the compiled forward, and the drafter is sent the torch backend's features."""
+    engine = eagle
+    assert not engine.eager and model_of(engine).kept_kind == "hidden"
+    assert_features_equal_the_torch_backends(engine, EAGLE, prompts[0])
 
 
 def test_prefix_cache_hits_get_the_features_of_the_cached_positions(moa_all, plain, long_prompt):
@@ -198,20 +293,30 @@ def latest_drafter(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moa_latest(latest_drafter):
-    engine = speculative_engine(latest_drafter)
+    engine = speculative_engine(latest_drafter, compile=False)
     yield engine
     engine.close()
 
 
-def test_a_latest_only_drafter_gets_the_newest_feature_alone_and_needs_no_prefix_store(moa_latest, latest_drafter,
-                                                                                       plain, prompts, long_prompt):
+@pytest.fixture(scope="module")
+def moa_latest_hooked(latest_drafter):
+    engine = hooked_engine(latest_drafter)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("path", ["moa_latest", "moa_latest_hooked"])
+def test_a_latest_only_drafter_gets_the_newest_feature_alone_and_needs_no_prefix_store(path, latest_drafter,
+                                                                                       plain, prompts, long_prompt,
+                                                                                       request):
     """With a drafter that reads only the freshest feature, each draft call carries one feature:
-    the newest verified position's, equal to the torch backend's there. Output stays plain vLLM's,
-    and a prefix-cache hit needs no stored features (the request still drafts, with the same
+    the newest verified position's, equal to the torch backend's there — features kept inside the
+    compiled forward and through the eager fallback's hooks alike. Output stays plain vLLM's, and
+    a prefix-cache hit needs no stored features (the request still drafts, with the same
     acceptance as the first run)."""
     from moa_serve.engine.engine import SpeculativeEngine
 
-    engine = moa_latest
+    engine = request.getfixturevalue(path)
     torch_engine = SpeculativeEngine.load(str(SMOLLM), latest_drafter, "float32", max_sessions=8,
                                           max_model_len=1024)
     assert engine.drafting.latest_feature_only and engine.drafting.prefix_features is None
@@ -240,10 +345,11 @@ def test_a_latest_only_drafter_gets_the_newest_feature_alone_and_needs_no_prefix
     assert engine.stats()["features_missing"] == 0
 
 
-def test_a_latest_only_drafter_captures_nothing_while_the_governor_keeps_drafting_off(moa_latest, plain, prompts):
-    """With a governor that alternates (3 steps plain, 3 drafting), the steps before plain ones
-    capture no K/V; every feature sent is still the newest verified position's, and the output
-    stays plain vLLM's."""
+def test_hooks_capture_nothing_while_the_governor_keeps_drafting_off(moa_latest_hooked, plain, prompts):
+    """On the eager fallback, with a governor that alternates (3 steps plain, 3 drafting), the
+    steps before plain ones capture no K/V; every feature sent is still the newest verified
+    position's, and the output stays plain vLLM's."""
+    moa_latest = moa_latest_hooked
     class Alternating:
         def __init__(self):
             self.rounds = 0
@@ -258,7 +364,7 @@ def test_a_latest_only_drafter_captures_nothing_while_the_governor_keeps_draftin
         def observe(self, *a):
             pass
 
-    cap = moa_latest.engine.model_executor.driver_worker.worker.model_runner.drafter.capture
+    cap = proposer_of(moa_latest).capture
     decided, wanted = [], cap.wanted
 
     def recording(seq_lens):

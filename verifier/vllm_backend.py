@@ -4,10 +4,13 @@ vLLM keeps its scheduler, paged KV cache, continuous batching and rejection samp
 through vLLM's ``custom_class`` speculative method (``speculative_config={"method":
 "custom_class", "model": "moa_serve.verifier.vllm_backend.MoAStepProposer"}``):
 
-* ``MoAStepProposer.load_model`` receives the target ``nn.Module``. ``FeatureCapture`` hooks its
-  attention modules (the post-RoPE keys and the values every layer hands to attention) or, for an
-  EAGLE-style drafter, its final norm. The step's ``query_start_loc``/``seq_lens`` come from
-  vLLM's forward context, so each captured row is a (request, position).
+* ``MoAStepProposer.load_model`` receives the target ``nn.Module``. For a Llama-family target it
+  is the registered class of :mod:`moa_serve.verifier.vllm_model`, whose forward — compiled, or
+  captured in CUDA graphs — keeps every layer's post-RoPE keys and values (or, for an
+  EAGLE-style drafter, the final norm's output) in buffers; ``KeptFeatures`` reads them after
+  the step, with the step's ``query_start_loc``/sequence lengths from the runner, so each row is
+  a (request, position). Any other target falls back to ``HookedFeatures``: forward hooks, which
+  need ``enforce_eager``.
 * After each verify forward vLLM calls ``propose(sampled_token_ids, num_tokens_no_spec,
   token_ids_cpu)`` once for the whole batch (rows in ``input_batch.req_ids`` order). The proposer
   hands every row, with the captured K/V of the positions the step verified, to
@@ -22,8 +25,7 @@ through vLLM's ``custom_class`` speculative method (``speculative_config={"metho
 
 The proposer reaches its ``StepDrafting`` and the runner's request ids through ``bind``, run in
 the worker with ``LLM.collective_rpc`` (the engine runs in-process:
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Python hooks need ``enforce_eager=True``. Prefix caching
-stays on: the positions a cache hit skips get their features from ``PrefixFeatures``.
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Prefix caching stays on: the positions a cache hit skips get their features from ``PrefixFeatures``.
 """
 
 from __future__ import annotations
@@ -66,10 +68,75 @@ def bind_worker(worker, key: str) -> str:
     return type(runner).__name__
 
 
-class FeatureCapture:
-    """What the target's forward computed for each flattened token of the last step: per layer the
-    post-RoPE keys and the values ("per_layer_kv", MoA), or the final-norm hidden state ("hidden",
-    EAGLE-style), and the step's per-request query layout.
+class StepFeatures:
+    """What the target's forward computed for each flattened token of the last step, read after it:
+    per layer the post-RoPE keys and the values ("per_layer_kv", MoA), or the final-norm hidden
+    state ("hidden", EAGLE-style), and the step's per-request query layout (``query_start_loc``,
+    ``seq_lens``). ``active``: whether the last step's features were kept at all."""
+
+    def __init__(self, kind: str, num_kv_heads: int, head_dim: int):
+        if kind not in ("per_layer_kv", "hidden"):
+            raise ValueError(f"unknown feature kind {kind!r}")
+        self.kind = kind
+        self.kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.active = True
+        self.query_start_loc: list[int] = []
+        self.seq_lens: list[int] = []
+        self.num_tokens = 0
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """The feature head's input for flattened tokens [start, end): [n, num_layers, KVH * 2 *
+        head_dim] (per KV head its key then its value, the layout of ``SlotKVCache.per_layer_kv``)
+        or [n, hidden]; a new tensor."""
+        return self.rows_at(list(range(start, end)))
+
+    def rows_at(self, tokens: list[int]) -> torch.Tensor:
+        """``rows`` for any flattened tokens (one gather for all of them)."""
+        raise NotImplementedError
+
+    def _layout(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """[L, n, KVH * head_dim] keys and values -> [n, L, KVH * 2 * head_dim]."""
+        layers, n = k.shape[:2]
+        kv = torch.cat((k.reshape(layers, n, self.kv_heads, self.head_dim),
+                        v.reshape(layers, n, self.kv_heads, self.head_dim)), dim=-1)
+        return kv.transpose(0, 1).reshape(n, layers, -1)
+
+
+class KeptFeatures(StepFeatures):
+    """The default: the registered model class (:mod:`moa_serve.verifier.vllm_model`) keeps every
+    token's features in buffers inside its forward, compiled or graph-captured; after the step
+    ``refresh`` reads the step's query layout from the runner (the CPU-side arrays vLLM built the
+    step's attention metadata from: ``query_start_loc`` and the sequence lengths, exact with
+    vLLM's asynchronous scheduling off, as it is for a ``custom_class`` proposer)."""
+
+    def __init__(self, model, runner, kind: str, num_kv_heads: int, head_dim: int):
+        super().__init__(kind, num_kv_heads, head_dim)
+        if getattr(model, "kept_kind", None) != kind:
+            raise ValueError(f"the model keeps {getattr(model, 'kept_kind', None)!r}, the drafter reads {kind!r}")
+        self.model, self.runner = model, runner
+
+    def refresh(self, num_requests: int) -> None:
+        r = self.runner
+        self.query_start_loc = r.query_start_loc.np[:num_requests + 1].tolist()
+        self.seq_lens = r.optimistic_seq_lens_cpu[:num_requests].tolist()
+        self.num_tokens = self.query_start_loc[-1] if num_requests else 0
+
+    def rows_at(self, tokens: list[int]) -> torch.Tensor:
+        if any(t < 0 or t >= self.num_tokens for t in tokens):
+            raise IndexError(f"tokens {tokens} are not all among the step's {self.num_tokens}")
+        kept = self.model.kept(self.num_tokens)
+        if self.kind == "hidden":
+            return kept.index_select(0, torch.tensor(tokens, dtype=torch.long, device=kept.device))
+        idx = torch.tensor(tokens, dtype=torch.long, device=kept[0][0].device)
+        return self._layout(torch.stack([k.index_select(0, idx) for k, _ in kept]),
+                            torch.stack([v.index_select(0, idx) for _, v in kept]))
+
+
+class HookedFeatures(StepFeatures):
+    """The fallback for a target the registered class does not cover: Python forward hooks on the
+    target's attention modules (what every layer hands to attention) or its final norm. Hooks run
+    only in eager mode (``enforce_eager``); the step's query layout comes from vLLM's forward
+    context before the first layer.
 
     With ``tail`` (a drafter that reads only the latest verified feature) only the last ``tail``
     query tokens of each request are kept — the newest verified position is among them whatever
@@ -81,20 +148,13 @@ class FeatureCapture:
 
     def __init__(self, model: torch.nn.Module, kind: str, num_kv_heads: int, head_dim: int,
                  tail: int | None = None):
-        if kind not in ("per_layer_kv", "hidden"):
-            raise ValueError(f"unknown feature kind {kind!r}")
+        super().__init__(kind, num_kv_heads, head_dim)
         if tail is not None and (kind != "per_layer_kv" or tail < 1):
             raise ValueError("tail needs per_layer_kv features and tail >= 1")
-        self.kind = kind
         self.tail = tail
         self.wanted = None  # (the step's seq_lens) -> whether to capture it; None: always
-        self.active = True  # whether the last step was captured
         self._index: torch.Tensor | None = None  # flat tokens kept (tail), in order
         self._slot_of: torch.Tensor | None = None  # flat token -> its row among the kept ones, or -1
-        self.kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.query_start_loc: list[int] = []
-        self.seq_lens: list[int] = []
-        self.num_tokens = 0
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._hidden: torch.Tensor | None = None
         self._k = self._v = None
@@ -125,13 +185,14 @@ class FeatureCapture:
             self.seq_lens = m.seq_lens.tolist()
             self.num_tokens = int(self.query_start_loc[-1])
         self.active = self.wanted is None or not self.num_tokens or self.wanted(self.seq_lens)
-        self._index = self._slot_of = None
+        self._slot_of = None
         if self.active and self.tail is not None and self.num_tokens:
             q = self.query_start_loc
-            self._index = torch.tensor([i for r in range(len(q) - 1)
-                                        for i in range(max(q[r], q[r + 1] - self.tail), q[r + 1])])
+            index = torch.tensor([i for r in range(len(q) - 1)
+                                  for i in range(max(q[r], q[r + 1] - self.tail), q[r + 1])])
             self._slot_of = torch.full((self.num_tokens,), -1, dtype=torch.long)
-            self._slot_of[self._index] = torch.arange(len(self._index))
+            self._slot_of[index] = torch.arange(len(index))
+            self._index = index
         self._kv = []
         self._k = self._v = None
         self._hidden = None
@@ -140,7 +201,7 @@ class FeatureCapture:
         if not self.active:
             return
         _, k, v = args[:3]
-        if self._index is not None:
+        if self._slot_of is not None:
             self._kv.append((k.index_select(0, self._index), v.index_select(0, self._index)))
         else:
             self._kv.append((k[:self.num_tokens], v[:self.num_tokens]))
@@ -151,26 +212,16 @@ class FeatureCapture:
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of every layer of the last step: [L, T, KVH * head_dim] each (built
-        once per step, then sliced per request)."""
+        once per step, then gathered from per request)."""
         if self._kv:
             self._k = torch.stack([k for k, _ in self._kv])
             self._v = torch.stack([v for _, v in self._kv])
             self._kv = []
         return self._k, self._v
 
-    def rows(self, start: int, end: int) -> torch.Tensor:
-        """The feature head's input for flattened tokens [start, end): [n, num_layers, KVH * 2 *
-        head_dim] (per KV head its key then its value, the layout of ``SlotKVCache.per_layer_kv``)
-        or [n, hidden]; a new tensor."""
-        if self.kind == "hidden":
-            return self._hidden[start:end].clone()
-        if self._slot_of is not None:
-            return self.rows_at(list(range(start, end)))
-        k, v = self._stacked()
-        return self._layout(k[:, start:end], v[:, start:end])
-
     def rows_at(self, tokens: list[int]) -> torch.Tensor:
-        """``rows`` for any flattened tokens (one gather for all of them)."""
+        if self.kind == "hidden":
+            return self._hidden[torch.tensor(tokens, dtype=torch.long)].clone()
         k, v = self._stacked()
         idx = torch.tensor(tokens, dtype=torch.long)
         if self._slot_of is not None:
@@ -179,18 +230,13 @@ class FeatureCapture:
                 raise IndexError(f"tokens {tokens} are not all among the last {self.tail} of their query")
         return self._layout(k[:, idx], v[:, idx])
 
-    def _layout(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        layers, n = k.shape[:2]
-        kv = torch.cat((k.reshape(layers, n, self.kv_heads, self.head_dim),
-                        v.reshape(layers, n, self.kv_heads, self.head_dim)), dim=-1)
-        return kv.transpose(0, 1).reshape(n, layers, -1)
-
 
 class MoAStepProposer:
     """vLLM's ``custom_class`` proposer: each engine step's drafts for every running request."""
 
     def __init__(self, vllm_config):
         self.num_drafts = vllm_config.speculative_config.num_speculative_tokens
+        self.eager = bool(vllm_config.model_config.enforce_eager)
         hf = vllm_config.model_config.hf_config
         self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -198,7 +244,7 @@ class MoAStepProposer:
         self.runner = None
         self.drafting: StepDrafting | None = None
         self.features: FeatureSource | None = None
-        self.capture: FeatureCapture | None = None
+        self.capture: StepFeatures | None = None
 
     def load_model(self, target_model) -> None:
         self.model = target_model
@@ -212,13 +258,19 @@ class MoAStepProposer:
                 raise RuntimeError("bind before load_model: the engine did not hand over its model")
             p = next(self.model.parameters())
             self.features = features.prepared(p.device, p.dtype)
-            # what the forward must capture: per-layer K/V (the cache's) or the final hidden state
+            # what the forward must give: per-layer K/V (the cache's) or the final hidden state
             kind = "per_layer_kv" if features.from_cache else "hidden"
             latest = features.from_cache and features.latest_only
-            self.capture = FeatureCapture(self.model, kind, self.num_kv_heads, self.head_dim,
-                                          tail=self.num_drafts + 1 if latest else None)
-            if latest:  # nothing to capture in a step after which the governor will not draft
-                self.capture.wanted = self._wants_capture
+            if getattr(self.model, "kept_kind", None) is not None:  # the registered class
+                self.capture = KeptFeatures(self.model, runner, kind, self.num_kv_heads, self.head_dim)
+            elif self.eager:
+                self.capture = HookedFeatures(self.model, kind, self.num_kv_heads, self.head_dim,
+                                              tail=self.num_drafts + 1 if latest else None)
+                if latest:  # nothing to capture in a step after which the governor will not draft
+                    self.capture.wanted = self._wants_capture
+            else:
+                raise RuntimeError(f"{type(self.model).__name__} keeps no drafter features and the engine "
+                                   "is compiled: forward hooks need enforce_eager")
             drafting.feature_fn = self._features
             drafting.latest_feature_only = latest
 
@@ -253,6 +305,8 @@ class MoAStepProposer:
         the latest feature alone. ``StepDrafting`` runs the head on them only when the request
         drafts."""
         cap = self.capture
+        if isinstance(cap, KeptFeatures):
+            cap.refresh(len(rows))
         if not cap.active:  # the governor keeps drafting off: nothing was captured, none needed
             return
         if len(cap.query_start_loc) != len(rows) + 1:

