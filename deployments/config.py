@@ -101,6 +101,11 @@ class VerifierPoolConfig(PoolConfig):
         None, gt=0, description="backend vllm: GiB of paged KV cache per replica (vLLM's kv_cache_memory_bytes); "
         "default: enough for max_sessions full contexts. Fewer blocks than that is allowed: vLLM preempts and "
         "recomputes a request when its cache is full")
+    enforce_eager: bool = Field(False, description="backend vllm: run vLLM's forward uncompiled (vLLM's enforce_eager: "
+                                "no torch.compile, no CUDA graphs). Off by default: the drafter features are kept "
+                                "inside the compiled forward for Llama-family targets (other architectures fall back "
+                                "to forward hooks, which turn this on themselves). On, a replica starts in seconds "
+                                "where compiling takes minutes on a small CPU")
 
 
 class RouterConfig(_Strict):
@@ -279,6 +284,8 @@ def backend_problems(cfg: AppConfig) -> list[str]:
     except ValueError as exc:
         return [f"branching: {exc}"]
     if cfg.backend != "vllm":
+        if cfg.verifier_pool.enforce_eager:
+            return ["verifier_pool.enforce_eager is a vLLM-backend setting; backend torch: static_forward"]
         return []
     out = []
     if tree:

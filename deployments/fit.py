@@ -231,12 +231,24 @@ def graph_pool_bytes(cfg: AppConfig, target: ModelShape) -> int:
     return rows * per_row
 
 
+def kept_feature_bytes(cfg: AppConfig, target: ModelShape) -> int:
+    """Backend vllm with a drafter checkpoint: the buffers in which the registered model class
+    (``verifier/vllm_model.py``) keeps the drafter's features inside the forward, one step's tokens
+    (``max_num_batched_tokens``) of every layer's keys and values (MoA's per-layer K/V; an
+    EAGLE-style drafter's final hidden states take less)."""
+    if cfg.backend != "vllm" or cfg.drafter_checkpoint is None:
+        return 0
+    b = dtype_bytes(cfg.dtype, cfg.device)
+    return target.layers * cfg.verifier_pool.max_num_batched_tokens * 2 * target.kv_width * b
+
+
 def verifier_fit(cfg: AppConfig, target: ModelShape) -> Fit:
     b = dtype_bytes(cfg.dtype, cfg.device)
     pool = cfg.verifier_pool
     vllm = cfg.backend == "vllm"
     kv = vllm_kv_bytes(cfg, target) if vllm else full_kv_bytes(cfg, target)
-    activations = pool.max_num_batched_tokens * target.vocab * 4 + graph_pool_bytes(cfg, target)
+    activations = (pool.max_num_batched_tokens * target.vocab * 4 + graph_pool_bytes(cfg, target)
+                   + kept_feature_bytes(cfg, target))
     cap, of = capacity(pool, cfg.device)
     return Fit("verifier_pool", target.params() * b, kv, activations, cap, of,
                " [vLLM paged KV cache]" if vllm else "")

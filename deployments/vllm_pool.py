@@ -76,7 +76,7 @@ class VllmVerifier:
             dtype=self.cfg.dtype, max_model_len=self.cfg.max_model_len, max_num_seqs=pool.max_sessions,
             kv_cache_gib=kv_gib, max_num_batched_tokens=pool.max_num_batched_tokens,
             retry_after_s=self.cfg.router.retry_after_s, speculation_governor=self.cfg.router.speculation_governor,
-            device=self.cfg.device, prefix_caching=pool.prefix_caching)
+            device=self.cfg.device, prefix_caching=pool.prefix_caching, enforce_eager=pool.enforce_eager)
         checkpoint = self.cfg.drafter_checkpoint
         self.engine = VllmEngine(self.cfg.target, checkpoint, options,
                                  features=load_feature_source(checkpoint) if checkpoint is not None else None,

