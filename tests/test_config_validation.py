@@ -112,7 +112,7 @@ def test_gpu_yaml_fits_an_80gb_gpu(llama3_dir):
     v = next(f for f in results if f.pool == "verifier_pool")
     assert v.ok and v.capacity == int(0.9 * 80 * GiB)
     assert v.kv == 48 * GiB and 14.9 * GiB < v.weights < 15.0 * GiB  # vLLM's paged cache: kv_cache_gib
-    assert v.total < 64 * GiB
+    assert v.total < 64.5 * GiB  # the feature buffers of the compiled forward included
     d = next(f for f in results if f.pool == "drafter_pool")
     assert d.ok and d.capacity == int(0.9 * 80 * GiB * 0.25) and d.total < 9 * GiB
 

@@ -4,7 +4,10 @@ loopback port), ready (``/readyz`` 200) within 120 s, then one short greedy gene
 
 ``local-cpu.yaml`` is started the same way (``serve run`` through ``moa_serve.loadtest.runner``)
 and served under load by ``tests/test_loadtest_cluster.py``; it is not started twice more here, to
-keep CI within its time. ``gpu.yaml`` needs GPU nodes."""
+keep CI within its time. ``gpu.yaml`` needs GPU nodes. ``local-cpu-vllm.yaml``'s verifier replica
+compiles its forward here with torch.compile's tracing but without inductor's code generation
+(``VLLM_CPU_CI_ENV``, set by conftest.py): with inductor it is ready in about 140 s on 2 cores
+(docs/vllm-backend.md, Limitations)."""
 
 from __future__ import annotations
 

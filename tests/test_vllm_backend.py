@@ -32,8 +32,8 @@ QUESTIONS = [
 
 # Engines whose tests are not about compilation run eager (enforce_eager), the reference ``plain``
 # among them: tracing and running a torch.compile'd forward costs a test engine seconds per build
-# and a quarter more per step on two cores. ``moa`` (the default, compiled), ``eagle`` and
-# ``moa_inductor`` cover the compiled forward.
+# and a quarter more per step on two cores. ``moa`` (compiled by inductor, as users run it) and
+# ``eagle`` cover the compiled forward.
 @pytest.fixture(scope="module")
 def plain():
     engine = VllmEngine(str(SMOLLM), None, VllmOptions(dtype="float32", max_model_len=1024, max_num_seqs=8,
@@ -73,7 +73,18 @@ def untrained_drafter(tmp_path_factory, name: str, seed: int, **options) -> str:
 # the module's engines are closed together at its end: shutting one down mid-module breaks the others
 @pytest.fixture(scope="module")
 def moa():
-    engine = speculative_engine(MOA, retry_after_s=0.0)
+    """The shipped MoA drafter on an engine compiled as users run it: inductor's generated code
+    (a minute or two to build on 2 cores)."""
+    from vllm import envs
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_CPU_CI_ENV", "0")
+    envs.disable_envs_cache()  # an engine started in this process froze vLLM's reading of the environment
+    try:
+        engine = speculative_engine(MOA, retry_after_s=0.0)
+    finally:
+        mp.undo()
+        envs.disable_envs_cache()  # the engine froze the reading with inductor on: the later ones read anew
     yield engine
     engine.close()
 
@@ -131,6 +142,7 @@ def test_the_default_path_keeps_features_inside_a_compiled_forward_without_hooks
     config = moa.engine.vllm_config
     assert not config.model_config.enforce_eager
     assert config.compilation_config.mode != CompilationMode.NONE
+    assert config.compilation_config.backend == "inductor"
     model = model_of(moa)
     assert type(model).__name__ == "MoALlamaForCausalLM" and model.kept_kind == "per_layer_kv"
     # one step's tokens per layer (what deployments/fit.py counts)
@@ -193,33 +205,6 @@ def assert_features_equal_the_torch_backends(engine: VllmEngine, drafter: str, p
 def test_lsa_features_equal_the_torch_backends(moa_all, all_positions_drafter, prompts):
     assert not moa_all.drafting.latest_feature_only
     assert_features_equal_the_torch_backends(moa_all, all_positions_drafter, prompts[0])
-
-
-@pytest.fixture(scope="module")
-def moa_inductor(all_positions_drafter):
-    """An engine compiled as users run it: inductor's generated code (minutes to build on 2 cores)."""
-    from vllm import envs
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_CPU_CI_ENV", "0")
-    envs.disable_envs_cache()  # an engine started in this process froze vLLM's reading of the environment
-    try:
-        engine = speculative_engine(all_positions_drafter)
-    finally:
-        mp.undo()
-        envs.disable_envs_cache()  # the engine froze the reading with inductor on: the later ones read anew
-    yield engine
-    engine.close()
-
-
-def test_inductor_compiled_forward_keeps_the_same_features_and_tokens(moa_inductor, all_positions_drafter, plain,
-                                                                     prompts):
-    """vLLM's full CPU compile (inductor's generated code, as users run it): greedy output equals
-    plain vLLM's, and every feature the drafter is sent equals the torch backend's."""
-    engine = moa_inductor
-    assert engine.engine.vllm_config.compilation_config.backend == "inductor"
-    assert [r.token_ids for r in engine.generate(prompts, 32)] == [r.token_ids for r in plain.generate(prompts, 32)]
-    assert_features_equal_the_torch_backends(engine, all_positions_drafter, prompts[0])
 
 
 EAGLE = str(REPO / "drafter" / "checkpoints" / "smollm2-135m-instruct-eagle")
@@ -301,20 +286,21 @@ def moa_latest_hooked(latest_drafter):
     engine.close()
 
 
-@pytest.mark.parametrize("path", ["moa_latest", "moa_latest_hooked"])
+@pytest.mark.parametrize("path", ["moa", "moa_latest", "moa_latest_hooked"])
 def test_a_latest_only_drafter_gets_the_newest_feature_alone_and_needs_no_prefix_store(path, latest_drafter,
                                                                                        plain, prompts, long_prompt,
                                                                                        request):
     """With a drafter that reads only the freshest feature, each draft call carries one feature:
     the newest verified position's, equal to the torch backend's there — features kept inside the
-    compiled forward and through the eager fallback's hooks alike. Output stays plain vLLM's, and
+    inductor-compiled forward (the shipped drafter), in an eager one, and through the eager
+    fallback's hooks alike. Output stays plain vLLM's, and
     a prefix-cache hit needs no stored features (the request still drafts, with the same
     acceptance as the first run)."""
     from moa_serve.engine.engine import SpeculativeEngine
 
     engine = request.getfixturevalue(path)
-    torch_engine = SpeculativeEngine.load(str(SMOLLM), latest_drafter, "float32", max_sessions=8,
-                                          max_model_len=1024)
+    drafter = MOA if path == "moa" else latest_drafter
+    torch_engine = SpeculativeEngine.load(str(SMOLLM), drafter, "float32", max_sessions=8, max_model_len=1024)
     assert engine.drafting.latest_feature_only and engine.drafting.prefix_features is None
     spy, rec = FeatureSpy(engine.drafting.source), Recorder(torch_engine.proposer)
     engine.drafting.source, torch_engine.proposer = spy, rec
