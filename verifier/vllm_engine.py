@@ -59,7 +59,7 @@ class VllmOptions:
     # True: vLLM's forward uncompiled (no torch.compile, no CUDA graphs); False: compiled
     enforce_eager: bool = False
     # the drafter's features through forward hooks (the fallback; eager) even where the registered
-    # model class keeps them inside the forward: today's comparisons and tests of the fallback
+    # model class keeps them inside the forward (moa vllm-bench's @hooks, tests of the fallback)
     feature_hooks: bool = False
 
 
