@@ -344,10 +344,24 @@ class Alternating:
         pass
 
 
+def assert_alternating_drafting_stays_lossless(engine: VllmEngine, plain: VllmEngine, prompts) -> None:
+    """Under a governor that alternates (3 steps plain, 3 drafting): plain vLLM's output, drafts
+    made, and every feature sent the newest verified position's."""
+    spy = FeatureSpy(engine.drafting.source)
+    engine.drafting.source, engine.drafting.governor = spy, Alternating()
+    drafted = engine.stats()["drafted"]
+    try:
+        out = engine.generate(prompts[:2], 40)
+    finally:
+        engine.drafting.source, engine.drafting.governor = spy.inner, None
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain.generate(prompts[:2], 40)]
+    assert engine.stats()["drafted"] > drafted and spy.sent
+    assert all(feats.shape[0] == 1 and start == length - 2 for length, start, feats in spy.sent)
+
+
 def test_the_kept_path_copies_nothing_while_the_governor_keeps_drafting_off(moa_latest, plain, prompts):
     """On CPU the forward before a step after which the governor will not draft keeps no features
-    (the copy ops skip); every feature sent is still the newest verified position's, and the
-    output stays plain vLLM's."""
+    (the copy ops skip); drafting stays lossless with the newest feature alone."""
     model = model_of(moa_latest)
     decided, keep_next = [], model.keep_next
 
@@ -355,44 +369,31 @@ def test_the_kept_path_copies_nothing_while_the_governor_keeps_drafting_off(moa_
         decided.append(on)
         keep_next(on)
 
-    spy = FeatureSpy(moa_latest.drafting.source)
-    moa_latest.drafting.source, moa_latest.drafting.governor, model.keep_next = spy, Alternating(), recording
-    drafted = moa_latest.stats()["drafted"]
+    model.keep_next = recording
     try:
-        out = moa_latest.generate(prompts[:2], 40)
+        assert_alternating_drafting_stays_lossless(moa_latest, plain, prompts)
     finally:
-        moa_latest.drafting.source, moa_latest.drafting.governor = spy.inner, None
         del model.keep_next
         model.keep_next(True)
-    assert [r.token_ids for r in out] == [r.token_ids for r in plain.generate(prompts[:2], 40)]
     assert True in decided and False in decided  # some forwards kept, some did not
-    assert moa_latest.stats()["drafted"] > drafted and spy.sent
-    assert all(feats.shape[0] == 1 and start == length - 2 for length, start, feats in spy.sent)
 
 
 def test_hooks_capture_nothing_while_the_governor_keeps_drafting_off(moa_latest_hooked, plain, prompts):
-    """On the eager fallback, with a governor that alternates (3 steps plain, 3 drafting), the
-    steps before plain ones capture no K/V; every feature sent is still the newest verified
-    position's, and the output stays plain vLLM's."""
-    moa_latest = moa_latest_hooked
-    cap = proposer_of(moa_latest).capture
+    """On the eager fallback the steps before plain ones capture no K/V; drafting stays lossless
+    with the newest feature alone."""
+    cap = proposer_of(moa_latest_hooked).capture
     decided, wanted = [], cap.wanted
 
     def recording(seq_lens):
         decided.append(wanted(seq_lens))
         return decided[-1]
 
-    spy = FeatureSpy(moa_latest.drafting.source)
-    moa_latest.drafting.source, moa_latest.drafting.governor, cap.wanted = spy, Alternating(), recording
-    drafted = moa_latest.stats()["drafted"]
+    cap.wanted = recording
     try:
-        out = moa_latest.generate(prompts[:2], 40)
+        assert_alternating_drafting_stays_lossless(moa_latest_hooked, plain, prompts)
     finally:
-        moa_latest.drafting.source, moa_latest.drafting.governor, cap.wanted = spy.inner, None, wanted
-    assert [r.token_ids for r in out] == [r.token_ids for r in plain.generate(prompts[:2], 40)]
+        cap.wanted = wanted
     assert True in decided and False in decided  # some forwards captured, some did not
-    assert moa_latest.stats()["drafted"] > drafted and spy.sent
-    assert all(feats.shape[0] == 1 and start == length - 2 for length, start, feats in spy.sent)
 
 
 def test_drafter_failure_falls_back_to_target_only_decoding(moa, plain, prompts, caplog):
