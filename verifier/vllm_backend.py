@@ -25,7 +25,8 @@ through vLLM's ``custom_class`` speculative method (``speculative_config={"metho
 
 The proposer reaches its ``StepDrafting`` and the runner's request ids through ``bind``, run in
 the worker with ``LLM.collective_rpc`` (the engine runs in-process:
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Prefix caching stays on: the positions a cache hit skips get their features from ``PrefixFeatures``.
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Prefix caching stays on: the positions a cache hit skips
+get their features from ``PrefixFeatures``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import threading
 
 import torch
 
+from moa_serve.verifier import vllm_model
 from moa_serve.verifier.api import FeatureSource
 from moa_serve.verifier.step_drafting import StepDrafting, StepRow
 
@@ -75,7 +77,7 @@ class StepFeatures:
     ``seq_lens``). ``active``: whether the last step's features were kept at all."""
 
     def __init__(self, kind: str, num_kv_heads: int, head_dim: int):
-        if kind not in ("per_layer_kv", "hidden"):
+        if kind not in vllm_model.KINDS:
             raise ValueError(f"unknown feature kind {kind!r}")
         self.kind = kind
         self.kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -260,8 +262,7 @@ class MoAStepProposer:
                 raise RuntimeError("bind before load_model: the engine did not hand over its model")
             p = next(self.model.parameters())
             self.features = features.prepared(p.device, p.dtype)
-            # what the forward must give: per-layer K/V (the cache's) or the final hidden state
-            kind = "per_layer_kv" if features.from_cache else "hidden"
+            kind = vllm_model.kind_of(features)
             latest = features.from_cache and features.latest_only
             if getattr(self.model, "kept_kind", None) is not None:  # the registered class
                 self.capture = KeptFeatures(self.model, runner, kind, self.num_kv_heads, self.head_dim)
@@ -296,17 +297,18 @@ class MoAStepProposer:
         req_ids = self.runner.input_batch.req_ids[:n]
         rows = [StepRow(req_ids[r], token_ids_cpu[r, :int(num_tokens_no_spec[r])],
                         sampled=len(sampled_token_ids[r]) > 0) for r in range(n)]
+        batch = sum(r.sampled for r in rows)  # the governor's batch size, as StepDrafting counts it
         if self.capture is not None:
-            self._attach_features(rows)
+            self._attach_features(rows, batch)
         drafts = self.drafting.step(rows)
         if isinstance(self.capture, KeptFeatures):
             # the next forward copies nothing (on CPU) while the governor will not draft after it;
             # judged for this step's batch, so a request whose step then drafts after all waits one
             # step for a fresh feature
-            self.model.keep_next(self.drafting.wants_features(sum(r.sampled for r in rows)))
+            self.model.keep_next(self.drafting.wants_features(batch))
         return drafts
 
-    def _attach_features(self, rows: list[StepRow]) -> None:
+    def _attach_features(self, rows: list[StepRow], batch: int) -> None:
         """The feature head's inputs for the positions each row's forward verified this step:
         from where its query began up to the last accepted token (rejected drafts' positions are
         dropped; mid-prefill, the whole chunk), or only the last of them for a drafter that reads
@@ -317,7 +319,7 @@ class MoAStepProposer:
             cap.refresh(len(rows))
             # a latest-only drafter needs no feature of a step after which the governor will not
             # draft (its request waits for a fresh one): nothing is gathered then
-            cap.active = cap.active and self.drafting.wants_features(sum(r.sampled for r in rows))
+            cap.active = cap.active and self.drafting.wants_features(batch)
         if not cap.active:  # the governor keeps drafting off: nothing was captured, none needed
             return
         if len(cap.query_start_loc) != len(rows) + 1:

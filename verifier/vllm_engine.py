@@ -104,7 +104,7 @@ class VllmEngine:
         folder = hf_folder(self.path)
         # the drafter's features: kept inside the forward by the registered model class (compiled
         # and graph-captured forwards keep them too), or else through hooks, which need eager mode
-        kind = None if head is None else ("per_layer_kv" if head.from_cache else "hidden")
+        kind = None if head is None else vllm_model.kind_of(head)
         model_class = {}
         self.features_in_forward = False
         if kind is not None:

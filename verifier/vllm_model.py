@@ -10,9 +10,9 @@ what the stock class computes, and also copies, in every forward:
   to attention, into that layer's ``kept_k`` / ``kept_v`` rows [0, num_tokens);
 * ``hidden`` (EAGLE-style): the final norm's output into the model's ``kept_hidden``.
 
-The copies are the ops ``moa_serve::keep_kv`` / ``keep_rows``, declared as mutating their buffers, so
-torch.compile (vLLM's inductor pass on CPU, its piecewise compile on GPUs) keeps it in place and a
-CUDA graph records it: each replay writes the step's rows into the same buffers. The buffers hold
+The copies are the ops ``moa_serve::keep_kv`` / ``keep_rows``, declared as mutating their buffers,
+so torch.compile (vLLM's inductor pass on CPU, its piecewise compile on GPUs) keeps them in place
+and a CUDA graph records them: each replay writes the step's rows into the same buffers. The buffers hold
 ``max_num_batched_tokens`` rows, what one step can carry (padding included). What the rows mean
 (which request, which position) the proposer reads after the step from the runner's own layout
 (``query_start_loc``, sequence lengths): nothing host-side runs inside the forward.
@@ -21,7 +21,6 @@ CUDA graph records it: each replay writes the step's rows into the same buffers.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 ARCHITECTURE = "MoALlamaForCausalLM"
 BASE_ARCHITECTURE = "LlamaForCausalLM"
@@ -65,6 +64,12 @@ for _device in ("CPU", "CUDA"):
     _LIB.impl("keep_rows", _keep_rows, _device)
 torch.library.register_fake("moa_serve::keep_kv", lambda k, v, k_out, v_out: None, lib=_LIB)
 torch.library.register_fake("moa_serve::keep_rows", lambda rows, out: None, lib=_LIB)
+
+
+def kind_of(features) -> str:
+    """What the forward must keep for a drafter's ``FeatureSource``: the per-layer K/V it reads
+    back from the cache (MoA), or the final hidden state (EAGLE-style)."""
+    return "per_layer_kv" if features.from_cache else "hidden"
 
 
 def overrides(kind: str) -> dict:
