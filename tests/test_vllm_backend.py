@@ -56,12 +56,16 @@ def hooked_engine(drafter: str, **kw) -> VllmEngine:
     return engine
 
 
+def runner_of(engine: VllmEngine):
+    return engine.engine.model_executor.driver_worker.worker.model_runner
+
+
 def model_of(engine: VllmEngine):
-    return engine.engine.model_executor.driver_worker.worker.model_runner.model
+    return runner_of(engine).model
 
 
 def proposer_of(engine: VllmEngine):
-    return engine.engine.model_executor.driver_worker.worker.model_runner.drafter
+    return runner_of(engine).drafter
 
 
 def untrained_drafter(tmp_path_factory, name: str, seed: int, **options) -> str:
@@ -346,17 +350,28 @@ class Alternating:
 
 def assert_alternating_drafting_stays_lossless(engine: VllmEngine, plain: VllmEngine, prompts) -> None:
     """Under a governor that alternates (3 steps plain, 3 drafting): plain vLLM's output, drafts
-    made, and every feature sent the newest verified position's."""
+    made, every feature sent the newest verified position's, and the rejection sampler run only
+    in steps that verify drafts (the others sample as vLLM without speculation)."""
     spy = FeatureSpy(engine.drafting.source)
+    runner = runner_of(engine)
+    rejection_sampler, spec_lens = runner.rejection_sampler, []
+
+    def rejecting(metadata, *args, **kw):
+        spec_lens.append(metadata.max_spec_len)
+        return rejection_sampler(metadata, *args, **kw)
+
     engine.drafting.source, engine.drafting.governor = spy, Alternating()
+    runner.rejection_sampler = rejecting
     drafted = engine.stats()["drafted"]
     try:
         out = engine.generate(prompts[:2], 40)
     finally:
         engine.drafting.source, engine.drafting.governor = spy.inner, None
+        runner.rejection_sampler = rejection_sampler
     assert [r.token_ids for r in out] == [r.token_ids for r in plain.generate(prompts[:2], 40)]
     assert engine.stats()["drafted"] > drafted and spy.sent
     assert all(feats.shape[0] == 1 and start == length - 2 for length, start, feats in spy.sent)
+    assert spec_lens and min(spec_lens) > 0  # never for a step without drafts
 
 
 def test_the_kept_path_copies_nothing_while_the_governor_keeps_drafting_off(moa_latest, plain, prompts):

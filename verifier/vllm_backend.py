@@ -67,7 +67,28 @@ def bind_worker(worker, key: str) -> str:
         raise TypeError(f"the engine's proposer is {type(proposer).__name__}, not MoAStepProposer")
     drafting, features = _BINDINGS.pop(key)
     proposer.bind(runner, drafting, features)
+    sample_plainly_without_drafts(runner)
     return type(runner).__name__
+
+
+def sample_plainly_without_drafts(runner) -> None:
+    """A step in which no request verifies a draft samples as vLLM does without speculation: its
+    ``Sampler``, one row per request, instead of the rejection sampler. vLLM 0.32's runner takes
+    the speculative path in every step of an engine built with speculation
+    (``GPUModelRunner._prepare_inputs``: ``use_spec_decode = self.speculative_config is not
+    None``), so every step the governor runs without drafts would pay for a bonus-token sampler,
+    rejection kernels and the output parsing of a speculative step. With no drafts the two are the
+    same computation: the logits are one row per request either way, and the rejection sampler's
+    bonus token is the plain sampler's token (the draft tokens it would combine with penalties are
+    empty); the runner's bookkeeping reads a [requests, 1] output as a step without speculation."""
+    sample = runner._sample
+
+    def _sample(logits, spec_decode_metadata):
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+            spec_decode_metadata = None
+        return sample(logits, spec_decode_metadata)
+
+    runner._sample = _sample
 
 
 class StepFeatures:

@@ -156,6 +156,8 @@ def _classes():
         def keep_next(self, on: bool) -> None:
             """Whether the next forwards keep their features. Only a CPU model can stop: a CUDA
             graph replays its copies anyway. ``keeping`` says what the next forward will do."""
+            if on == getattr(self, "keeping", None):
+                return
             buffers = self._kept_buffers()
             if buffers[0].device.type != "cpu":
                 self.keeping = True
