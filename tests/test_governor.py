@@ -216,7 +216,7 @@ def test_a_probe_that_cannot_pay_is_priced_out_and_priced_again_when_due():
     by more than the margin. The bucket measures plain decoding, then never speculates: no probe
     rounds, and none of the features a probe would have asked the verifier for. With a 2 ms
     draft call (34 / 12 = 2.8 ms) the next due probe runs."""
-    gov = SpeculationGovernor(probe_every=12, max_probe_every=96)
+    gov = SpeculationGovernor(probe_every=12, max_probe_every=768)
     small = drive_priced(gov, 2, cap=7, off_ms=20, on_round_ms=40, on_tokens=1.5, draft_ms=30, rounds=200)
     assert sum(small[100:]) >= 90 and gov.tau == pytest.approx(1.5) and gov.snapshot()["draft_ms"] == 30.0
     for _ in range(300):
@@ -224,10 +224,27 @@ def test_a_probe_that_cannot_pay_is_priced_out_and_priced_again_when_due():
         assert not drive_priced(gov, 8, cap=1, off_ms=4, on_round_ms=60, on_tokens=2, draft_ms=30, rounds=1)[0]
     snap = gov.snapshot()["8"]
     assert snap["on_ms_per_token"] is None and snap["off_ms_per_token"] == 4.0
-    assert 3 <= snap["probes_priced_out"] <= 8  # intervals 24, 48, 96, 96 ...: priced again when due
+    assert snap["probes_priced_out"] == 4  # when first due, then after 24, 48, 96 rounds: priced again when due
     drive_priced(gov, 2, cap=7, off_ms=20, on_round_ms=12, on_tokens=1.5, draft_ms=2, rounds=100)
     later = drive_priced(gov, 8, cap=1, off_ms=4, on_round_ms=20, on_tokens=2, draft_ms=2, rounds=200)
     assert any(later)
+
+
+def test_a_young_tau_prices_nothing_and_the_longest_interval_probes_anyway():
+    """A warm-up's few speculative rounds that accepted nothing (τ 1) must not price speculation
+    out where it pays: until τ rests on 4 x probe_rounds rounds, probes run and measure. And a
+    bucket priced out for good still probes once its interval is the longest, so that τ follows
+    a drafter that now accepts more."""
+    gov = SpeculationGovernor(probe_every=12, max_probe_every=96)
+    drive_priced(gov, 2, cap=7, off_ms=20, on_round_ms=45, on_tokens=1.0, draft_ms=10, rounds=8)  # a warm-up
+    assert gov.tau == pytest.approx(1.0)
+    one = drive_priced(gov, 1, cap=7, off_ms=30, on_round_ms=40, on_tokens=2.0, draft_ms=10, rounds=300)
+    assert sum(one[100:]) >= 180  # speculation found faster (20 vs 30 ms per token) and kept
+    gov = SpeculationGovernor(probe_every=12, max_probe_every=96)
+    drive_priced(gov, 2, cap=7, off_ms=20, on_round_ms=40, on_tokens=1.5, draft_ms=30, rounds=200)
+    modes = drive_priced(gov, 8, cap=1, off_ms=4, on_round_ms=100, on_tokens=2, draft_ms=30, rounds=600)
+    assert gov.snapshot()["8"]["probes_priced_out"] == 3  # when first due, after 24 and 48 rounds
+    assert 0 < sum(modes) <= 6 * 2  # then short probes at the longest interval (96 rounds) only
 
 
 def test_without_a_draft_time_probes_are_not_priced():

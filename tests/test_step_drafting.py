@@ -378,7 +378,7 @@ def test_the_governor_is_not_charged_for_catching_up_on_features():
         def next_speculates(self, n):
             return self.on
 
-        def observe(self, n, drafted, seconds, tokens):
+        def observe(self, n, drafted, seconds, tokens, draft_s=0.0):
             self.seen.append((drafted, seconds))
 
     gov = Gov()
@@ -412,7 +412,7 @@ def test_the_governor_sees_the_steps_batch_not_only_the_requests_that_can_draft(
         def next_speculates(self, n):
             return True
 
-        def observe(self, n, drafted, seconds, tokens):
+        def observe(self, n, drafted, seconds, tokens, draft_s=0.0):
             self.asked.append(("observe", n))
 
     gov = Gov()
@@ -421,8 +421,51 @@ def test_the_governor_sees_the_steps_batch_not_only_the_requests_that_can_draft(
     rows += [StepRow("d", [1, 2], 0, feats(0, 1)), StepRow("e", [1, 2, 3], 0, feats(0, 3), sampled=False)]
     out = d.step(rows)
     assert [bool(x) for x in out] == [False, False, False, True, False]
-    d.step(rows)
+    d.step(rows[:4])  # "e" finished its prompt in a step of its own: not timed
     assert gov.asked == [4, ("observe", 4), 4]
+
+
+def test_steps_that_carry_a_prompt_are_not_timed_and_drafting_steps_report_their_draft_call():
+    """A forward holding a prefill chunk, or a request's first sampled token, costs what the prompt
+    costs in either mode: the governor gets no timing of it. A step that drafted reports its draft
+    call's seconds (they price the governor's probes)."""
+    now = [0.0]
+
+    class Slow(Source):
+        def propose(self, requests):
+            now[0] += 0.5
+            return super().propose(requests)
+
+    class Gov:
+        seen = []
+
+        def speculate(self, n):
+            return True
+
+        def next_speculates(self, n):
+            return True
+
+        def observe(self, n, drafted, seconds, tokens, draft_s=0.0):
+            self.seen.append((n, drafted, seconds, tokens, draft_s))
+
+    gov = Gov()
+    d = StepDrafting(Slow(), num_drafts=1, governor=gov, clock=lambda: now[0])
+    a = [1, 2, 3]
+    d.step([StepRow("a", list(a))])  # a's prompt
+    now[0] += 1.0
+    a.append(7)
+    d.step([StepRow("a", list(a))])  # timed: 1.5 s (a draft call of 0.5 s) for a's first step
+    now[0] += 1.0
+    a.append(7)
+    d.step([StepRow("a", list(a)), StepRow("b", [4, 5, 6, 7], sampled=False)])  # b's first chunk: not timed
+    now[0] += 1.0
+    a.append(7)
+    d.step([StepRow("a", list(a)), StepRow("b", [4, 5, 6, 7, 8])])  # b's first token: not timed
+    now[0] += 1.0
+    a.append(7)
+    d.step([StepRow("a", list(a)), StepRow("b", [4, 5, 6, 7, 8, 9])])  # timed
+    assert [(n, s, tok) for n, _, s, tok, _ in gov.seen] == [(1, 1.5, 1), (2, 1.5, 2)]
+    assert all(drafted and draft_s == 0.5 for _, drafted, _, _, draft_s in gov.seen)
 
 
 def test_vllm_bench_configs_name_engines_and_their_scheduling():

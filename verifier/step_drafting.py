@@ -148,6 +148,7 @@ class _Track:
     latest_input: tuple[int, torch.Tensor] | None = None
     latest_feature: tuple[int, torch.Tensor] | None = None
     last_tokens: int = 0  # tokens at the previous step (acceptance statistics)
+    sampled: bool = False  # whether a step sampled a token for it yet (its prompt is past)
     last_drafts: int = 0  # drafts proposed at the previous step
     drafted: int = 0  # drafts this request verified so far
     accepted: int = 0  # of those, accepted by the target
@@ -207,8 +208,8 @@ class StepDrafting:
         self.latest_feature_only = latest_feature_only
         # the features of prefixes the verifier's prefix cache will skip (None: it has none)
         self.prefix_features = prefix_features
-        # (time, batch, drafted, backlog seconds) of the previous step
-        self._last: tuple[float, int, bool, float] | None = None
+        # (time, batch, drafted, backlog seconds, draft seconds) of the previous step
+        self._last: tuple[float, int, bool, float, float] | None = None
         self._backlog_s = 0.0  # this step's seconds computing features of positions verified before it
 
     # ------------------------------------------------------------------ the step
@@ -217,8 +218,14 @@ class StepDrafting:
         now = self.clock()
         self._release_absent({r.session_id for r in rows})
         wanting, committed = [], 0
+        # the forward that just ran carried a prompt (a chunk of a prefill, or a prefill's last
+        # chunk: the request's first sampled token): its seconds are mostly the prompt's, in either
+        # mode, so the governor does not time it (such outliers would sway its moving averages)
+        prompted = False
         for r in rows:
             t = self.tracks.setdefault(r.session_id, _Track())
+            prompted = prompted or not (r.sampled and t.sampled)
+            t.sampled = t.sampled or r.sampled
             if r.sampled and t.last_tokens:
                 committed += max(0, len(r.tokens) - t.last_tokens)
             self._account(t, r)
@@ -226,13 +233,14 @@ class StepDrafting:
                 self._keep_features(t, r)
             if r.sampled and not t.features_broken and len(r.tokens) > 0:
                 wanting.append(r)
-        self._observe(now, committed)
+        self._observe(now, committed, timed=not prompted)
         drafts = {r.session_id: [] for r in rows}
         # the governor's batch size is the step's (requests that sampled), not the number that can
         # draft: a step of 16 requests of which one drafts costs what a step of 16 costs
         batch = sum(r.sampled for r in rows)
         speculate = bool(wanting) and (self.governor is None or self.governor.speculate(batch))
         drafting = speculate and now >= self._down_until
+        draft_s = 0.0
         self._bound_pending(rows, wanting, drafting, batch)
         if wanting:
             self.stats.steps += 1
@@ -241,18 +249,19 @@ class StepDrafting:
             elif not drafting:
                 self.stats.skipped_steps += 1
             else:
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 # a latest-only drafter's request whose newest position was not captured (the
                 # governor was expected to keep drafting off) waits for the next step
                 fresh = [r for r in wanting if self._fresh(self.tracks[r.session_id], r)]
                 drafts.update(self._draft(fresh))
-                self.stats.draft_s += time.perf_counter() - t0
+                draft_s = self.clock() - t0
+                self.stats.draft_s += draft_s
         for r in rows:
             t = self.tracks[r.session_id]
             t.last_tokens, t.last_drafts = len(r.tokens), len(drafts[r.session_id])
             self.stats.drafted += t.last_drafts
         # the governor times steps that drafted against steps that did not (whatever the reason)
-        self._last = (now, batch, any(drafts.values()), self._backlog_s) if wanting else None
+        self._last = (now, batch, any(drafts.values()), self._backlog_s, draft_s) if wanting else None
         self._backlog_s = 0.0
         return [drafts[r.session_id] for r in rows]
 
@@ -376,11 +385,12 @@ class StepDrafting:
             return t.latest_feature[0] + 1 if t.latest_feature is not None else 0
         return t.features.length
 
-    def _observe(self, now: float, committed: int) -> None:
-        """The previous step, now finished: its seconds and committed tokens go to the governor."""
-        if self.governor is not None and self._last is not None:
-            t, n, drafted, backlog_s = self._last
-            self.governor.observe(n, drafted, max(now - t - backlog_s, 1e-6), committed)
+    def _observe(self, now: float, committed: int, timed: bool) -> None:
+        """The previous step, now finished: its seconds, committed tokens and draft call's seconds
+        (which price the governor's probes) go to the governor, unless it is not ``timed``."""
+        if self.governor is not None and self._last is not None and timed:
+            t, n, drafted, backlog_s, draft_s = self._last
+            self.governor.observe(n, drafted, max(now - t - backlog_s, 1e-6), committed, draft_s)
 
     def _account(self, t: _Track, r: StepRow) -> None:
         if t.last_drafts and r.sampled and len(r.tokens) > t.last_tokens:

@@ -24,14 +24,18 @@ doubles, up to ``max_probe_every``), so a drafter that never pays at a batch siz
 nothing there; a larger batch size seen for the first time starts from that verdict
 (``_new_bucket``).
 
-A probe is priced before it runs. Once τ and the draft call's seconds are known (from any
-bucket), speculation's best case in a bucket is a round that costs one plain step (a verify
-call of one forward costs at least a plain round's time per step) plus the draft call, and
-commits τ tokens per session, at most the round's cap + 1. Where that is slower than plain
-decoding by more than ``margin``, the probe is skipped and counts as lost (the interval
-doubles; it is priced again when next due), so a drafter that cannot pay at a batch size costs
-neither probe rounds nor the features a probe would have made the verifier catch up on. Such a
-bucket measures plain decoding first, to have its price."""
+A probe is priced before it runs. Once τ rests on ``4 * probe_rounds`` speculative rounds and
+the draft call's seconds are known (from any bucket), speculation's best case in a bucket is a
+round that costs one plain step (a verify call of one forward costs at least a plain round's
+time per step) plus the draft call, and commits τ tokens per session, at most the round's cap
++ 1. Where that is slower than plain decoding by more than ``margin``, the probe is skipped and
+counts as lost (the interval doubles; it is priced again when next due), so a drafter that
+cannot pay at a batch size costs neither probe rounds nor the features a probe would have made
+the verifier catch up on. Such a bucket measures plain decoding first, to have its price. A τ of
+a few rounds (a warm-up's) is not trusted to price: a low one would price out every probe, and
+τ is learnt only from the rounds that probes run. For the same reason a probe due at the longest
+interval (``max_probe_every``) runs whatever its price: τ follows the traffic, at the cost of
+``short_probe_rounds`` rounds per ``max_probe_every``."""
 
 from __future__ import annotations
 
@@ -144,17 +148,24 @@ class SpeculationGovernor:
         return b.current
 
     def _probe_speculation(self, b: _Bucket, sessions: int, cap: int | None) -> bool:
-        """Starts a probe of speculation unless it is priced out; a skipped probe counts as lost."""
-        if not self._priced_out(b, sessions, cap):
+        """Starts a probe of speculation unless it is priced out (and not yet at the longest
+        interval); a skipped probe counts as lost."""
+        if self._probe_runs(b, sessions, cap):
             return self._start_probe(b, on=True)
         b.skipped += 1
         b.current = False
         b.interval = min(2 * (b.interval or self.probe_every), self.max_probe_every)
         return False
 
+    def _probe_runs(self, b: _Bucket, sessions: int, cap: int | None) -> bool:
+        """Whether a due probe of speculation runs: at the longest interval always, else unless
+        priced out."""
+        return b.interval >= self.max_probe_every or not self._priced_out(b, sessions, cap)
+
     def _priced(self) -> bool:
-        """Whether probes can be priced: τ and the draft call's seconds are known."""
-        return self.tau is not None and self._draft_s is not None
+        """Whether probes can be priced: τ rests on enough speculative rounds (as for short
+        probes) and the draft call's seconds are known."""
+        return self._tau_rounds >= 4 * self.probe_rounds and self._draft_s is not None
 
     def _priced_out(self, b: _Bucket, sessions: int, cap: int | None) -> bool:
         """Whether speculation's best case in this bucket is slower than plain decoding by more
@@ -175,15 +186,15 @@ class SpeculationGovernor:
             return b.probe_on
         if self._on(b) is None or b.off is None:
             if b.current is False and b.off is not None:
-                return self._probe_due(b, ahead=1) and not self._priced_out(b, sessions, cap)
+                return self._probe_due(b, ahead=1) and self._probe_runs(b, sessions, cap)
             if b.off is None and b.current is None and self._priced():
                 return False
             if self._on(b) is None and b.current is None and b.off is not None:
-                return not self._priced_out(b, sessions, cap)
+                return self._probe_runs(b, sessions, cap)
             return self._on(b) is None and b.current is None
         current, fell_behind = self._in_force(b)
         if not fell_behind and self._probe_due(b, ahead=1):
-            return not current and not self._priced_out(b, sessions, cap)
+            return not current and self._probe_runs(b, sessions, cap)
         return current
 
     def _in_force(self, b: _Bucket) -> tuple[bool, bool]:
