@@ -239,7 +239,7 @@ def test_a_young_tau_prices_nothing_and_the_longest_interval_probes_anyway():
     drive_priced(gov, 2, cap=7, off_ms=20, on_round_ms=45, on_tokens=1.0, draft_ms=10, rounds=8)  # a warm-up
     assert gov.tau == pytest.approx(1.0)
     one = drive_priced(gov, 1, cap=7, off_ms=30, on_round_ms=40, on_tokens=2.0, draft_ms=10, rounds=300)
-    assert sum(one[100:]) >= 180  # speculation found faster (20 vs 30 ms per token) and kept
+    assert sum(one[100:]) >= 180  # speculation found faster (two tokens per round) and kept
     gov = SpeculationGovernor(probe_every=12, max_probe_every=96)
     drive_priced(gov, 2, cap=7, off_ms=20, on_round_ms=40, on_tokens=1.5, draft_ms=30, rounds=200)
     modes = drive_priced(gov, 8, cap=1, off_ms=4, on_round_ms=100, on_tokens=2, draft_ms=30, rounds=600)

@@ -146,6 +146,7 @@ def _classes():
                     self.model.norm = KeepingNorm(config.hidden_size, eps=config.rms_norm_eps)
                     self.model.norm.register_buffer("kept_hidden", _rows_buffer(rows, config.hidden_size),
                                                     persistent=False)
+            self.keeping: bool | None = None  # what the next forward does: set by keep_next
             self.keep_next(True)  # a buffer may sit where a closed engine's paused one was
 
         def _kept_buffers(self) -> list[torch.Tensor]:
@@ -156,7 +157,7 @@ def _classes():
         def keep_next(self, on: bool) -> None:
             """Whether the next forwards keep their features. Only a CPU model can stop: a CUDA
             graph replays its copies anyway. ``keeping`` says what the next forward will do."""
-            if on == getattr(self, "keeping", None):
+            if on == self.keeping:
                 return
             buffers = self._kept_buffers()
             if buffers[0].device.type != "cpu":
