@@ -28,29 +28,50 @@ from fastapi import FastAPI
 from moa_serve.app import state
 from moa_serve.app.auth import KeyRing, bearer
 from moa_serve.app.errors import RETRY_AFTER, ApiError, error, retry_after
-from moa_serve.app.limits import (DEFAULT_MAX_MODEL_LEN, DEFAULT_VOCAB, BodyCaps, HttpLimitsConfig,
-                                  KeyConcurrency, LimitError, capped_max_tokens)
+from moa_serve.app.limits import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_VOCAB,
+    BodyCaps,
+    HttpLimitsConfig,
+    KeyConcurrency,
+    LimitError,
+    capped_max_tokens,
+)
 
 log = logging.getLogger("ray.serve")
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 SECURITY_SCHEME = "apiKey"
-OPEN_WARNING = ("http_auth: no API keys are set: every /v1 route is open to anyone who reaches this port "
-                "(set $MOA_API_KEYS, $MOA_API_KEYS_FILE or http_auth; docs/security.md)")
+OPEN_WARNING = (
+    "http_auth: no API keys are set: every /v1 route is open to anyone who reaches this port "
+    "(set $MOA_API_KEYS, $MOA_API_KEYS_FILE or http_auth; docs/security.md)"
+)
 
-WHY_401 = ("the server has API keys and the request carries none or a wrong one: send `Authorization: Bearer <key>` "
-           "(error.type `authentication_error`)")
-WHY_413 = "the request body is larger than the server's cap (http_limits.max_body_bytes; verify frames: max_frame_bytes)"
-WHY_429 = ("the request queue is full, or this API key has http_limits.max_concurrent_requests_per_key requests in "
-           "flight; retry after Retry-After seconds")
+WHY_401 = (
+    "the server has API keys and the request carries none or a wrong one: send `Authorization: Bearer <key>` "
+    "(error.type `authentication_error`)"
+)
+WHY_413 = (
+    "the request body is larger than the server's cap (http_limits.max_body_bytes; verify frames: max_frame_bytes)"
+)
+WHY_429 = (
+    "the request queue is full, or this API key has http_limits.max_concurrent_requests_per_key requests in "
+    "flight; retry after Retry-After seconds"
+)
 
 
 class Access:
     """The keys and limits of one Gateway replica."""
 
-    def __init__(self, keys: KeyRing | None = None, limits: HttpLimitsConfig | None = None, *,
-                 max_model_len: int = DEFAULT_MAX_MODEL_LEN, vocab_size: int = DEFAULT_VOCAB):
+    def __init__(
+        self,
+        keys: KeyRing | None = None,
+        limits: HttpLimitsConfig | None = None,
+        *,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        vocab_size: int = DEFAULT_VOCAB,
+    ):
         self.keys = keys if keys is not None else KeyRing()
         self.limits = limits or HttpLimitsConfig()
         self.caps = BodyCaps(self.limits, max_model_len, vocab_size)
@@ -102,7 +123,7 @@ def max_tokens_of(body, max_tokens: int) -> int:
 def route_path(scope) -> str:
     """The path the app routes on (without the root path a proxy mounted it under)."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def is_frame_route(path: str, method: str) -> bool:
@@ -138,16 +159,25 @@ class AccessMiddleware:
             presented = bearer(_header(scope, b"authorization"))
             key = access.keys.match(presented)
             if key is None:
-                message = ("missing API key: send the header `Authorization: Bearer <key>`" if presented is None
-                           else "invalid API key")
-                await error(401, message, None, "authentication_error",
-                            {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                message = (
+                    "missing API key: send the header `Authorization: Bearer <key>`"
+                    if presented is None
+                    else "invalid API key"
+                )
+                await error(401, message, None, "authentication_error", {"WWW-Authenticate": "Bearer"})(
+                    scope, receive, send
+                )
                 return
         counted = key is not None and method == "POST" and access.concurrency.limit is not None
         if counted and not access.concurrency.acquire(key):
-            await error(429, f"this API key has {access.concurrency.limit} requests in flight "
-                        "(http_limits.max_concurrent_requests_per_key); retry later", None, "rate_limit_error",
-                        retry_after())(scope, receive, send)
+            await error(
+                429,
+                f"this API key has {access.concurrency.limit} requests in flight "
+                "(http_limits.max_concurrent_requests_per_key); retry later",
+                None,
+                "rate_limit_error",
+                retry_after(),
+            )(scope, receive, send)
             return
         try:
             frame = is_frame_route(path, method)
@@ -155,8 +185,13 @@ class AccessMiddleware:
             try:
                 receive = await self._bounded_body(scope, receive, method, cap)
             except _TooLarge:
-                await error(413, f"the request body is larger than {cap} bytes ({access.caps.field(frame)})", "body",
-                            "invalid_request_error", {"Connection": "close"})(scope, receive, send)
+                await error(
+                    413,
+                    f"the request body is larger than {cap} bytes ({access.caps.field(frame)})",
+                    "body",
+                    "invalid_request_error",
+                    {"Connection": "close"},
+                )(scope, receive, send)
                 return
             await self.app(scope, receive, send)
         finally:
@@ -200,13 +235,16 @@ def _replay(first: dict, receive):
         if pending:
             return pending.pop()
         return await receive()
+
     return replay
 
 
 # ---------------------------------------------------------------------- the OpenAPI schema
 def _error_response(description: str, headers: dict | None = None) -> dict:
-    out = {"description": description,
-           "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    out = {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+    }
     if headers:
         out["headers"] = headers
     return out
@@ -231,8 +269,10 @@ def document(api: FastAPI) -> None:
                     if "requestBody" in op:
                         responses.setdefault("413", _error_response(WHY_413))
                     if method == "post":
-                        responses["429"] = {**responses.get("429", _error_response(WHY_429, RETRY_AFTER)),
-                                            "description": WHY_429}
+                        responses["429"] = {
+                            **responses.get("429", _error_response(WHY_429, RETRY_AFTER)),
+                            "description": WHY_429,
+                        }
             documented[:] = [schema]
             secured.clear()
         if not current().keys.enabled:
@@ -240,7 +280,10 @@ def document(api: FastAPI) -> None:
         if "schema" not in secured:
             out = copy.deepcopy(schema)
             out.setdefault("components", {}).setdefault("securitySchemes", {})[SECURITY_SCHEME] = {
-                "type": "http", "scheme": "bearer", "description": "an API key of the server (docs/security.md)"}
+                "type": "http",
+                "scheme": "bearer",
+                "description": "an API key of the server (docs/security.md)",
+            }
             for path, operations in out.get("paths", {}).items():
                 if path not in OPEN_PATHS:
                     for op in operations.values():

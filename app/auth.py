@@ -40,15 +40,20 @@ class HttpAuthConfig(BaseModel):
     together. With at least one key every /v1 route needs `Authorization: Bearer <key>` (401
     otherwise); /healthz and /readyz stay open. With none the API is open, and each Gateway
     replica says so in one warning at start."""
+
     model_config = ConfigDict(extra="forbid")
 
     api_keys: list[SecretStr] = Field(
-        [], description="keys written in the config itself: for a local test only (a serve config is shown by the Ray "
-        "dashboard and `serve status`); use the key file or $MOA_API_KEYS, on Kubernetes a Secret")
+        [],
+        description="keys written in the config itself: for a local test only (a serve config is shown by the Ray "
+        "dashboard and `serve status`); use the key file or $MOA_API_KEYS, on Kubernetes a Secret",
+    )
     api_keys_file: str | None = Field(
-        None, description="a file of keys, one per line (blank lines and lines starting with # are skipped); default: "
+        None,
+        description="a file of keys, one per line (blank lines and lines starting with # are skipped); default: "
         "$MOA_API_KEYS_FILE. A file that is named must hold a key, or the Gateway does not start. It is re-read when "
-        "it changes: keys rotate without a restart")
+        "it changes: keys rotate without a restart",
+    )
 
 
 def digest(key: str) -> bytes:
@@ -122,10 +127,15 @@ class KeyRing:
                 keys = parse_keys(f.read())
         except (OSError, UnicodeDecodeError) as exc:
             if first:
-                raise ValueError(f"http_auth: the key file {self.file} cannot be read: {type(exc).__name__}: "
-                                 f"{exc.strerror if isinstance(exc, OSError) else exc}") from None
-            log.warning("http_auth: the key file %s cannot be read (%s); the keys it held stay valid",
-                        self.file, type(exc).__name__)
+                raise ValueError(
+                    f"http_auth: the key file {self.file} cannot be read: {type(exc).__name__}: "
+                    f"{exc.strerror if isinstance(exc, OSError) else exc}"
+                ) from None
+            log.warning(
+                "http_auth: the key file %s cannot be read (%s); the keys it held stay valid",
+                self.file,
+                type(exc).__name__,
+            )
             return
         if not keys:
             if first:

@@ -33,8 +33,8 @@ from pydantic.json_schema import models_json_schema
 
 from moa_serve.app import access, state
 from moa_serve.app.cs_schemas import SESSION_ID, CreateSession, VerifyRound
-from moa_serve.app.frontend import InputError
 from moa_serve.app.errors import error_param, errors, retry_after
+from moa_serve.app.frontend import InputError
 from moa_serve.app.readiness import Readiness, running_frontend
 from moa_serve.cs import wire
 from moa_serve.cs.sessions import ClientSessions, CSError, Reply
@@ -71,12 +71,19 @@ async def _read(request: Request, model: type[BaseModel]):
 
 
 def _frame(reply: Reply, codec: str, headers: dict | None = None, **extra) -> Response:
-    header = {**extra, "round": reply.round, "committed_length": reply.committed_length, "tokens": reply.tokens,
-              "accepted": reply.accepted, "finish_reason": reply.finish_reason,
-              "feature_start": reply.feature_start if reply.features is not None else None}
+    header = {
+        **extra,
+        "round": reply.round,
+        "committed_length": reply.committed_length,
+        "tokens": reply.tokens,
+        "accepted": reply.accepted,
+        "finish_reason": reply.finish_reason,
+        "feature_start": reply.feature_start if reply.features is not None else None,
+    }
     header = {k: v for k, v in header.items() if v is not None}  # absent = null
-    return Response(wire.pack(header, wire.encode_features(reply.features, codec)), media_type=wire.MEDIA_TYPE,
-                    headers=headers)
+    return Response(
+        wire.pack(header, wire.encode_features(reply.features, codec)), media_type=wire.MEDIA_TYPE, headers=headers
+    )
 
 
 def _sessions() -> ClientSessions:
@@ -92,25 +99,32 @@ FRAME_LAYOUT = (
     f"uint32, little-endian, at most {wire.MAX_HEADER}; `header` is that many bytes of UTF-8 JSON, one object, "
     f"whose `tensors` lists each tensor as `[name, dtype, shape]` (dtype one of {', '.join(sorted(wire.DTYPES))}) "
     "in the order their bytes follow; then each tensor's bytes, row-major, little-endian, and nothing after the "
-    "last (moa_serve.cs.wire).")
+    "last (moa_serve.cs.wire)."
+)
 REQUEST_TENSORS_DOC = {
     "CreateSession": "A create carries no tensors.",
     "VerifyRound": "A verify may carry `draft_probs` [len(draft_ids), vocabulary or draft vocabulary] (the "
-                   "drafter's distribution; needed when the session samples): finite and non-negative.",
+    "drafter's distribution; needed when the session samples): finite and non-negative.",
 }
-ANSWER_HEADER = ("The header's other fields: `round`, `committed_length`, `tokens`, `accepted`, `finish_reason`, "
-                 "`feature_start` (absent = null); its tensors: `features` [n, hidden size] (float16, or int8 with "
-                 "`feature_scales`, one float32 per row).")
-MALFORMED = ("bad input, as JSON `ErrorResponse`: a field is invalid (error.param names it, dotted for nested ones); "
-             "a malformed frame (error.message starts with `malformed frame`; error.param is `body`, `tensors.N` or "
-             "the tensor's name); the client's fingerprints are not the server's (type `fingerprint_mismatch`); "
-             "token ids outside the vocabulary")
+ANSWER_HEADER = (
+    "The header's other fields: `round`, `committed_length`, `tokens`, `accepted`, `finish_reason`, "
+    "`feature_start` (absent = null); its tensors: `features` [n, hidden size] (float16, or int8 with "
+    "`feature_scales`, one float32 per row)."
+)
+MALFORMED = (
+    "bad input, as JSON `ErrorResponse`: a field is invalid (error.param names it, dotted for nested ones); "
+    "a malformed frame (error.message starts with `malformed frame`; error.param is `body`, `tensors.N` or "
+    "the tensor's name); the client's fingerprints are not the server's (type `fingerprint_mismatch`); "
+    "token ids outside the vocabulary"
+)
 
 
 def _frame_response(description: str, headers: dict | None = None, links: dict | None = None) -> dict:
     """A 200 that answers a frame."""
-    response = {"description": f"{description}. {FRAME_LAYOUT} {ANSWER_HEADER}",
-                "content": {wire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}
+    response = {
+        "description": f"{description}. {FRAME_LAYOUT} {ANSWER_HEADER}",
+        "content": {wire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+    }
     if headers:
         response["headers"] = headers
     if links:
@@ -121,11 +135,20 @@ def _frame_response(description: str, headers: dict | None = None, links: dict |
 def _body(model: type[BaseModel]) -> dict:
     """``openapi_extra`` of a route that reads its body itself (JSON or a binary frame)."""
     name = model.__name__
-    frame = f"{FRAME_LAYOUT} The header's other fields are the message, as the JSON body (`{name}`). " \
-            f"{REQUEST_TENSORS_DOC[name]}"
-    return {"requestBody": {"required": True, "description": f"JSON (`{name}`) or a frame. {frame}", "content": {
-        "application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}},
-        wire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary", "description": frame}}}}}
+    frame = (
+        f"{FRAME_LAYOUT} The header's other fields are the message, as the JSON body (`{name}`). "
+        f"{REQUEST_TENSORS_DOC[name]}"
+    )
+    return {
+        "requestBody": {
+            "required": True,
+            "description": f"JSON (`{name}`) or a frame. {frame}",
+            "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}},
+                wire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary", "description": frame}},
+            },
+        }
+    }
 
 
 def _responses(frame: dict, *codes: int) -> dict:
@@ -136,16 +159,27 @@ def _responses(frame: dict, *codes: int) -> dict:
 
 
 SESSION_ID_PARAM = {"session_id": f"$response.header.{SESSION_HEADER}"}
-IDENTITY_LINKS = {"CreateSession": {
-    "operationId": "cs_create_session",
-    "description": "a session opened with the server's own fingerprints (the handshake's target, tokenizer, "
-                   "drafter)",
-    "requestBody": {"fingerprints": {part: f"$response.body#/{part}" for part in ("target", "tokenizer", "drafter")}}}}
+IDENTITY_LINKS = {
+    "CreateSession": {
+        "operationId": "cs_create_session",
+        "description": "a session opened with the server's own fingerprints (the handshake's target, tokenizer, "
+        "drafter)",
+        "requestBody": {
+            "fingerprints": {part: f"$response.body#/{part}" for part in ("target", "tokenizer", "drafter")}
+        },
+    }
+}
 SESSION_LINKS = {
-    "VerifyRound": {"operationId": "cs_verify_round", "parameters": SESSION_ID_PARAM,
-                    "description": "a round of the session just created"},
-    "CloseSession": {"operationId": "cs_close_session", "parameters": SESSION_ID_PARAM,
-                     "description": "closes the session just created"},
+    "VerifyRound": {
+        "operationId": "cs_verify_round",
+        "parameters": SESSION_ID_PARAM,
+        "description": "a round of the session just created",
+    },
+    "CloseSession": {
+        "operationId": "cs_close_session",
+        "parameters": SESSION_ID_PARAM,
+        "description": "closes the session just created",
+    },
 }
 
 
@@ -172,26 +206,52 @@ def install(api: FastAPI, readiness: Readiness) -> None:
     @api.exception_handler(CSError)
     async def _refused(_request: Request, exc: CSError):
         body = {"message": str(exc), "type": exc.kind, "param": exc.param, "code": exc.status, **exc.extra}
-        return JSONResponse({"error": body}, status_code=exc.status,
-                            headers=retry_after() if exc.status in (429, 503) else None)
+        return JSONResponse(
+            {"error": body}, status_code=exc.status, headers=retry_after() if exc.status in (429, 503) else None
+        )
 
-    @api.get("/v1/cs", operation_id="cs_identity", responses={
-        200: {"description": "the handshake: fingerprints, vocabulary sizes, stop tokens, limits",
-              "links": IDENTITY_LINKS}, **errors(404, 503)})
+    @api.get(
+        "/v1/cs",
+        operation_id="cs_identity",
+        responses={
+            200: {
+                "description": "the handshake: fingerprints, vocabulary sizes, stop tokens, limits",
+                "links": IDENTITY_LINKS,
+            },
+            **errors(404, 503),
+        },
+    )
     async def cs_identity():
         cs = _sessions()
         await readiness.admit()
         return (await cs.identity()).as_dict()
 
-    @api.post("/v1/cs/sessions", operation_id="cs_create_session", openapi_extra=_body(CreateSession),
-              response_class=Response,
-              responses=_responses(_frame_response(
-                  "round 0 of a new session: its first token and the prompt's features; the frame's header adds "
-                  "`session_id`", headers={SESSION_HEADER: {
-                      "description": "the session's id (as the frame header's `session_id`): the path of its "
-                                     "verify and DELETE calls", "required": True,
-                      "schema": {"type": "string", "pattern": SESSION_ID}}}, links=SESSION_LINKS),
-                  400, 404, 409, 429, 503))
+    @api.post(
+        "/v1/cs/sessions",
+        operation_id="cs_create_session",
+        openapi_extra=_body(CreateSession),
+        response_class=Response,
+        responses=_responses(
+            _frame_response(
+                "round 0 of a new session: its first token and the prompt's features; the frame's header adds "
+                "`session_id`",
+                headers={
+                    SESSION_HEADER: {
+                        "description": "the session's id (as the frame header's `session_id`): the path of its "
+                        "verify and DELETE calls",
+                        "required": True,
+                        "schema": {"type": "string", "pattern": SESSION_ID},
+                    }
+                },
+                links=SESSION_LINKS,
+            ),
+            400,
+            404,
+            409,
+            429,
+            503,
+        ),
+    )
     async def cs_create(request: Request):
         cs = _sessions()
         await readiness.admit()
@@ -203,22 +263,46 @@ def install(api: FastAPI, readiness: Readiness) -> None:
                 ids, _field = await running_frontend().tokenize(body.prompt, body.messages)
             except InputError as exc:
                 raise CSError(400, str(exc), exc.param) from None
-        sid, reply = await cs.create(ids, fingerprints=body.fingerprints.model_dump(), max_tokens=body.max_tokens,
-                                     sampling=body.sampling(), ignore_eos=body.ignore_eos,
-                                     want_features=body.want_features, feature_codec=body.feature_codec,
-                                     features_from=body.features_from, session_id=body.session_id)
+        sid, reply = await cs.create(
+            ids,
+            fingerprints=body.fingerprints.model_dump(),
+            max_tokens=body.max_tokens,
+            sampling=body.sampling(),
+            ignore_eos=body.ignore_eos,
+            want_features=body.want_features,
+            feature_codec=body.feature_codec,
+            features_from=body.features_from,
+            session_id=body.session_id,
+        )
         return _frame(reply, body.feature_codec, headers={SESSION_HEADER: sid}, session_id=sid)
 
-    @api.post("/v1/cs/sessions/{session_id}/verify", operation_id="cs_verify_round", openapi_extra=_body(VerifyRound),
-              response_class=Response,
-              responses=_responses(_frame_response("the round's answer: accepted drafts, the target's token, the "
-                                                   "features of the newly committed positions"),
-                                   400, 404, 409, 503))
+    @api.post(
+        "/v1/cs/sessions/{session_id}/verify",
+        operation_id="cs_verify_round",
+        openapi_extra=_body(VerifyRound),
+        response_class=Response,
+        responses=_responses(
+            _frame_response(
+                "the round's answer: accepted drafts, the target's token, the features of the newly committed positions"
+            ),
+            400,
+            404,
+            409,
+            503,
+        ),
+    )
     async def cs_verify(session_id: str, request: Request):
         cs = _sessions()
         body, tensors = await _read(request, VerifyRound)
-        reply = await cs.verify(session_id, body.round, body.committed_length, body.draft_ids,
-                                tensors.get("draft_probs"), body.features_from, body.alternatives)
+        reply = await cs.verify(
+            session_id,
+            body.round,
+            body.committed_length,
+            body.draft_ids,
+            tensors.get("draft_probs"),
+            body.features_from,
+            body.alternatives,
+        )
         return _frame(reply, cs.feature_codec(session_id))
 
     @api.delete("/v1/cs/sessions/{session_id}", operation_id="cs_close_session", responses=errors(404))

@@ -16,21 +16,29 @@ SESSION_ID = r"^[A-Za-z0-9_-]{8,64}$"
 
 class Fingerprints(_Body):
     """The client's target / tokenizer / drafter digests (``moa_serve.cs.fingerprint``)."""
+
     target: str
     tokenizer: str
     drafter: str | None = None
 
 
 class CreateSession(_Body):
-    model_config = ConfigDict(json_schema_extra=exactly_one_of(("prompt", "string"), ("messages", "array"),
-                                                               ("token_ids", "array")))
+    model_config = ConfigDict(
+        json_schema_extra=exactly_one_of(("prompt", "string"), ("messages", "array"), ("token_ids", "array"))
+    )
 
-    session_id: str | None = Field(None, pattern=SESSION_ID, description="chosen by the client: makes a retried "
-                                   "create idempotent; default: the server picks one")
+    session_id: str | None = Field(
+        None,
+        pattern=SESSION_ID,
+        description="chosen by the client: makes a retried create idempotent; default: the server picks one",
+    )
     prompt: str | None = Field(None, min_length=1)
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    token_ids: list[int] | None = Field(None, min_length=1, description="the prompt as token ids, or after a "
-                                        "resync every token the client has committed")
+    token_ids: list[int] | None = Field(
+        None,
+        min_length=1,
+        description="the prompt as token ids, or after a resync every token the client has committed",
+    )
     max_tokens: int = Field(128, ge=1, le=32768, description="new tokens this session may commit")
     temperature: Temperature = Field(0.0, le=TEMPERATURE_MAX)
     top_p: TopP = 1.0
@@ -56,9 +64,15 @@ class CreateSession(_Body):
 class VerifyRound(_Body):
     """One round; the drafter's distribution (when sampling) travels as the frame's
     ``draft_probs`` tensor [len(draft_ids), vocabulary or draft vocabulary]."""
+
     round: int = Field(ge=1, description="1 for the first verify after create, then +1 per answered round")
     committed_length: int = Field(ge=1, description="tokens the client holds as committed (prompt included)")
     draft_ids: list[int] = Field(default_factory=list)
-    alternatives: list[list[int]] = Field(default_factory=list, description="tree drafts (greedy sessions): "
-                                          "alternatives[i] are token ids verified beside draft_ids[i], as leaves")
-    features_from: int | None = Field(None, ge=0, description="resend features from this position (the client lost them)")
+    alternatives: list[list[int]] = Field(
+        default_factory=list,
+        description="tree drafts (greedy sessions): "
+        "alternatives[i] are token ids verified beside draft_ids[i], as leaves",
+    )
+    features_from: int | None = Field(
+        None, ge=0, description="resend features from this position (the client lost them)"
+    )

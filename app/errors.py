@@ -24,15 +24,27 @@ RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying",
 
 def errors(*codes: int) -> dict:
     """The ``responses=`` entries of a route's error statuses: the error body, Retry-After on 429/503."""
-    return {code: {"model": ErrorResponse, "description": WHY[code], **({"headers": RETRY_AFTER} if code in (429, 503)
-                                                                        else {})} for code in codes}
+    return {
+        code: {
+            "model": ErrorResponse,
+            "description": WHY[code],
+            **({"headers": RETRY_AFTER} if code in (429, 503) else {}),
+        }
+        for code in codes
+    }
 
 
 class ApiError(Exception):
     """Answered as ``error(status, message, param, kind, headers)`` by the app's handler."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.param, self.kind, self.headers = status, param, kind, headers
 
@@ -45,10 +57,18 @@ def unavailable(message: str) -> ApiError:
     return ApiError(503, message, None, "service_unavailable", retry_after())
 
 
-def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-          headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status, headers=headers)
+def error(
+    status: int,
+    message: str,
+    param: str | None = None,
+    kind: str = "invalid_request_error",
+    headers: dict | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}},
+        status_code=status,
+        headers=headers,
+    )
 
 
 def loc_param(loc) -> str:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from moa_serve.sampling import SamplingParams
-from moa_serve.engine.service import RoundService
+from moa_serve.engine.round_service import RoundService
 from moa_serve.engine.session import Session
+from moa_serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class IncrementalDetokenizer:
         after = self._decode(self._prefix, len(self.ids))
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""  # nothing printable yet (special tokens, a split multi-byte character)
-        piece = after[len(before):]
+        piece = after[len(before) :]
         self._prefix, self._read = self._read, len(self.ids)
         self._pieces.append(piece)
         return piece
@@ -87,7 +87,7 @@ class IncrementalDetokenizer:
             log.warning("incremental detokenization diverged from the full decode")
             return ""
         self._pieces = [full]
-        return full[len(text):]
+        return full[len(text) :]
 
 
 class Generation:
@@ -164,9 +164,19 @@ class Generation:
 
 
 class Frontend:
-    def __init__(self, service: RoundService, tokenizer, *, max_model_len: int, stop_token_ids: frozenset[int],
-                 num_speculative_tokens: int, speculative: bool, model_name: str,
-                 adaptive_speculation: bool = False, drafter_needs_features: bool = True):
+    def __init__(
+        self,
+        service: RoundService,
+        tokenizer,
+        *,
+        max_model_len: int,
+        stop_token_ids: frozenset[int],
+        num_speculative_tokens: int,
+        speculative: bool,
+        model_name: str,
+        adaptive_speculation: bool = False,
+        drafter_needs_features: bool = True,
+    ):
         self.service = service
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -184,8 +194,9 @@ class Frontend:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise InputError("this model has no chat template; send a prompt instead", "messages")
             try:
-                ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                                         return_dict=False)
+                ids = self.tokenizer.apply_chat_template(
+                    msgs, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
             except TemplateError as exc:  # the template's raise_exception (e.g. roles must alternate)
                 raise InputError(f"the chat template refused the messages: {exc}", "messages") from None
             return list(ids), "messages"
@@ -209,18 +220,36 @@ class Frontend:
                 self._encode_lock.release()
         return await asyncio.to_thread(self._encode_locked, prompt, messages)
 
-    async def start(self, *, prompt: str | None, messages: list | None, max_tokens: int,
-                    sampling: SamplingParams, stops: list[str], ignore_eos: bool,
-                    num_speculative_tokens: int | None) -> Generation:
+    async def start(
+        self,
+        *,
+        prompt: str | None,
+        messages: list | None,
+        max_tokens: int,
+        sampling: SamplingParams,
+        stops: list[str],
+        ignore_eos: bool,
+        num_speculative_tokens: int | None,
+    ) -> Generation:
         """Tokenizes (``tokenize``) and submits a session. Raises ``InputError`` naming the field
         of a request the server cannot run, ``QueueFullError`` when the queue is full."""
         ids, field = await self.tokenize(prompt, messages)
         if len(ids) >= self.max_model_len:
-            raise InputError(f"the {field} has {len(ids)} tokens; the context holds {self.max_model_len} "
-                             "(prompt plus at least one new token)", field)
+            raise InputError(
+                f"the {field} has {len(ids)} tokens; the context holds {self.max_model_len} "
+                "(prompt plus at least one new token)",
+                field,
+            )
         k = num_speculative_tokens or self.num_speculative_tokens
-        session = Session(uuid.uuid4().hex, ids, max_tokens, sampling, k if self.speculative else 0,
-                          frozenset() if ignore_eos else self.stop_token_ids, self.max_model_len,
-                          adaptive_speculation=self.adaptive_speculation,
-                          drafter_needs_features=self.drafter_needs_features)
+        session = Session(
+            uuid.uuid4().hex,
+            ids,
+            max_tokens,
+            sampling,
+            k if self.speculative else 0,
+            frozenset() if ignore_eos else self.stop_token_ids,
+            self.max_model_len,
+            adaptive_speculation=self.adaptive_speculation,
+            drafter_needs_features=self.drafter_needs_features,
+        )
         return Generation(self, session, stops)

@@ -26,13 +26,26 @@ from moa_serve.app import access, cs, state
 from moa_serve.app.errors import RETRY_AFTER, ApiError, error, error_param, errors, loc_param, retry_after
 from moa_serve.app.frontend import Generation, InputError
 from moa_serve.app.readiness import READY_WAIT_S, Readiness, running_frontend
-from moa_serve.app.schemas import (ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateResponse,
-                                   ReadyStatus, SpeculativeStats, Usage)
+from moa_serve.app.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    GenerateResponse,
+    ReadyStatus,
+    SpeculativeStats,
+    Usage,
+)
 from moa_serve.engine.events import QueueFullError
 
-SSE = {"text/event-stream": {"schema": {  # one event (OpenAPI 3.1: the schema of a stream's item)
-    "type": "object", "required": ["data"],
-    "properties": {"data": {"type": "string", "description": "a JSON chunk; the last event is [DONE]"}}}}}
+SSE = {
+    "text/event-stream": {
+        "schema": {  # one event (OpenAPI 3.1: the schema of a stream's item)
+            "type": "object",
+            "required": ["data"],
+            "properties": {"data": {"type": "string", "description": "a JSON chunk; the last event is [DONE]"}},
+        }
+    }
+}
 
 
 def _without_422(api: FastAPI) -> None:
@@ -69,8 +82,13 @@ def _install_error_handlers(api: FastAPI) -> None:
         if first.get("type") == "extra_forbidden":
             msg = "unknown field"
         if param != loc_param(first.get("loc", ())):  # no member of a union took the value: say why for each
-            msg = "; or ".join(dict.fromkeys(e.get("msg", "invalid value") for e in exc.errors()
-                                             if f"{loc_param(e.get('loc', ()))}.".startswith(f"{param}.")))
+            msg = "; or ".join(
+                dict.fromkeys(
+                    e.get("msg", "invalid value")
+                    for e in exc.errors()
+                    if f"{loc_param(e.get('loc', ()))}.".startswith(f"{param}.")
+                )
+            )
         return error(400, f"{param}: {msg}", param)
 
     @api.exception_handler(StarletteHTTPException)
@@ -89,9 +107,15 @@ async def start_generation(readiness: Readiness, body, prompt, messages, max_tok
     fe = running_frontend()
     await readiness.admit()
     try:
-        gen = await fe.start(prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=body.sampling(),
-                             stops=body.stop_strings(), ignore_eos=body.ignore_eos,
-                             num_speculative_tokens=body.num_speculative_tokens)
+        gen = await fe.start(
+            prompt=prompt,
+            messages=messages,
+            max_tokens=max_tokens,
+            sampling=body.sampling(),
+            stops=body.stop_strings(),
+            ignore_eos=body.ignore_eos,
+            num_speculative_tokens=body.num_speculative_tokens,
+        )
         gen.on_error = readiness.recheck  # pools that stopped answering: 503s, not a 500 per request
         return gen
     except InputError as exc:
@@ -156,13 +180,22 @@ def _ops_routes(api: FastAPI, readiness: Readiness) -> None:
     async def healthz():
         return {"status": "ok"}
 
-    @api.get("/readyz", response_model=ReadyStatus, responses={
-        503: {"model": ReadyStatus, "description": "not ready: a pool does not answer yet (its error in pools)",
-              "headers": RETRY_AFTER}})
+    @api.get(
+        "/readyz",
+        response_model=ReadyStatus,
+        responses={
+            503: {
+                "model": ReadyStatus,
+                "description": "not ready: a pool does not answer yet (its error in pools)",
+                "headers": RETRY_AFTER,
+            }
+        },
+    )
     async def readyz(request: Request):
         ok, detail = await readiness.check()
-        return JSONResponse({"ready": ok, **detail}, status_code=200 if ok else 503,
-                            headers=None if ok else retry_after())
+        return JSONResponse(
+            {"ready": ok, **detail}, status_code=200 if ok else 503, headers=None if ok else retry_after()
+        )
 
     @api.get("/v1/stats", responses=errors(503))
     async def stats(request: Request):
@@ -171,14 +204,29 @@ def _ops_routes(api: FastAPI, readiness: Readiness) -> None:
         extra = extra() if extra else {}
         if inspect.isawaitable(extra):
             extra = await extra
-        return {**fe.service.stats.as_dict(), "queue_depth": fe.service.queue_depth,
-                "active_sessions": fe.service.active_sessions, "speculative": fe.speculative, **extra}
+        return {
+            **fe.service.stats.as_dict(),
+            "queue_depth": fe.service.queue_depth,
+            "active_sessions": fe.service.active_sessions,
+            "speculative": fe.speculative,
+            **extra,
+        }
 
     @api.get("/v1/models", responses=errors(503))
     async def models(request: Request):
         fe = running_frontend()
-        return {"object": "list", "data": [{"id": fe.model_name, "object": "model", "created": 0,
-                                            "owned_by": "moa-serve", "max_model_len": fe.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": fe.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "moa-serve",
+                    "max_model_len": fe.max_model_len,
+                }
+            ],
+        }
 
 
 # ---------------------------------------------------------------------- native API
@@ -186,24 +234,47 @@ GENERATION_ERRORS = errors(400, 429, 500, 503)
 
 
 def _native_routes(api: FastAPI, readiness: Readiness) -> None:
-    @api.post("/v1/generate", response_model=GenerateResponse, responses={
-        200: {"description": "the generation: one JSON body, or with stream: true server-sent events", "content": SSE},
-        **GENERATION_ERRORS})
+    @api.post(
+        "/v1/generate",
+        response_model=GenerateResponse,
+        responses={
+            200: {
+                "description": "the generation: one JSON body, or with stream: true server-sent events",
+                "content": SSE,
+            },
+            **GENERATION_ERRORS,
+        },
+    )
     async def generate(body: GenerateRequest, request: Request):
         gen = await start_generation(readiness, body, body.prompt, body.messages, body.max_tokens)
         if body.stream:
+
             async def events():
                 async with aclosing(gen.deltas()) as deltas:
                     async for d in deltas:
                         yield sse({"text": d.text, "token_ids": d.token_ids})
-                yield sse({"text": "", "token_ids": [], "finish_reason": gen.finish_reason, "usage": usage(gen),
-                           "speculative": gen.stats()})
+                yield sse(
+                    {
+                        "text": "",
+                        "token_ids": [],
+                        "finish_reason": gen.finish_reason,
+                        "usage": usage(gen),
+                        "speculative": gen.stats(),
+                    }
+                )
+
             return EventStream(guarded(gen, events()))
         failed = await finish_or_500(gen)
         if failed:
             return failed
-        return GenerateResponse(id=gen.id, text=gen.text, token_ids=gen.token_ids, finish_reason=gen.finish_reason,
-                                usage=Usage(**usage(gen)), speculative=SpeculativeStats(**gen.stats()))
+        return GenerateResponse(
+            id=gen.id,
+            text=gen.text,
+            token_ids=gen.token_ids,
+            finish_reason=gen.finish_reason,
+            usage=Usage(**usage(gen)),
+            speculative=SpeculativeStats(**gen.stats()),
+        )
 
 
 # ---------------------------------------------------------------------- OpenAI-compatible
@@ -211,12 +282,12 @@ def check_openai_model(body) -> None:
     """404 naming ``model`` when the request asks for a model this server does not serve."""
     fe = running_frontend()
     if body.model is not None and body.model != fe.model_name:
-        raise ApiError(404, f"model {body.model!r} is not served here (serving {fe.model_name!r})", "model",
-                       "not_found_error")
+        raise ApiError(
+            404, f"model {body.model!r} is not served here (serving {fe.model_name!r})", "model", "not_found_error"
+        )
 
 
-def _openai_stream(body, gen: Generation, chat: bool, rid: str, obj: str, created: int,
-                   model_name: str) -> EventStream:
+def _openai_stream(body, gen: Generation, chat: bool, rid: str, obj: str, created: int, model_name: str) -> EventStream:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk(text, finish, role=False):
@@ -225,8 +296,13 @@ def _openai_stream(body, gen: Generation, chat: bool, rid: str, obj: str, create
             choice = {"index": 0, "delta": delta, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                "model": model_name, "choices": [choice]}
+        return {
+            "id": rid,
+            "object": obj + ".chunk" if chat else obj,
+            "created": created,
+            "model": model_name,
+            "choices": [choice],
+        }
 
     async def events():
         if chat:
@@ -236,9 +312,18 @@ def _openai_stream(body, gen: Generation, chat: bool, rid: str, obj: str, create
                 if d.text or d.finish_reason:
                     yield sse(chunk(d.text, d.finish_reason))
         if include_usage:
-            yield sse({"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                       "model": model_name, "choices": [], "usage": usage(gen),
-                       "speculative": gen.stats()})
+            yield sse(
+                {
+                    "id": rid,
+                    "object": obj + ".chunk" if chat else obj,
+                    "created": created,
+                    "model": model_name,
+                    "choices": [],
+                    "usage": usage(gen),
+                    "speculative": gen.stats(),
+                }
+            )
+
     return EventStream(guarded(gen, events()))
 
 
@@ -255,18 +340,31 @@ async def openai_response(body, gen: Generation, chat: bool):
         return failed
     finish = "length" if gen.finish_reason == "length" else "stop"
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": gen.text}, "finish_reason": finish,
-                  "logprobs": None}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": gen.text},
+            "finish_reason": finish,
+            "logprobs": None,
+        }
     else:
         choice = {"index": 0, "text": gen.text, "finish_reason": finish, "logprobs": None}
-    return {"id": rid, "object": obj, "created": created, "model": fe.model_name, "choices": [choice],
-            "usage": usage(gen), "speculative": gen.stats()}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": fe.model_name,
+        "choices": [choice],
+        "usage": usage(gen),
+        "speculative": gen.stats(),
+    }
 
 
 def _openai_routes(api: FastAPI, readiness: Readiness) -> None:
     openai_responses = {
         200: {"description": "the completion: one JSON body, or with stream: true server-sent events", "content": SSE},
-        **errors(404), **GENERATION_ERRORS}
+        **errors(404),
+        **GENERATION_ERRORS,
+    }
 
     @api.post("/v1/completions", responses=openai_responses)
     async def completions(body: CompletionRequest, request: Request):
@@ -277,14 +375,18 @@ def _openai_routes(api: FastAPI, readiness: Readiness) -> None:
     @api.post("/v1/chat/completions", responses=openai_responses)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_openai_model(body)
-        gen = await start_generation(readiness, body, None, body.messages,
-                                     body.max_completion_tokens or body.max_tokens or 256)
+        gen = await start_generation(
+            readiness, body, None, body.messages, body.max_completion_tokens or body.max_tokens or 256
+        )
         return await openai_response(body, gen, chat=True)
 
 
 def create_app(ready_wait_s: float = READY_WAIT_S) -> FastAPI:
-    api = FastAPI(title="MoA-Serve", version="0.1.0",
-                  description="Lossless Mixture-of-Attentions speculative decoding on Ray Serve")
+    api = FastAPI(
+        title="MoA-Serve",
+        version="0.1.0",
+        description="Lossless Mixture-of-Attentions speculative decoding on Ray Serve",
+    )
     _without_422(api)
     readiness = Readiness(ready_wait_s)
     _install_error_handlers(api)

@@ -27,23 +27,36 @@ Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRING
 class HttpLimitsConfig(BaseModel):
     """What one request may ask for, refused before any work is done (docs/security.md). Stop
     strings are bounded by the API itself: at most 16, of at most 256 characters each."""
+
     model_config = ConfigDict(extra="forbid")
 
     max_body_bytes: int | None = Field(
-        None, ge=1024, description="the largest request body; a larger one gets 413 before it is parsed (at once "
+        None,
+        ge=1024,
+        description="the largest request body; a larger one gets 413 before it is parsed (at once "
         "when its Content-Length says so, else as soon as the bytes received pass it: the Gateway never holds more). "
-        "Default: 64 bytes per token of max_model_len, at least 1 MiB")
+        "Default: 64 bytes per token of max_model_len, at least 1 MiB",
+    )
     max_frame_bytes: int | None = Field(
-        None, ge=1024, description="the largest body of a client-server verify (POST /v1/cs/sessions/{id}/verify), "
+        None,
+        ge=1024,
+        description="the largest body of a client-server verify (POST /v1/cs/sessions/{id}/verify), "
         "whose frame may carry the drafter's distribution for up to 64 drafts. Default: max_body_bytes + 64 x the "
-        "vocabulary x 4 bytes")
+        "vocabulary x 4 bytes",
+    )
     max_tokens: int | None = Field(
-        None, ge=1, description="the most new tokens a request may ask for (max_tokens, max_completion_tokens, a "
+        None,
+        ge=1,
+        description="the most new tokens a request may ask for (max_tokens, max_completion_tokens, a "
         "client-server session's max_tokens): more is a 400 naming the field; a request that names none gets at most "
-        "this. Default: no cap beyond the API's 32768 (a generation also ends at the context, max_model_len)")
+        "this. Default: no cap beyond the API's 32768 (a generation also ends at the context, max_model_len)",
+    )
     max_concurrent_requests_per_key: int | None = Field(
-        None, ge=1, description="POST requests one API key may have in flight on one Gateway replica (streams count "
-        "until they end); one more gets 429 with Retry-After. Applies when API keys are set; default: no limit")
+        None,
+        ge=1,
+        description="POST requests one API key may have in flight on one Gateway replica (streams count "
+        "until they end); one more gets 429 with Retry-After. Applies when API keys are set; default: no limit",
+    )
 
 
 class BodyCaps:
@@ -79,8 +92,9 @@ def capped_max_tokens(limits: HttpLimitsConfig | None, body, max_tokens: int) ->
     param = max_tokens_param(body)
     asked = param in body.model_fields_set
     if asked:
-        raise LimitError(f"{param}: {max_tokens} new tokens asked; this server allows at most {cap} "
-                         "(http_limits.max_tokens)", param)
+        raise LimitError(
+            f"{param}: {max_tokens} new tokens asked; this server allows at most {cap} (http_limits.max_tokens)", param
+        )
     return cap
 
 

@@ -69,5 +69,8 @@ class Readiness:
             log.warning("readiness check failed", exc_info=True)
             ok = False
         if not ok:
-            raise unavailable("the server's pools do not answer (see /readyz)" if self.served
-                              else "the server is starting: its pools are not ready yet (see /readyz)")
+            raise unavailable(
+                "the server's pools do not answer (see /readyz)"
+                if self.served
+                else "the server is starting: its pools are not ready yet (see /readyz)"
+            )

@@ -47,12 +47,16 @@ class ChatMessage(_Body):
 class SamplingFields(_Body):
     """The sampling parameters, typed once in ``moa_serve.sampling``: NaN, infinities and values out
     of range are a 400 naming the field; a temperature below ``SAMPLING_EPS`` is greedy."""
+
     temperature: Temperature = Field(0.0, le=TEMPERATURE_MAX)
     top_p: TopP = 1.0
     top_k: TopK = 0
     seed: Seed = None
-    stop: Stop = Field(None, description=f"stop strings (not included in the output): at most {MAX_STOP_STRINGS}, "
-                       f"of at most {MAX_STOP_CHARS} characters each")
+    stop: Stop = Field(
+        None,
+        description=f"stop strings (not included in the output): at most {MAX_STOP_STRINGS}, "
+        f"of at most {MAX_STOP_CHARS} characters each",
+    )
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(None, ge=1, le=16, description="default: the server's")
 
@@ -98,8 +102,13 @@ class _OpenAIFields(SamplingFields):
 
 
 class CompletionRequest(_OpenAIFields):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(
-        min_length=1, max_length=1, description="exactly one prompt per request is supported")]
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[
+            list[Annotated[str, Field(min_length=1)]],
+            Field(min_length=1, max_length=1, description="exactly one prompt per request is supported"),
+        ]
+    )
     echo: bool = Field(False, json_schema_extra={"const": False}, description="not supported; must be false")
 
     @field_validator("echo")
@@ -142,6 +151,7 @@ class GenerateResponse(BaseModel):
 
 class ReadyStatus(BaseModel):
     """``GET /readyz``: 200 when every pool answers, 503 (with each pool's error) before that."""
+
     model_config = ConfigDict(extra="allow")
     ready: bool
 
@@ -149,14 +159,19 @@ class ReadyStatus(BaseModel):
 class ErrorDetail(BaseModel):
     model_config = ConfigDict(extra="allow")  # client-server resyncs add expected_length, expected_round
     message: str
-    type: str = Field(description="invalid_request_error (400), not_found_error (404), rate_limit_error (429), "
-                      "service_unavailable (503), server_error (500), http_error (404 route, 405 method), "
-                      "client-server mode: resync, conflict, finished (409)")
-    param: str | None = Field(description="the offending field, dotted for nested ones (messages.0.role); "
-                              "'body' for the body as a whole; null when no field is at fault")
+    type: str = Field(
+        description="invalid_request_error (400), not_found_error (404), rate_limit_error (429), "
+        "service_unavailable (503), server_error (500), http_error (404 route, 405 method), "
+        "client-server mode: resync, conflict, finished (409)"
+    )
+    param: str | None = Field(
+        description="the offending field, dotted for nested ones (messages.0.role); "
+        "'body' for the body as a whole; null when no field is at fault"
+    )
     code: int = Field(description="the HTTP status")
 
 
 class ErrorResponse(BaseModel):
     """The body of every 4xx and 5xx answer (as OpenAI's API): bad input is a 400 naming the field."""
+
     error: ErrorDetail

@@ -40,8 +40,9 @@ class SessionGroupRouter(RequestRouter):
         queue = self._replica_queue_len_cache.get(r.replica_id)
         return (float(stats.get("sessions", 0)), queue if queue is not None else 0)
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         group = pending_request.kwargs.get("group") if pending_request is not None else None
         if group is None or not candidate_replicas:
             return [candidate_replicas]  # Ray's choice: lowest queue length among them
@@ -56,5 +57,8 @@ class SessionGroupRouter(RequestRouter):
 
 # request_routing_stats_period_s: how often pool replicas report their sessions to the routers
 # (``record_routing_stats``), used to place new groups on the least-loaded replica
-AFFINITY = RequestRouterConfig(request_router_class="moa_serve.deployments.affinity:SessionGroupRouter",
-                               request_routing_stats_period_s=2.0, request_routing_stats_timeout_s=5.0)
+AFFINITY = RequestRouterConfig(
+    request_router_class="moa_serve.deployments.affinity:SessionGroupRouter",
+    request_routing_stats_period_s=2.0,
+    request_routing_stats_timeout_s=5.0,
+)

@@ -18,16 +18,23 @@ from ray import serve
 from moa_serve.deployments import fit
 from moa_serve.deployments.affinity import AFFINITY
 from moa_serve.deployments.autoscaling import policy_options
-from moa_serve.deployments.config import (AppConfig, ConfigError, GatewayConfig, PoolConfig, RouterConfig,
-                                          placement_report, reservations, session_warnings)
+from moa_serve.deployments.config import (
+    AppConfig,
+    ConfigError,
+    GatewayConfig,
+    PoolConfig,
+    RouterConfig,
+    placement_report,
+    reservations,
+    session_warnings,
+)
 from moa_serve.deployments.gateway import Gateway
 from moa_serve.deployments.pools import DrafterPool, VerifierPool
 from moa_serve.deployments.router import Router
 from moa_serve.deployments.vllm_pool import VllmVerifier
-from moa_serve.verifier.vllm_engine import INSTALL_HINT, vllm_available
+from moa_serve.verifier.vllm.engine import INSTALL_HINT, vllm_available
 
 log = logging.getLogger("ray.serve")
-
 
 
 # Replicas share cores (verifier, drafter, router, on small nodes all together). OpenMP's
@@ -47,21 +54,30 @@ def _options(pool: PoolConfig | RouterConfig | GatewayConfig, env: dict | None =
     if isinstance(pool, PoolConfig):  # pools scale on the sessions they hold
         autoscaling.pop("target_sessions_per_replica", None)
         autoscaling["policy"] = policy_options(pool.target_sessions())
-    return {"autoscaling_config": autoscaling, "ray_actor_options": actor,
-            "max_ongoing_requests": pool.max_ongoing_requests}
+    return {
+        "autoscaling_config": autoscaling,
+        "ray_actor_options": actor,
+        "max_ongoing_requests": pool.max_ongoing_requests,
+    }
 
 
-def validate(cfg: AppConfig, target: fit.ModelShape | None = None,
-             drafter: fit.DrafterShape | None = None) -> list[fit.Fit]:
+def validate(
+    cfg: AppConfig, target: fit.ModelShape | None = None, drafter: fit.DrafterShape | None = None
+) -> list[fit.Fit]:
     """Raises ConfigError for a config that cannot work; logs the ones that waste or thrash."""
     results = fit.check_fit(cfg, target, drafter)
     warnings = session_warnings(cfg)
     if cfg.device == "cpu" and all(p.ray_actor_options.memory is None for p in cfg.pools().values()):
-        need = sum(f.total * (cfg.verifier_pool if f.pool == "verifier_pool" else cfg.drafter_pool)
-                   .autoscaling_config.max_replicas for f in results)
+        need = sum(
+            f.total
+            * (cfg.verifier_pool if f.pool == "verifier_pool" else cfg.drafter_pool).autoscaling_config.max_replicas
+            for f in results
+        )
         if need > fit.host_memory():
-            warnings.append(f"all pool replicas together need {need / fit.GiB:.1f} GiB, more than this host's "
-                            f"{fit.host_memory() / fit.GiB:.1f} GiB: fine on a multi-node cluster, not on one machine")
+            warnings.append(
+                f"all pool replicas together need {need / fit.GiB:.1f} GiB, more than this host's "
+                f"{fit.host_memory() / fit.GiB:.1f} GiB: fine on a multi-node cluster, not on one machine"
+            )
     for w in warnings:
         log.warning("config: %s", w)
     for f in results:
@@ -79,8 +95,9 @@ def cluster_nodes() -> list[dict[str, float]] | None:
     None outside one (``build_app`` called before ``ray.init``: nothing to check against)."""
     if not ray.is_initialized():
         return None
-    return [{r: float(n.get("Resources", {}).get(r, 0.0)) for r in ("CPU", "GPU")}
-            for n in ray.nodes() if n.get("Alive")]
+    return [
+        {r: float(n.get("Resources", {}).get(r, 0.0)) for r in ("CPU", "GPU")} for n in ray.nodes() if n.get("Alive")
+    ]
 
 
 def cluster_may_grow() -> bool:

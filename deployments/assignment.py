@@ -93,5 +93,6 @@ def table(deployment: str) -> GroupAssignment:
 def snapshot() -> dict[str, dict]:
     """{deployment: {group: replica id}} as assigned from this process."""
     with _LOCK:
-        return {d: {"groups": t.snapshot(), "moves": t.moves, "reassignments": t.reassignments}
-                for d, t in _TABLES.items()}
+        return {
+            d: {"groups": t.snapshot(), "moves": t.moves, "reassignments": t.reassignments} for d, t in _TABLES.items()
+        }

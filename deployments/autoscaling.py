@@ -51,5 +51,7 @@ class SessionsPolicy:
 
 
 def policy_options(target_sessions_per_replica: float) -> dict:
-    return {"policy_function": POLICY_PATH,
-            "policy_kwargs": {"target_sessions_per_replica": float(target_sessions_per_replica)}}
+    return {
+        "policy_function": POLICY_PATH,
+        "policy_kwargs": {"target_sessions_per_replica": float(target_sessions_per_replica)},
+    }

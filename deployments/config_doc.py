@@ -92,7 +92,9 @@ def _section(model: type[BaseModel], path: str, out: list[str], defaults: BaseMo
         else:
             value = field.get_default(call_default_factory=True)
         desc = " ".join((field.description or "").split()).replace("|", "\\|").replace("<", "&lt;")
-        out.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field, value)} | {_bounds(field)} | {desc} |")
+        out.append(
+            f"| `{name}` | {_type_name(field.annotation)} | {_default(field, value)} | {_bounds(field)} | {desc} |"
+        )
         child = _nested(field.annotation)
         if child is not None:
             children.append((child, f"{path}.{name}" if path else name, value))

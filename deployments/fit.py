@@ -30,7 +30,7 @@ from moa_serve.model_files import read_config, resolve_model_path
 
 log = logging.getLogger(__name__)
 
-GiB = 2 ** 30
+GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -43,6 +43,7 @@ def dtype_bytes(dtype: str, device: str) -> int:
 @dataclass(frozen=True)
 class ModelShape:
     """What the arithmetic needs of a Llama-family config."""
+
     vocab: int
     hidden: int
     layers: int
@@ -57,12 +58,18 @@ class ModelShape:
     @classmethod
     def from_hf(cls, c) -> "ModelShape":
         heads = c.num_attention_heads
-        return cls(vocab=c.vocab_size, hidden=c.hidden_size, layers=c.num_hidden_layers, heads=heads,
-                   kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-                   intermediate=c.intermediate_size, tied=bool(getattr(c, "tie_word_embeddings", False)),
-                   max_positions=getattr(c, "max_position_embeddings", 1 << 30),
-                   qkv_bias=getattr(c, "model_type", "") == "qwen2" or bool(getattr(c, "attention_bias", False)))
+        return cls(
+            vocab=c.vocab_size,
+            hidden=c.hidden_size,
+            layers=c.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            intermediate=c.intermediate_size,
+            tied=bool(getattr(c, "tie_word_embeddings", False)),
+            max_positions=getattr(c, "max_position_embeddings", 1 << 30),
+            qkv_bias=getattr(c, "model_type", "") == "qwen2" or bool(getattr(c, "attention_bias", False)),
+        )
 
     @property
     def kv_width(self) -> int:
@@ -133,8 +140,10 @@ def drafter_shape(name: str, target: ModelShape) -> DrafterShape:
     tli = int(raw.get("target_layer_inference", 0))
     if kind == "moa":
         head = sum(_numel(s) for k, s in shapes.items() if k.startswith(("self_attention.", "cross_attention.")))
-        width = sum(shapes.get(f"{p}.self_attn.k_proj.weight", [target.kv_width])[0]
-                    for p in ("self_attention", "cross_attention"))
+        width = sum(
+            shapes.get(f"{p}.self_attn.k_proj.weight", [target.kv_width])[0]
+            for p in ("self_attention", "cross_attention")
+        )
         width += tli * target.kv_width
     else:
         head = sum(_numel(s) for k, s in shapes.items() if k != "draft_vocab_ids")
@@ -163,9 +172,11 @@ class Fit:
         return self.total <= self.capacity
 
     def describe(self) -> str:
-        return (f"{self.pool}: weights {self.weights / GiB:.2f} GiB + KV cache {self.kv / GiB:.2f} GiB + "
-                f"activations {self.activations / GiB:.2f} GiB = {self.total / GiB:.2f} GiB "
-                f"{'<=' if self.ok else '>'} {self.capacity / GiB:.2f} GiB ({self.capacity_of}){self.note}")
+        return (
+            f"{self.pool}: weights {self.weights / GiB:.2f} GiB + KV cache {self.kv / GiB:.2f} GiB + "
+            f"activations {self.activations / GiB:.2f} GiB = {self.total / GiB:.2f} GiB "
+            f"{'<=' if self.ok else '>'} {self.capacity / GiB:.2f} GiB ({self.capacity_of}){self.note}"
+        )
 
 
 def host_memory() -> int:
@@ -178,8 +189,9 @@ def capacity(pool: PoolConfig, device: str) -> tuple[int, str]:
     if device == "cuda":
         if a.num_gpus <= 0:
             raise ConfigError("device cuda but ray_actor_options.num_gpus is 0: the replica would get no GPU")
-        return int(pool.gpu_memory_gb * GiB * a.num_gpus * u), \
-            f"{u:g} x gpu_memory_gb {pool.gpu_memory_gb:g} x num_gpus {a.num_gpus:g}"
+        return int(
+            pool.gpu_memory_gb * GiB * a.num_gpus * u
+        ), f"{u:g} x gpu_memory_gb {pool.gpu_memory_gb:g} x num_gpus {a.num_gpus:g}"
     if a.memory:
         return int(a.memory * u), f"{u:g} x ray_actor_options.memory"
     return int(host_memory() * u), f"{u:g} x host RAM"
@@ -204,8 +216,10 @@ def vllm_kv_bytes(cfg: AppConfig, target: ModelShape) -> int:
     kv = int(pool.kv_cache_gib * GiB)
     one = target.kv_bytes_per_token(dtype_bytes(cfg.dtype, cfg.device)) * context_len(cfg, target)
     if kv < one:
-        raise ConfigError(f"verifier_pool.kv_cache_gib {pool.kv_cache_gib:g} holds less than one request at "
-                          f"max_model_len {context_len(cfg, target)} ({one / GiB:.3f} GiB): vLLM would not start")
+        raise ConfigError(
+            f"verifier_pool.kv_cache_gib {pool.kv_cache_gib:g} holds less than one request at "
+            f"max_model_len {context_len(cfg, target)} ({one / GiB:.3f} GiB): vLLM would not start"
+        )
     return kv
 
 
@@ -224,8 +238,12 @@ def graph_pool_bytes(cfg: AppConfig, target: ModelShape) -> int:
     b = dtype_bytes(cfg.dtype, cfg.device)
     q = target.heads * target.head_dim
     per_row = (3 * target.intermediate + (q + 2 * target.kv_width) + q + 5 * target.hidden) * b
-    weights = [(q + 2 * target.kv_width, target.hidden), (target.hidden, q), (2 * target.intermediate, target.hidden),
-               (target.hidden, target.intermediate)]  # (N, K) of q/k/v, o, gate/up, down
+    weights = [
+        (q + 2 * target.kv_width, target.hidden),
+        (target.hidden, q),
+        (2 * target.intermediate, target.hidden),
+        (target.hidden, target.intermediate),
+    ]  # (N, K) of q/k/v, o, gate/up, down
     partials = [t.split * n for n, k in weights if (t := tile_config(n, k, b)).split > 1]
     per_row += 4 * max(partials, default=0)
     return rows * per_row
@@ -233,7 +251,7 @@ def graph_pool_bytes(cfg: AppConfig, target: ModelShape) -> int:
 
 def kept_feature_bytes(cfg: AppConfig, target: ModelShape) -> int:
     """Backend vllm with a drafter checkpoint: the buffers in which the registered model class
-    (``verifier/vllm_model.py``) keeps the drafter's features inside the forward, one step's tokens
+    (``verifier/vllm/model.py``) keeps the drafter's features inside the forward, one step's tokens
     (``max_num_batched_tokens``) of every layer's keys and values (MoA's per-layer K/V; an
     EAGLE-style drafter's final hidden states take less)."""
     if cfg.backend != "vllm" or cfg.drafter_checkpoint is None:
@@ -247,11 +265,11 @@ def verifier_fit(cfg: AppConfig, target: ModelShape) -> Fit:
     pool = cfg.verifier_pool
     vllm = cfg.backend == "vllm"
     kv = vllm_kv_bytes(cfg, target) if vllm else full_kv_bytes(cfg, target)
-    activations = (pool.max_num_batched_tokens * target.vocab * 4 + graph_pool_bytes(cfg, target)
-                   + kept_feature_bytes(cfg, target))
+    activations = (
+        pool.max_num_batched_tokens * target.vocab * 4 + graph_pool_bytes(cfg, target) + kept_feature_bytes(cfg, target)
+    )
     cap, of = capacity(pool, cfg.device)
-    return Fit("verifier_pool", target.params() * b, kv, activations, cap, of,
-               " [vLLM paged KV cache]" if vllm else "")
+    return Fit("verifier_pool", target.params() * b, kv, activations, cap, of, " [vLLM paged KV cache]" if vllm else "")
 
 
 def drafter_fit(cfg: AppConfig, target: ModelShape, drafter: DrafterShape) -> Fit:
@@ -286,8 +304,10 @@ def check_fit(cfg: AppConfig, target: ModelShape | None = None, drafter: Drafter
     bad = [f for f in results if not f.ok]
     if bad:
         lines = [f.describe() for f in bad]
-        raise ConfigError("this config cannot work: a replica's weights and caches do not fit its memory\n  - "
-                          + "\n  - ".join(lines)
-                          + "\n  lower max_sessions or max_model_len, or give the replica more memory "
-                            "(gpu_memory_gb / num_gpus / ray_actor_options.memory)")
+        raise ConfigError(
+            "this config cannot work: a replica's weights and caches do not fit its memory\n  - "
+            + "\n  - ".join(lines)
+            + "\n  lower max_sessions or max_model_len, or give the replica more memory "
+            "(gpu_memory_gb / num_gpus / ray_actor_options.memory)"
+        )
     return results

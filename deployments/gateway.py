@@ -101,8 +101,13 @@ class RouterSessions:
 @serve.deployment(name="Gateway")
 @serve.ingress(api)
 class Gateway:
-    def __init__(self, cfg: dict, router: DeploymentHandle | None, verifier: DeploymentHandle | None = None,
-                 drafter: DeploymentHandle | None = None):
+    def __init__(
+        self,
+        cfg: dict,
+        router: DeploymentHandle | None,
+        verifier: DeploymentHandle | None = None,
+        drafter: DeploymentHandle | None = None,
+    ):
         """``router``: the Router deployment; None with ``router.in_gateway``, where this replica
         runs a ``RouterCore`` over the pools ``verifier`` and ``drafter`` itself."""
         self.cfg = AppConfig.model_validate(cfg)
@@ -112,22 +117,33 @@ class Gateway:
         r, lanes = self.cfg.router, self.cfg.gateway.lanes
         self.links = [self._link(f"lane/{i}") for i in range(lanes)]
         # each lane's Router admits session_groups x max_sessions_per_round; the rest wait here
-        self.service = StreamService(self._stream, max_sessions=lanes * r.session_groups * r.max_sessions_per_round,
-                                     max_queued=r.max_queued_requests, stream_retries=RESUME_RETRIES,
-                                     retry_backoff_s=0.5)
+        self.service = StreamService(
+            self._stream,
+            max_sessions=lanes * r.session_groups * r.max_sessions_per_round,
+            max_queued=r.max_queued_requests,
+            stream_retries=RESUME_RETRIES,
+            retry_backoff_s=0.5,
+        )
         kind = self.cfg.drafter_spec.kind
         state.install(
             cs=RouterSessions(self._call) if self.cfg.backend == "torch" else None,
             cs_unavailable="client-server mode needs backend: torch (this server runs backend: vllm)",
-            frontend=Frontend(self.service, info.tokenizer, max_model_len=info.max_model_len,
-                              stop_token_ids=info.stop_token_ids,
-                              num_speculative_tokens=self.cfg.num_speculative_tokens,
-                              speculative=self.cfg.drafter is not None,
-                              model_name=self.cfg.model_name or self.cfg.target,
-                              adaptive_speculation=self.cfg.adaptive_speculation,
-                              drafter_needs_features=kind in ("moa", "eagle")),
-            ready=self.ready, retry_after_s=r.retry_after_s, stats=self.stats,
-            access=Access.for_gateway(self.cfg, info.max_model_len, info.vocab_size))  # keys, limits
+            frontend=Frontend(
+                self.service,
+                info.tokenizer,
+                max_model_len=info.max_model_len,
+                stop_token_ids=info.stop_token_ids,
+                num_speculative_tokens=self.cfg.num_speculative_tokens,
+                speculative=self.cfg.drafter is not None,
+                model_name=self.cfg.model_name or self.cfg.target,
+                adaptive_speculation=self.cfg.adaptive_speculation,
+                drafter_needs_features=kind in ("moa", "eagle"),
+            ),
+            ready=self.ready,
+            retry_after_s=r.retry_after_s,
+            stats=self.stats,
+            access=Access.for_gateway(self.cfg, info.max_model_len, info.vocab_size),
+        )  # keys, limits
 
     async def _call(self, method: str, *args, group: str | None = None, **kwargs):
         """One call to the Router (``group``: the affinity key), raising what the Router raised
@@ -141,6 +157,7 @@ class Gateway:
 
     def _link(self, lane: str) -> LaneLink:
         """The lane's link to its Router: one stream carrying all its sessions' commits."""
+
         async def connect(link: str):
             if self.core is not None:
                 async with aclosing(self.core.lane(link, group=lane)) as batches:

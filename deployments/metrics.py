@@ -12,19 +12,29 @@ _LATENCY_MS = [5, 10, 20, 40, 80, 160, 320, 640, 1280, 2560, 5120]
 class PrometheusObserver(Observer):
     def __init__(self):
         self.accepted_length = metrics.Histogram(
-            "moa_accepted_length", description="tokens committed per verify round (bonus included)",
-            boundaries=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16])
-        self.draft_ms = metrics.Histogram("moa_draft_latency_ms", description="draft call latency",
-                                          boundaries=_LATENCY_MS, tag_keys=("group",))
-        self.verify_ms = metrics.Histogram("moa_verify_latency_ms", description="verify call latency",
-                                           boundaries=_LATENCY_MS, tag_keys=("group",))
-        self.round_ms = metrics.Histogram("moa_round_latency_ms", description="draft+verify+commit latency",
-                                          boundaries=_LATENCY_MS, tag_keys=("group",))
-        self.sessions = metrics.Histogram("moa_sessions_per_round", description="sessions batched in a round",
-                                          boundaries=[1, 2, 4, 8, 16, 32, 64])
+            "moa_accepted_length",
+            description="tokens committed per verify round (bonus included)",
+            boundaries=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16],
+        )
+        self.draft_ms = metrics.Histogram(
+            "moa_draft_latency_ms", description="draft call latency", boundaries=_LATENCY_MS, tag_keys=("group",)
+        )
+        self.verify_ms = metrics.Histogram(
+            "moa_verify_latency_ms", description="verify call latency", boundaries=_LATENCY_MS, tag_keys=("group",)
+        )
+        self.round_ms = metrics.Histogram(
+            "moa_round_latency_ms",
+            description="draft+verify+commit latency",
+            boundaries=_LATENCY_MS,
+            tag_keys=("group",),
+        )
+        self.sessions = metrics.Histogram(
+            "moa_sessions_per_round", description="sessions batched in a round", boundaries=[1, 2, 4, 8, 16, 32, 64]
+        )
         self.queue = metrics.Gauge("moa_queue_depth", description="requests waiting for admission")
-        self.fallbacks = metrics.Counter("moa_fallbacks_total", description="rounds without drafts, verify retries",
-                                         tag_keys=("reason",))
+        self.fallbacks = metrics.Counter(
+            "moa_fallbacks_total", description="rounds without drafts, verify retries", tag_keys=("reason",)
+        )
 
     def round_done(self, group, sessions, draft_s, verify_s, round_s):
         tags = {"group": str(group)}
@@ -49,13 +59,21 @@ class PoolMetrics:
 
     def __init__(self, pool: str):
         self.pool = pool
-        self.compute_ms = metrics.Histogram("moa_pool_compute_ms", description="pool forward/release compute time",
-                                            boundaries=_LATENCY_MS, tag_keys=("pool", "method"))
-        self.queue_ms = metrics.Histogram("moa_pool_queue_ms",
-                                          description="time a pool call waited for the replica's worker thread",
-                                          boundaries=_LATENCY_MS, tag_keys=("pool", "method"))
-        self.sessions = metrics.Gauge("moa_pool_sessions", description="sessions used by this replica recently",
-                                      tag_keys=("pool",))
+        self.compute_ms = metrics.Histogram(
+            "moa_pool_compute_ms",
+            description="pool forward/release compute time",
+            boundaries=_LATENCY_MS,
+            tag_keys=("pool", "method"),
+        )
+        self.queue_ms = metrics.Histogram(
+            "moa_pool_queue_ms",
+            description="time a pool call waited for the replica's worker thread",
+            boundaries=_LATENCY_MS,
+            tag_keys=("pool", "method"),
+        )
+        self.sessions = metrics.Gauge(
+            "moa_pool_sessions", description="sessions used by this replica recently", tag_keys=("pool",)
+        )
 
     def call(self, method: str, compute_s: float, queued_s: float) -> None:
         tags = {"pool": self.pool, "method": method}
@@ -71,9 +89,12 @@ class CallMetrics:
     (de)serialisation and queueing."""
 
     def __init__(self):
-        self.overhead_ms = metrics.Histogram("moa_pool_call_overhead_ms",
-                                             description="pool call wall time minus replica compute",
-                                             boundaries=_LATENCY_MS, tag_keys=("pool",))
+        self.overhead_ms = metrics.Histogram(
+            "moa_pool_call_overhead_ms",
+            description="pool call wall time minus replica compute",
+            boundaries=_LATENCY_MS,
+            tag_keys=("pool",),
+        )
 
     def call(self, pool: str, call_s: float, compute_s: float) -> None:
         self.overhead_ms.observe(max(0.0, call_s - compute_s) * 1e3, tags={"pool": pool})

@@ -121,13 +121,25 @@ class VerifierPool(_Pool):
         self.cfg = AppConfig.model_validate(cfg)
         pool = self.cfg.verifier_pool
         _threads(pool)
-        options = RunnerOptions(max_num_batched_tokens=pool.max_num_batched_tokens,
-                                packed_weights=self.cfg.packed_weights, prefix_caching=pool.prefix_caching,
-                                matmul_precision=self.cfg.matmul_precision, kv_cache_dtype=self.cfg.kv_cache_dtype,
-                                static_forward=self.cfg.static_forward, batch_invariant=self.cfg.batch_invariant)
-        self.runner = TorchTargetRunner(self.cfg.target, self.cfg.dtype, self.cfg.device, pool.max_sessions,
-                                        self.cfg.max_model_len, load_feature_source(self.cfg.feature_drafter),
-                                        draft_vocab=load_draft_vocab(self.cfg.feature_drafter), options=options)
+        options = RunnerOptions(
+            max_num_batched_tokens=pool.max_num_batched_tokens,
+            packed_weights=self.cfg.packed_weights,
+            prefix_caching=pool.prefix_caching,
+            matmul_precision=self.cfg.matmul_precision,
+            kv_cache_dtype=self.cfg.kv_cache_dtype,
+            static_forward=self.cfg.static_forward,
+            batch_invariant=self.cfg.batch_invariant,
+        )
+        self.runner = TorchTargetRunner(
+            self.cfg.target,
+            self.cfg.dtype,
+            self.cfg.device,
+            pool.max_sessions,
+            self.cfg.max_model_len,
+            load_feature_source(self.cfg.feature_drafter),
+            draft_vocab=load_draft_vocab(self.cfg.feature_drafter),
+            options=options,
+        )
         self.target_fingerprint = model_fingerprint(self.runner.model)  # client-server handshake
         log.info("VerifierPool %s ready: %s", self._replica, self.cfg.target)
 
@@ -145,11 +157,17 @@ class VerifierPool(_Pool):
         self.runner.cut_steps()
 
     async def info(self, group=None) -> dict:
-        return {"replica": self._replica, "max_model_len": self.runner.max_model_len,
-                "free_slots": self.runner.free_slots, "sessions": len(self.runner.sessions),
-                "retained_slots": len(self.runner.retained), "runner": dict(self.runner.stats),
-                "active_sessions": self.active_sessions(), "calls": self.calls,
-                "target_fingerprint": self.target_fingerprint}
+        return {
+            "replica": self._replica,
+            "max_model_len": self.runner.max_model_len,
+            "free_slots": self.runner.free_slots,
+            "sessions": len(self.runner.sessions),
+            "retained_slots": len(self.runner.retained),
+            "runner": dict(self.runner.stats),
+            "active_sessions": self.active_sessions(),
+            "calls": self.calls,
+            "target_fingerprint": self.target_fingerprint,
+        }
 
 
 @serve.deployment(name="DrafterPool")
@@ -162,9 +180,14 @@ class DrafterPool(_Pool):
         pool = self.cfg.drafter_pool
         _threads(pool)
         # a hybrid's prompt lookup runs in the Router: the pool serves the trained drafter
-        self.proposer = load_proposer(self.cfg.drafter_checkpoint, target=self.cfg.target, dtype=self.cfg.dtype,
-                                      device=self.cfg.device, max_sessions=pool.max_sessions,
-                                      max_model_len=self.cfg.max_model_len)
+        self.proposer = load_proposer(
+            self.cfg.drafter_checkpoint,
+            target=self.cfg.target,
+            dtype=self.cfg.dtype,
+            device=self.cfg.device,
+            max_sessions=pool.max_sessions,
+            max_model_len=self.cfg.max_model_len,
+        )
         self.proposer.set_tree(parse_branching(self.cfg.branching))  # tree drafts for greedy sessions
         log.info("DrafterPool %s ready: %s", self._replica, self.cfg.drafter_checkpoint)
 
@@ -176,5 +199,9 @@ class DrafterPool(_Pool):
         return await self._release(self.proposer, session_ids)
 
     async def info(self, group=None) -> dict:
-        return {"replica": self._replica, "sessions": len(self.proposer.sessions),
-                "active_sessions": self.active_sessions(), "calls": self.calls}
+        return {
+            "replica": self._replica,
+            "sessions": len(self.proposer.sessions),
+            "active_sessions": self.active_sessions(),
+            "calls": self.calls,
+        }

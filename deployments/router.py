@@ -5,9 +5,9 @@ Gateway (``router.in_gateway: false``), and with ``router.in_gateway: true`` eac
 runs one in its own process (``gateway.py``).
 
 The Gateway calls it for generations (``lane``: one stream per lane carrying the commits of the
-lane's sessions, ``start``, ``cancel``), for client-server sessions (``cs_*``), readiness and stats. Its committed tokens are the source of
-truth for its pools; the Gateway keeps what it received, so a stream this replica loses by dying
-is resumed on another Router replica.
+lane's sessions, ``start``, ``cancel``), for client-server sessions (``cs_*``), readiness and stats.
+Its committed tokens are the source of truth for its pools; the Gateway keeps what it received, so a
+stream this replica loses by dying is resumed on another Router replica.
 
 Session groups are keyed ``"<this Router replica's id>/<i>"``: unique across Router replicas, so
 the affinity router (``deployments/affinity.py``) can spread the groups of all Routers over all
@@ -32,10 +32,10 @@ from moa_serve.deployments.metrics import CallMetrics, PrometheusObserver
 from moa_serve.deployments.stats import CallStats
 from moa_serve.drafter.lookup import LookupTable
 from moa_serve.drafter.registry import lookup_store
-from moa_serve.engine.features import feature_policy
+from moa_serve.engine.feature_policy import feature_policy
 from moa_serve.engine.lanes import LaneHub
 from moa_serve.engine.options import RoundOptions
-from moa_serve.engine.service import RoundService
+from moa_serve.engine.round_service import RoundService
 from moa_serve.engine.session import Session
 from moa_serve.engine.stream_service import StreamService
 from moa_serve.model_files import load_tokenizer, read_config, resolve_model_path, stop_token_ids
@@ -86,6 +86,7 @@ def group_keys(replica_id: str, n: int) -> list[str]:
 @dataclass
 class TargetInfo:
     """What the Gateway and the Router read of the target (tokenizer and config, no weights)."""
+
     path: str
     tokenizer: object
     vocab_size: int
@@ -97,8 +98,13 @@ def load_target_info(cfg: AppConfig) -> TargetInfo:
     path = resolve_model_path(cfg.target, weights=False)  # tokenizer + config only
     tokenizer = load_tokenizer(path)
     hf_config = read_config(path)
-    return TargetInfo(path, tokenizer, hf_config.vocab_size, min(cfg.max_model_len, hf_config.max_position_embeddings),
-                      stop_token_ids(path, tokenizer))
+    return TargetInfo(
+        path,
+        tokenizer,
+        hf_config.vocab_size,
+        min(cfg.max_model_len, hf_config.max_position_embeddings),
+        stop_token_ids(path, tokenizer),
+    )
 
 
 class RouterCore:
@@ -114,16 +120,25 @@ class RouterCore:
         self._call_metrics = CallMetrics()
         kind = self.cfg.drafter_spec.kind
         if self.cfg.backend == "vllm":  # vLLM's scheduler batches the steps: one stream per session
-            self.service = StreamService(self._stream, max_sessions=r.session_groups * r.max_sessions_per_round,
-                                         max_queued=r.max_queued_requests)
+            self.service = StreamService(
+                self._stream, max_sessions=r.session_groups * r.max_sessions_per_round, max_queued=r.max_queued_requests
+            )
         else:
             self.service = self._round_service(kind, info.max_model_len)
         # client-server mode: sessions drafted on the user's device, verified in the same rounds
-        self._cs_identity_args = dict(model=self.cfg.model_name or self.cfg.target, tokenizer=info.tokenizer,
-                                      drafter=self.cfg.feature_drafter, vocab_size=info.vocab_size,
-                                      max_model_len=info.max_model_len, stop_token_ids=info.stop_token_ids)
-        self.cs = ClientSessions(self.service, self._cs_identity, ttl_s=r.cs_session_ttl_s) \
-            if self.cfg.backend == "torch" else None
+        self._cs_identity_args = dict(
+            model=self.cfg.model_name or self.cfg.target,
+            tokenizer=info.tokenizer,
+            drafter=self.cfg.feature_drafter,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            stop_token_ids=info.stop_token_ids,
+        )
+        self.cs = (
+            ClientSessions(self.service, self._cs_identity, ttl_s=r.cs_session_ttl_s)
+            if self.cfg.backend == "torch"
+            else None
+        )
         self.lanes = LaneHub(self.service, self.replica)
 
     # ------------------------------------------------------------------ the Gateway's calls
@@ -160,25 +175,40 @@ class RouterCore:
         r = self.cfg.router
         # prompt lookup runs here, on the tokens the Router holds: no call, no replica
         lookup = router_lookup(self.cfg, 2 * r.session_groups * r.max_sessions_per_round, max_model_len)
-        options = RoundOptions(max_sessions_per_round=r.max_sessions_per_round, max_queued=r.max_queued_requests,
-                               speculation_token_budget=r.speculation_token_budget,
-                               speculation_governor=r.speculation_governor, decode_steps=r.decode_steps,
-                               multi_step_max_sessions=r.multi_step_max_sessions, lookahead=r.lookahead)
+        options = RoundOptions(
+            max_sessions_per_round=r.max_sessions_per_round,
+            max_queued=r.max_queued_requests,
+            speculation_token_budget=r.speculation_token_budget,
+            speculation_governor=r.speculation_governor,
+            decode_steps=r.decode_steps,
+            multi_step_max_sessions=r.multi_step_max_sessions,
+            lookahead=r.lookahead,
+        )
         # MoA features come from the verifier's K/V cache: skipped ones can be recomputed later;
         # devices of a client drafter the Router does not draft with get features all the same
-        features = feature_policy(self.drafter is not None, recomputable=kind == "moa",
-                                  remote_drafter=self.cfg.feature_drafter is not None)
+        features = feature_policy(
+            self.drafter is not None, recomputable=kind == "moa", remote_drafter=self.cfg.feature_drafter is not None
+        )
         cut = self._cut_steps if r.decode_steps > 1 and r.cut_steps_for_newcomers else None
-        return RoundService(self._verify, self._draft if self.drafter is not None else None, self._release,
-                            options, features=features, lookup=lookup, groups=self.groups,
-                            observer=PrometheusObserver(), cut=cut)
+        return RoundService(
+            self._verify,
+            self._draft if self.drafter is not None else None,
+            self._release,
+            options,
+            features=features,
+            lookup=lookup,
+            groups=self.groups,
+            observer=PrometheusObserver(),
+            cut=cut,
+        )
 
     async def _cs_identity(self) -> ServerIdentity:
         """The handshake's identity; the target's fingerprint comes from a verifier replica (the
         Router holds no weights)."""
         info = await self.verifier.info.remote()
-        return await asyncio.to_thread(ServerIdentity.build, target_fingerprint=info["target_fingerprint"],
-                                       **self._cs_identity_args)
+        return await asyncio.to_thread(
+            ServerIdentity.build, target_fingerprint=info["target_fingerprint"], **self._cs_identity_args
+        )
 
     async def _call(self, pool: str, method, requests, group):
         t0 = time.perf_counter()
@@ -191,9 +221,14 @@ class RouterCore:
     async def _stream(self, session):
         """backend vllm: one streaming call to a verifier replica for the rest of the session (its
         committed tokens are the prompt: a resumed session is re-prefilled)."""
-        gen = detached(lambda: self.verifier.options(stream=True).generate.remote(
-            list(session.tokens), session.max_new_tokens - len(session.generated), session.sampling.model_dump(),
-            ignore_eos=not session.stop_token_ids))
+        gen = detached(
+            lambda: self.verifier.options(stream=True).generate.remote(
+                list(session.tokens),
+                session.max_new_tokens - len(session.generated),
+                session.sampling.model_dump(),
+                ignore_eos=not session.stop_token_ids,
+            )
+        )
         finished = False
         try:
             async for u in gen:
@@ -227,8 +262,12 @@ class RouterCore:
         """This replica's rounds and sessions, work per pool replica and the round-time breakdown,
         for ``GET /v1/stats``; with backend vllm, also a verifier replica's engine and drafting
         counters."""
-        d = {**self.service.stats.as_dict(), "queue_depth": self.service.queue_depth,
-             "active_sessions": self.service.active_sessions, **self.calls.as_dict()}
+        d = {
+            **self.service.stats.as_dict(),
+            "queue_depth": self.service.queue_depth,
+            "active_sessions": self.service.active_sessions,
+            **self.calls.as_dict(),
+        }
         d["backend"] = self.cfg.backend
         d["router_replica"] = self.replica
         try:  # one verifier replica's engine counters (torch: forwards, prefix cache; vllm: its engine)

@@ -1,7 +1,7 @@
 """``VllmVerifier``: the verifier pool of ``backend: vllm``.
 
 Each replica runs stock vLLM in-process (``VllmEngine``: its scheduler, paged KV cache,
-continuous batching, rejection sampler) on an ``EngineLoop`` thread. Drafts come from the drafter
+continuous batching, rejection sampler) on an ``StepLoop`` thread. Drafts come from the drafter
 pool: after every engine step, one batched ``propose`` call for all of the replica's running
 requests (``PoolDraftSource``, the same DraftRequest protocol and LSA features as the torch
 backend's rounds); ``drafter: lookup`` uses vLLM's own n-gram proposer instead. The Router opens
@@ -29,8 +29,8 @@ from moa_serve.deployments.pools import _replica_name, _threads
 from moa_serve.deployments.stats import CallStats
 from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.sampling import SamplingParams
-from moa_serve.verifier.engine_loop import EngineLoop
-from moa_serve.verifier.vllm_engine import VllmEngine, VllmOptions
+from moa_serve.verifier.vllm.engine import VllmEngine, VllmOptions
+from moa_serve.verifier.vllm.step_loop import StepLoop
 
 log = logging.getLogger("ray.serve")
 
@@ -49,8 +49,9 @@ class PoolDraftSource:
 
     def propose(self, requests):
         # features leave the verifier's device: the drafter replica is another process (maybe GPU)
-        requests = [dataclasses.replace(r, features=r.features.cpu()) if r.features is not None else r
-                    for r in requests]
+        requests = [
+            dataclasses.replace(r, features=r.features.cpu()) if r.features is not None else r for r in requests
+        ]
         t0 = time.perf_counter()
         reply = self.handle.propose.remote(requests, group=self.group).result(timeout_s=self.timeout_s)
         self.calls.record("drafter", reply.replica, time.perf_counter() - t0, reply.compute_s, reply.queued_s)
@@ -72,16 +73,29 @@ class VllmVerifier:
         kv_gib = fit.vllm_kv_bytes(self.cfg, fit.target_shape(self.cfg)) / fit.GiB
         self.source = PoolDraftSource(drafter, self._replica) if drafter is not None else None
         options = VllmOptions(
-            num_speculative_tokens=self.cfg.num_speculative_tokens, ngram=self.cfg.drafter == "lookup",
-            dtype=self.cfg.dtype, max_model_len=self.cfg.max_model_len, max_num_seqs=pool.max_sessions,
-            kv_cache_gib=kv_gib, max_num_batched_tokens=pool.max_num_batched_tokens,
-            retry_after_s=self.cfg.router.retry_after_s, speculation_governor=self.cfg.router.speculation_governor,
-            device=self.cfg.device, prefix_caching=pool.prefix_caching, enforce_eager=pool.enforce_eager)
+            num_speculative_tokens=self.cfg.num_speculative_tokens,
+            ngram=self.cfg.drafter == "lookup",
+            dtype=self.cfg.dtype,
+            max_model_len=self.cfg.max_model_len,
+            max_num_seqs=pool.max_sessions,
+            kv_cache_gib=kv_gib,
+            max_num_batched_tokens=pool.max_num_batched_tokens,
+            retry_after_s=self.cfg.router.retry_after_s,
+            speculation_governor=self.cfg.router.speculation_governor,
+            device=self.cfg.device,
+            prefix_caching=pool.prefix_caching,
+            enforce_eager=pool.enforce_eager,
+        )
         checkpoint = self.cfg.drafter_checkpoint
-        self.engine = VllmEngine(self.cfg.target, checkpoint, options,
-                                 features=load_feature_source(checkpoint) if checkpoint is not None else None,
-                                 draft_source=self.source, proposer_factory=load_proposer)
-        self.loop = EngineLoop(self.engine, name="vllm-steps").start()
+        self.engine = VllmEngine(
+            self.cfg.target,
+            checkpoint,
+            options,
+            features=load_feature_source(checkpoint) if checkpoint is not None else None,
+            draft_source=self.source,
+            proposer_factory=load_proposer,
+        )
+        self.loop = StepLoop(self.engine, name="vllm-steps").start()
         log.info("VllmVerifier %s ready: %s (drafter %s)", self._replica, self.cfg.target, self.cfg.drafter)
 
     async def generate(self, prompt: list[int], max_new_tokens: int, sampling: dict, ignore_eos: bool = False):
@@ -89,8 +103,14 @@ class VllmVerifier:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
         rid = uuid.uuid4().hex
-        self.loop.submit(rid, prompt, max_new_tokens, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u),
-                         SamplingParams(**sampling), ignore_eos)
+        self.loop.submit(
+            rid,
+            prompt,
+            max_new_tokens,
+            lambda u: loop.call_soon_threadsafe(updates.put_nowait, u),
+            SamplingParams(**sampling),
+            ignore_eos,
+        )
         finished = False
         try:
             while not finished:
@@ -116,9 +136,14 @@ class VllmVerifier:
         return {"sessions": float(self._sessions())}
 
     async def info(self, group=None) -> dict:
-        out = {"replica": self._replica, "backend": "vllm", "max_model_len": self.engine.max_model_len,
-               "sessions": self._sessions(), "engine": self.loop.stats.as_dict(),
-               "drafting": self.engine.stats()}
+        out = {
+            "replica": self._replica,
+            "backend": "vllm",
+            "max_model_len": self.engine.max_model_len,
+            "sessions": self._sessions(),
+            "engine": self.loop.stats.as_dict(),
+            "drafting": self.engine.stats(),
+        }
         if self.source is not None:
             out["drafter_calls"] = self.source.calls.as_dict()["replicas"].get("drafter", {})
         return out

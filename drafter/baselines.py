@@ -22,9 +22,9 @@ from torch import nn
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.model import TargetParts
 from moa_serve.drafter.proposer import ProposerBase, last_position, load_for_drafting
-from moa_serve.protocol import DraftRequest
 from moa_serve.kv_cache import PackedBatch, SlotKVCache
 from moa_serve.layers import DecoderLayer, RMSNorm
+from moa_serve.protocol import DraftRequest
 
 
 class EagleDrafter(nn.Module):
@@ -87,13 +87,22 @@ class _BaselineProposer(ProposerBase):
     uses_features = True
     session_cls = _Sess
 
-    def __init__(self, cfg: DrafterConfig, model: nn.Module, parts: TargetParts, num_layers: int,
-                 max_sessions: int = 16, max_model_len: int = 2048, draft_vocab: torch.Tensor | None = None):
+    def __init__(
+        self,
+        cfg: DrafterConfig,
+        model: nn.Module,
+        parts: TargetParts,
+        num_layers: int,
+        max_sessions: int = 16,
+        max_model_len: int = 2048,
+        draft_vocab: torch.Tensor | None = None,
+    ):
         self._bind(cfg, parts)
         self.model = model.eval()
         sh = cfg.sa_shape()
-        self.cache = SlotKVCache(num_layers, max_sessions, sh.num_kv_heads, sh.head_dim, max_model_len,
-                                 self.dtype, self.device)
+        self.cache = SlotKVCache(
+            num_layers, max_sessions, sh.num_kv_heads, sh.head_dim, max_model_len, self.dtype, self.device
+        )
         self._init_lm_head(cfg, draft_vocab)
         self._init_sessions(max_sessions, max_model_len)
         self.fused = self._pack_layers(self.model, list(self._layers()), sh)
@@ -102,8 +111,16 @@ class _BaselineProposer(ProposerBase):
             self.use_static_steps(graphs=True)
 
     @classmethod
-    def load(cls, drafter: str, target: str | None = None, dtype="float32", device="cpu", max_sessions=16,
-             max_model_len=2048, target_model=None):
+    def load(
+        cls,
+        drafter: str,
+        target: str | None = None,
+        dtype="float32",
+        device="cpu",
+        max_sessions=16,
+        max_model_len=2048,
+        target_model=None,
+    ):
         cfg, state, draft_vocab, parts, dt = load_for_drafting(drafter, target, dtype, device, target_model)
         want = {EagleProposer: "eagle", IndependentProposer: "independent"}.get(cls)
         if want is not None and cfg.kind != want:
@@ -139,12 +156,12 @@ class _BaselineProposer(ProposerBase):
         positions = self.cache.positions_for(slots, tokens.shape[1]).to(self.device)
         x = self._inputs(ctx, batch, tokens, step, feed)
         cos, sin = self.parts.rotary(positions, x.dtype)
-        x = self._final(self._run_layers(self.cache, self.fused, list(self._layers()), x, cos, sin, slots, qlens,
-                                         positions))
+        x = self._final(
+            self._run_layers(self.cache, self.fused, list(self._layers()), x, cos, sin, slots, qlens, positions)
+        )
         self.cache.lengths[slots] += qlens
         ctx["prev"] = out = last_position(x, qlens)[:, 0]
         return out
-
 
     def _static_inputs(self, ctx, slots):
         return None, ctx["prev"]
@@ -181,7 +198,7 @@ class EagleProposer(_BaselineProposer):
             if r.feature_start > s.num_features:
                 return False
             f = r.features.to(self.device, self.dtype)
-            s.feats = f if s.feats is None or r.feature_start == 0 else torch.cat((s.feats[:r.feature_start], f))
+            s.feats = f if s.feats is None or r.feature_start == 0 else torch.cat((s.feats[: r.feature_start], f))
         elif r.feature_start > s.num_features:
             return False
         # drafting at the last committed position P needs the features of positions < P
@@ -196,8 +213,8 @@ class EagleProposer(_BaselineProposer):
             prev = torch.zeros(b, w, self.cfg.target.hidden_size, dtype=self.dtype, device=self.device)
             for bi, ((_, s, _), t) in enumerate(zip(batch, feed)):
                 st = len(s.fed)  # the first fed position
-                f = s.feats[max(st - 1, 0):st - 1 + len(t)]
-                prev[bi, len(t) - f.shape[0]:len(t)] = f
+                f = s.feats[max(st - 1, 0) : st - 1 + len(t)]
+                prev[bi, len(t) - f.shape[0] : len(t)] = f
         else:
             prev = ctx["prev"][:, None]
         return self.model.fc(torch.cat((self.parts.embed_tokens(tokens), prev), -1))

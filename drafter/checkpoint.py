@@ -57,8 +57,12 @@ def _reference_config(raw: dict, state: dict[str, torch.Tensor]) -> DrafterConfi
     for key, value in inferred.items():
         if key in raw and int(raw[key]) != value:
             raise ValueError(f"reference checkpoint config says {key}={raw[key]} but its weights have {value}")
-    return DrafterConfig(target=target, target_name_or_path=raw.get("_name_or_path", ""),
-                         target_layer_inference=int(raw.get("target_layer_inference", 0)), **inferred)
+    return DrafterConfig(
+        target=target,
+        target_name_or_path=raw.get("_name_or_path", ""),
+        target_layer_inference=int(raw.get("target_layer_inference", 0)),
+        **inferred,
+    )
 
 
 def load_drafter(name_or_path: str) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
@@ -91,24 +95,27 @@ def load_draft_vocab(drafter: "str | DrafterSpec | None") -> torch.Tensor | None
         return st.get_tensor(DRAFT_VOCAB_KEY).long()
 
 
-def save_drafter(out_dir: str | Path, cfg: DrafterConfig, state: dict[str, torch.Tensor],
-                 dtype: torch.dtype | None = None) -> Path:
+def save_drafter(
+    out_dir: str | Path, cfg: DrafterConfig, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
-               for k, v in state.items()}
+    tensors = {
+        k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+        for k, v in state.items()
+    }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": FORMAT})
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     return out
 
 
-def init_drafter(target: str, out_dir: str | Path, seed: int = 0, target_layer_inference: int = 0,
-                 **sizes) -> Path:
+def init_drafter(target: str, out_dir: str | Path, seed: int = 0, target_layer_inference: int = 0, **sizes) -> Path:
     """Writes an untrained MoA drafter sized for ``target`` (the starting point of training)."""
     path = resolve_model_path(target)
     arch = TargetArch.from_hf_config(read_config(path))
-    cfg = DrafterConfig(target=arch, target_name_or_path=str(target),
-                        target_layer_inference=target_layer_inference, **sizes)
+    cfg = DrafterConfig(
+        target=arch, target_name_or_path=str(target), target_layer_inference=target_layer_inference, **sizes
+    )
     model = MoADrafter(cfg)
     init_weights(model, seed=seed)
     return save_drafter(out_dir, cfg, model.flat_state_dict())

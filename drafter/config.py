@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from moa_serve.layers import LayerShape
 from moa_serve.drafter.spec import FORMAT
+from moa_serve.layers import LayerShape
 from moa_serve.target_model import TargetArch
 
 KINDS = ("moa", "eagle", "independent")
@@ -47,7 +47,9 @@ class DrafterConfig:
             if not getattr(self, name):
                 object.__setattr__(self, name, value)
         if self.target_layer_inference not in range(0, t.num_layers + 1):
-            raise ValueError(f"target_layer_inference must be in [0, {t.num_layers}], got {self.target_layer_inference}")
+            raise ValueError(
+                f"target_layer_inference must be in [0, {t.num_layers}], got {self.target_layer_inference}"
+            )
         if not 0 <= self.value_readout_layers <= t.num_layers:
             raise ValueError(f"value_readout_layers must be in [0, {t.num_layers}], got {self.value_readout_layers}")
         if self.kind not in KINDS:
@@ -59,18 +61,39 @@ class DrafterConfig:
     def lsa_shape(self) -> LayerShape:
         t = self.target
         width = t.kv_width
-        return LayerShape(width, t.num_heads, self.layer_self_attention_num_key_value_heads, width // t.num_heads,
-                          self.layer_self_attention_intermediate_size, t.rms_norm_eps, t.qkv_bias)
+        return LayerShape(
+            width,
+            t.num_heads,
+            self.layer_self_attention_num_key_value_heads,
+            width // t.num_heads,
+            self.layer_self_attention_intermediate_size,
+            t.rms_norm_eps,
+            t.qkv_bias,
+        )
 
     def sa_shape(self) -> LayerShape:
         t = self.target
-        return LayerShape(t.hidden_size, t.num_heads, self.self_attention_num_key_value_heads, t.head_dim,
-                          self.self_attention_intermediate_size, t.rms_norm_eps, t.qkv_bias)
+        return LayerShape(
+            t.hidden_size,
+            t.num_heads,
+            self.self_attention_num_key_value_heads,
+            t.head_dim,
+            self.self_attention_intermediate_size,
+            t.rms_norm_eps,
+            t.qkv_bias,
+        )
 
     def ca_shape(self) -> LayerShape:
         t = self.target
-        return LayerShape(t.hidden_size, t.num_heads, self.cross_attention_num_key_value_heads, t.head_dim,
-                          self.cross_attention_intermediate_size, t.rms_norm_eps, False)
+        return LayerShape(
+            t.hidden_size,
+            t.num_heads,
+            self.cross_attention_num_key_value_heads,
+            t.head_dim,
+            self.cross_attention_intermediate_size,
+            t.rms_norm_eps,
+            False,
+        )
 
     @property
     def feature_dim(self) -> int:

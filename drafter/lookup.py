@@ -40,14 +40,14 @@ class NgramIndex:
     def set_tokens(self, tokens: list[int]) -> None:
         """Makes the index describe ``tokens`` (incremental when the old tokens are a prefix)."""
         old = self.tokens
-        if len(tokens) < len(old) or tokens[:len(old)] != old:
+        if len(tokens) < len(old) or tokens[: len(old)] != old:
             self._last = [{} for _ in range(self.max_n + 1)]
             self._indexed = 0
         self.tokens = list(tokens)
         # an end position i is indexed once token i + 1 exists (a continuation to propose)
         for i in range(self._indexed, len(self.tokens) - 1):
             for n in range(self.min_n, min(self.max_n, i + 1) + 1):
-                self._last[n][tuple(self.tokens[i - n + 1:i + 1])] = i
+                self._last[n][tuple(self.tokens[i - n + 1 : i + 1])] = i
         self._indexed = max(self._indexed, len(self.tokens) - 1)
 
     def propose(self, k: int) -> tuple[list[int], int]:
@@ -55,9 +55,9 @@ class NgramIndex:
         suffix, and that suffix's length (0: no match, no drafts)."""
         t, end = self.tokens, len(self.tokens)
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            i = self._last[n].get(tuple(t[end - n:]))
+            i = self._last[n].get(tuple(t[end - n :]))
             if i is not None:
-                return t[i + 1:i + 1 + k], n
+                return t[i + 1 : i + 1 + k], n
         return [], 0
 
 
@@ -66,8 +66,15 @@ class LookupTable:
     ``draft(session_id, tokens, k)`` is all a caller holding the tokens needs (the Router does
     this for its own sessions: no drafter replica, no call)."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 4, max_sessions: int = 1024, max_model_len: int = 2048,
-                 store=None, store_gate: tuple[int, float] | None = None):
+    def __init__(
+        self,
+        min_n: int = 2,
+        max_n: int = 4,
+        max_sessions: int = 1024,
+        max_model_len: int = 2048,
+        store=None,
+        store_gate: tuple[int, float] | None = None,
+    ):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"prompt lookup needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n, self.max_n = min_n, max_n
@@ -122,8 +129,9 @@ class LookupTable:
         self.stats["drafts"] += len(drafts)
         return drafts, n if drafts else 0, alternatives if any(alternatives) else []
 
-    def draft_match(self, session_id: str, tokens: list[int], num_drafts: int,
-                    keep: set[str] = frozenset()) -> tuple[list[int], int]:
+    def draft_match(
+        self, session_id: str, tokens: list[int], num_drafts: int, keep: set[str] = frozenset()
+    ) -> tuple[list[int], int]:
         """Drafts for a session holding ``tokens``, and the length of the n-gram they continue."""
         idx = self.get(session_id, create=True, keep=keep)
         idx.set_tokens(tokens)
@@ -143,8 +151,15 @@ class PromptLookupProposer:
     needs_features = False
     draft_vocab = None
 
-    def __init__(self, min_n: int = 2, max_n: int = 4, max_sessions: int = 1024, max_model_len: int = 2048,
-                 store=None, store_gate: tuple[int, float] | None = None):
+    def __init__(
+        self,
+        min_n: int = 2,
+        max_n: int = 4,
+        max_sessions: int = 1024,
+        max_model_len: int = 2048,
+        store=None,
+        store_gate: tuple[int, float] | None = None,
+    ):
         self.table = LookupTable(min_n, max_n, max_sessions, max_model_len, store, store_gate)
         self.tree = None  # a TreeShape: the output store's drafts go with their runners-up
         self.stats = {"steps": 0, "draft_s": 0.0, "resync": 0}
@@ -157,8 +172,10 @@ class PromptLookupProposer:
 
     def set_tree(self, shape) -> None:
         if shape and not self.branches:
-            raise ValueError("prompt lookup drafts chains only: tree drafts need a trained drafter, "
-                             "hybrid:<checkpoint>, or the output store (lookup+outputs)")
+            raise ValueError(
+                "prompt lookup drafts chains only: tree drafts need a trained drafter, "
+                "hybrid:<checkpoint>, or the output store (lookup+outputs)"
+            )
         self.tree = shape or None
 
     @property
@@ -175,7 +192,7 @@ class PromptLookupProposer:
         idx = self.table.get(r.session_id, create=r.base == 0, keep=in_call)
         if idx is None or r.base > len(idx.tokens):
             return None
-        idx.set_tokens(idx.tokens[:r.base] + list(r.tokens))
+        idx.set_tokens(idx.tokens[: r.base] + list(r.tokens))
         return idx
 
     def lookup(self, idx: NgramIndex, r: DraftRequest) -> tuple[list[int], list[list[int]]]:
@@ -246,8 +263,12 @@ class HybridProposer:
                 drafts, alternatives = self.lookup.lookup(idx, r)
                 if drafts:
                     from_lookup[r.session_id] = drafts, alternatives
-        asked = [DraftRequest(r.session_id, r.tokens, 0, r.feature_start, r.features, r.sampling, r.base)
-                 if r.session_id in from_lookup else r for r in requests]
+        asked = [
+            DraftRequest(r.session_id, r.tokens, 0, r.feature_start, r.features, r.sampling, r.base)
+            if r.session_id in from_lookup
+            else r
+            for r in requests
+        ]
         results = self.model.propose(asked)
         for res in results:
             drafts, alternatives = from_lookup.get(res.session_id, (None, []))

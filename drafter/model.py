@@ -50,7 +50,7 @@ class FeatureHead(nn.Module):
     def readout_values(self, per_layer_kv: torch.Tensor) -> torch.Tensor:
         """per_layer_kv [n, num_layers, kv_width] -> the values of the last N layers, flat [n, N * kv_width / 2]
         (each layer's vector holds, per KV head, that head's key then its value)."""
-        x = per_layer_kv[:, per_layer_kv.shape[1] - self.readout_layers:]
+        x = per_layer_kv[:, per_layer_kv.shape[1] - self.readout_layers :]
         x = x.reshape(*x.shape[:2], self.kv_heads, 2, -1)[:, :, :, 1]
         return x.reshape(x.shape[0], -1)
 
@@ -117,7 +117,7 @@ class TargetParts(nn.Module):
         self.lm_head = target.lm_head
         self.norm = target.model.norm
         self.rotary = target.rotary
-        self.tli = nn.ModuleList(target.model.layers[len(target.model.layers) - tli_layers:] if tli_layers else [])
+        self.tli = nn.ModuleList(target.model.layers[len(target.model.layers) - tli_layers :] if tli_layers else [])
         self.requires_grad_(False)
 
     @staticmethod
@@ -130,8 +130,14 @@ class TargetParts(nn.Module):
         return lambda key: key in names or key.startswith(tli)
 
     @classmethod
-    def from_state_dict(cls, hf_config, state: dict[str, torch.Tensor], tli_layers: int, dtype: torch.dtype,
-                        device: str | torch.device = "cpu") -> "TargetParts":
+    def from_state_dict(
+        cls,
+        hf_config,
+        state: dict[str, torch.Tensor],
+        tli_layers: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> "TargetParts":
         """The parts from a (partial) Hugging Face state dict holding at least the ``wanted`` tensors;
         the same values, dtype and device as ``TargetParts(TargetModel.from_state_dict(...), n)``."""
         arch = TargetArch.from_hf_config(hf_config)
@@ -144,7 +150,7 @@ class TargetParts(nn.Module):
             if not wanted(k):
                 continue
             if k.startswith("model.layers."):  # layer i of the target is layer i - first here
-                i, rest = k[len("model.layers."):].split(".", 1)
+                i, rest = k[len("model.layers.") :].split(".", 1)
                 k = f"model.layers.{int(i) - first}.{rest}"
             renamed[k] = v
         with torch.device("meta"):
@@ -152,8 +158,9 @@ class TargetParts(nn.Module):
         return cls(assign_weights(partial, arch, hf_config, renamed, dtype, device), tli_layers).eval()
 
     @classmethod
-    def load(cls, target: str, tli_layers: int, dtype: torch.dtype,
-             device: str | torch.device = "cpu") -> "TargetParts":
+    def load(
+        cls, target: str, tli_layers: int, dtype: torch.dtype, device: str | torch.device = "cpu"
+    ) -> "TargetParts":
         """Reads only the tensors the parts need from the target's weight files (never the whole
         target: for an 8B target, embeddings + LM head are about 1/8 of it)."""
         path = resolve_model_path(target)
@@ -184,9 +191,17 @@ class DraftHead(nn.Module):
         self.self_attention = DecoderLayer(cfg.sa_shape())
         self.cross_attention = CrossAttentionLayer(cfg.ca_shape())
 
-    def forward_parallel(self, parts: TargetParts, tokens: torch.Tensor, features: torch.Tensor,
-                         positions: torch.Tensor, sa_mask: torch.Tensor, ca_mask: torch.Tensor,
-                         tli_inputs: torch.Tensor | None = None, tli_keep: torch.Tensor | None = None):
+    def forward_parallel(
+        self,
+        parts: TargetParts,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        sa_mask: torch.Tensor,
+        ca_mask: torch.Tensor,
+        tli_inputs: torch.Tensor | None = None,
+        tli_keep: torch.Tensor | None = None,
+    ):
         """Teacher-forced pass over whole sequences (training, tests).
 
         tokens/positions [B, S]; features [B, S, H] (feature j belongs to position j);
@@ -249,4 +264,3 @@ def init_weights(module: nn.Module, std: float = 0.02, seed: int | None = None) 
                     m.bias.zero_()
         elif isinstance(m, RMSNorm):
             nn.init.ones_(m.weight)
-

@@ -27,7 +27,6 @@ import numpy as np
 
 from moa_serve.model_files import load_tokenizer, resolve_model_path
 
-
 # How sure the store must be, by what stands behind it (tuned on Spec-Bench, README "Output store"):
 # with no model (``lookup+outputs``) any suffix of 2+ tokens and its most frequent continuation
 # beat no draft; in front of a trained drafter (``hybrid+outputs:``) the store drafts only from a
@@ -59,8 +58,15 @@ class OutputStore:
     while at least ``min_confidence`` of the occurrences agree (looking at the latest
     ``max_candidates`` occurrences of a very common suffix)."""
 
-    def __init__(self, sequences, min_n: int = 2, max_n: int = 6, min_support: int = 1,
-                 min_confidence: float = 0.0, max_candidates: int = 4096):
+    def __init__(
+        self,
+        sequences,
+        min_n: int = 2,
+        max_n: int = 6,
+        min_support: int = 1,
+        min_confidence: float = 0.0,
+        max_candidates: int = 4096,
+    ):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"an output store needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if min_support < 1 or not 0.0 <= min_confidence <= 1.0:
@@ -84,9 +90,9 @@ class OutputStore:
         if count <= 0:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         h = np.zeros(count, dtype=np.uint64)
-        ok = d[n:n + count] != _SEP  # a continuation, not the separator
+        ok = d[n : n + count] != _SEP  # a continuation, not the separator
         for j in range(n):
-            part = d[j:j + count]
+            part = d[j : j + count]
             ok &= part != _SEP
             h = h * np.uint64(_MULT) + (part + 2).astype(np.uint64)  # wraps mod 2**64, as _hash
         h = h.view(np.int64)[ok]
@@ -98,17 +104,24 @@ class OutputStore:
         """Tokens held (separators excluded)."""
         return len(self.data) - self.num_sequences
 
-    def propose(self, tokens: list[int], k: int, min_n: int | None = None,
-                min_confidence: float | None = None) -> tuple[list[int], int]:
+    def propose(
+        self, tokens: list[int], k: int, min_n: int | None = None, min_confidence: float | None = None
+    ) -> tuple[list[int], int]:
         """Up to ``k`` drafts continuing ``tokens``, and the length of the suffix they continue
         (0: no suffix of at least ``min_n`` tokens found ``min_support`` times, no drafts).
         ``min_n`` (at least the index's) and ``min_confidence`` override the store's own."""
         drafts, n, _ = self.propose_tree(tokens, k, (), 0.0, min_n, min_confidence)
         return drafts, n
 
-    def propose_tree(self, tokens: list[int], k: int, widths: tuple[int, ...], min_value: float = 0.0,
-                     min_n: int | None = None, min_confidence: float | None = None
-                     ) -> tuple[list[int], int, list[list[int]]]:
+    def propose_tree(
+        self,
+        tokens: list[int],
+        k: int,
+        widths: tuple[int, ...],
+        min_value: float = 0.0,
+        min_n: int | None = None,
+        min_confidence: float | None = None,
+    ) -> tuple[list[int], int, list[list[int]]]:
         """``propose`` plus, per draft depth i < len(widths), up to ``widths[i] - 1`` runners-up: the
         next most frequent continuations there, verified beside draft i (tree drafts); with
         ``min_value`` > 0 only those whose estimate (the shares of the drafts before times their
@@ -124,15 +137,16 @@ class OutputStore:
             if hi - lo < self.min_support:
                 continue
             # the latest occurrences when there are very many (a common bigram)
-            starts = np.sort(ends[lo:hi])[-self.max_candidates:]
+            starts = np.sort(ends[lo:hi])[-self.max_candidates :]
             drafts, alternatives = self._walk(starts, k, conf, widths, min_value)
             if drafts:
                 return drafts, n, alternatives
             return [], 0, []  # the longest suffix found disagrees on what follows: no guess
         return [], 0, []
 
-    def _walk(self, starts: np.ndarray, k: int, min_confidence: float, widths: tuple[int, ...] = (),
-              min_value: float = 0.0) -> tuple[list[int], list[list[int]]]:
+    def _walk(
+        self, starts: np.ndarray, k: int, min_confidence: float, widths: tuple[int, ...] = (), min_value: float = 0.0
+    ) -> tuple[list[int], list[list[int]]]:
         drafts: list[int] = []
         alternatives: list[list[int]] = []
         reach = 1.0
@@ -150,8 +164,13 @@ class OutputStore:
             drafts.append(int(values[best]))
             width = widths[j] if j < len(widths) else 1
             share = counts / len(nxt)
-            alternatives.append([int(values[i]) for i in order[1:width]
-                                 if counts[i] >= self.min_support and reach * share[i] >= min_value])
+            alternatives.append(
+                [
+                    int(values[i])
+                    for i in order[1:width]
+                    if counts[i] >= self.min_support and reach * share[i] >= min_value
+                ]
+            )
             reach *= float(share[best])
             starts = starts[nxt == values[best]]
         return drafts, alternatives
@@ -216,7 +235,8 @@ def load_output_store(target: str, tokenizer, source: str | Path | None = None, 
         if not packs:
             raise FileNotFoundError(
                 f"no packed outputs of {target!r} in {MANIFEST} (an entry {Path(str(target)).name.lower()!r}): "
-                "an output store needs the target's own earlier replies (moa regenerate, then --pack)")
+                "an output store needs the target's own earlier replies (moa regenerate, then --pack)"
+            )
     texts = read_replies(source) if source is not None else [t for p in packs for t in read_replies(p)]
     return OutputStore.from_texts(texts, tokenizer, **kw)
 

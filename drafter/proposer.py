@@ -22,16 +22,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moa_serve import kernels
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.model import DraftHead, MoADrafter, TargetParts
 from moa_serve.drafter.spec import TreeShape
-from moa_serve.protocol import DraftRequest, DraftResult
-from moa_serve.sampling import generator_for, sample, warp_probs
-from moa_serve import kernels
 from moa_serve.kernels.packed import FusedStack, fuse_projections, pack_bf16_exact, packed_lm_head
 from moa_serve.kv_cache import PackedBatch, SlotKVCache, invariant_attention
 from moa_serve.model_files import load_selected_tensors, read_config, resolve_model_path, target_dtype
+from moa_serve.protocol import DraftRequest, DraftResult
+from moa_serve.sampling import generator_for, sample, warp_probs
 from moa_serve.target_model import TargetArch, TargetModel
 
 
@@ -131,8 +131,9 @@ class ProposerBase:
         self.lm_head_weight = p[self.draft_vocab] if self.draft_vocab is not None else p
         # a float32 CPU drafter of a GGUF target reads its head from the 8-bit blocks (4x fewer
         # bytes per draft step, the same float32 values)
-        self.lm_head_packed = packed_lm_head(self.parts.lm_head, getattr(self.parts, "source_path", None),
-                                             self.draft_vocab)
+        self.lm_head_packed = packed_lm_head(
+            self.parts.lm_head, getattr(self.parts, "source_path", None), self.draft_vocab
+        )
         self.stats = {"steps": 0, "draft_s": 0.0, "evicted": 0, "resync": 0}
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -154,8 +155,17 @@ class ProposerBase:
         return FusedStack.for_layers(shape, layers)
 
     @staticmethod
-    def _run_layers(cache: SlotKVCache, fused: FusedStack | None, layers: list, x: torch.Tensor, cos, sin,
-                    slots: torch.Tensor, qlens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _run_layers(
+        cache: SlotKVCache,
+        fused: FusedStack | None,
+        layers: list,
+        x: torch.Tensor,
+        cos,
+        sin,
+        slots: torch.Tensor,
+        qlens: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
         """``cache.run_layers`` over the ragged batch x [B, T, H] (session b's first qlens[b] tokens
         are real, at ``positions`` [B, T]), through the fused kernel when there is one: only the
         real tokens go in, padded rows come back as zeros (their outputs are never read)."""
@@ -164,12 +174,24 @@ class ProposerBase:
         b, t, h = x.shape
         positions = positions.clamp(max=cache.max_len)
         if t == 1:
-            y = fused(x.reshape(b, h).contiguous(), cos[:, 0, 0].contiguous(), sin[:, 0, 0].contiguous(),
-                      cache, slots, positions[:, 0])
+            y = fused(
+                x.reshape(b, h).contiguous(),
+                cos[:, 0, 0].contiguous(),
+                sin[:, 0, 0].contiguous(),
+                cache,
+                slots,
+                positions[:, 0],
+            )
             return y.reshape(b, 1, h)
         real = torch.arange(t)[None, :] < qlens[:, None]
-        y = fused(x[real].contiguous(), cos[:, 0][real].contiguous(), sin[:, 0][real].contiguous(), cache,
-                  slots.repeat_interleave(qlens), positions[real])
+        y = fused(
+            x[real].contiguous(),
+            cos[:, 0][real].contiguous(),
+            sin[:, 0][real].contiguous(),
+            cache,
+            slots.repeat_interleave(qlens),
+            positions[real],
+        )
         out = x.new_zeros(b, t, h)
         out[real] = y
         return out
@@ -210,8 +232,10 @@ class ProposerBase:
         (every other session can be evicted)."""
         need = {r.session_id for r in requests if r.session_id in self.sessions or r.base == 0}
         if len(need) > self.max_sessions:
-            raise RuntimeError(f"a draft call for {len(need)} sessions exceeds this drafter's "
-                               f"max_sessions={self.max_sessions}: split the call or raise max_sessions")
+            raise RuntimeError(
+                f"a draft call for {len(need)} sessions exceeds this drafter's "
+                f"max_sessions={self.max_sessions}: split the call or raise max_sessions"
+            )
 
     def _sync(self, r: DraftRequest, in_call: set[str]) -> _Session | None:
         """The session with its committed copy brought up to date (``copy[:base] + tokens``), or
@@ -225,7 +249,7 @@ class ProposerBase:
             return None
         else:
             self.sessions.move_to_end(r.session_id)
-        del s.committed[r.base:]
+        del s.committed[r.base :]
         s.committed.extend(r.tokens)
         return s
 
@@ -326,8 +350,11 @@ class ProposerBase:
         from moa_serve.kernels import gpu_invariant
 
         hd = self.cfg.sa_shape().head_dim
-        kernel = (gpu_invariant.available(self.device) and hd & (hd - 1) == 0) if self.device.type != "cpu" \
+        kernel = (
+            (gpu_invariant.available(self.device) and hd & (hd - 1) == 0)
+            if self.device.type != "cpu"
             else kernels.library() is not None or gpu_invariant.available("cpu")
+        )
         if len(self.parts.tli) or not kernel:
             self.static_steps = None
             return False
@@ -384,31 +411,42 @@ class ProposerBase:
             picked = []
             for j, b in enumerate(sampling):
                 r, s, _ = batch[b]
-                q = warp_probs(rows[j:j + 1], r.sampling)[0]
+                q = warp_probs(rows[j : j + 1], r.sampling)[0]
                 picked.append(sample(q, generator_for(r.sampling, len(s.committed) + step, "draft")))
                 qs[b] = q
-            choice[torch.tensor(sampling, device=choice.device)] = torch.tensor(picked, device=choice.device,
-                                                                                dtype=choice.dtype)
+            choice[torch.tensor(sampling, device=choice.device)] = torch.tensor(
+                picked, device=choice.device, dtype=choice.dtype
+            )
         if self.draft_vocab is not None:
             choice = self.draft_vocab[choice]
         return choice, qs
 
 
 class MoAProposer(ProposerBase):
-    def __init__(self, cfg: DrafterConfig, head: DraftHead, parts: TargetParts, max_sessions: int = 16,
-                 max_model_len: int = 2048, draft_vocab: torch.Tensor | None = None):
+    def __init__(
+        self,
+        cfg: DrafterConfig,
+        head: DraftHead,
+        parts: TargetParts,
+        max_sessions: int = 16,
+        max_model_len: int = 2048,
+        draft_vocab: torch.Tensor | None = None,
+    ):
         self._bind(cfg, parts)
         self.head = head.eval()
         sa = cfg.sa_shape()
-        self.sa_cache = SlotKVCache(1, max_sessions, sa.num_kv_heads, sa.head_dim,
-                                    max_model_len, self.dtype, self.device)
+        self.sa_cache = SlotKVCache(
+            1, max_sessions, sa.num_kv_heads, sa.head_dim, max_model_len, self.dtype, self.device
+        )
         if len(parts.tli):
             t = cfg.target
-            self.tli_cache = SlotKVCache(len(parts.tli), max_sessions, t.num_kv_heads, t.head_dim,
-                                         max_model_len, self.dtype, self.device)
+            self.tli_cache = SlotKVCache(
+                len(parts.tli), max_sessions, t.num_kv_heads, t.head_dim, max_model_len, self.dtype, self.device
+            )
         ca = cfg.ca_shape()
-        self.ca_cache = SlotKVCache(1, max_sessions, ca.num_kv_heads, ca.head_dim, max_model_len,
-                                    self.dtype, self.device)
+        self.ca_cache = SlotKVCache(
+            1, max_sessions, ca.num_kv_heads, ca.head_dim, max_model_len, self.dtype, self.device
+        )
         self._init_lm_head(cfg, draft_vocab)
         self._init_sessions(max_sessions, max_model_len)
         self.sa_fused = self._pack_layers(self.head, [self.head.self_attention], cfg.sa_shape())
@@ -421,8 +459,16 @@ class MoAProposer(ProposerBase):
             self.use_static_steps(graphs=True)
 
     @classmethod
-    def load(cls, drafter: str, target: str | None = None, dtype="float32", device="cpu", max_sessions=16,
-             max_model_len=2048, target_model: TargetModel | None = None) -> "MoAProposer":
+    def load(
+        cls,
+        drafter: str,
+        target: str | None = None,
+        dtype="float32",
+        device="cpu",
+        max_sessions=16,
+        max_model_len=2048,
+        target_model: TargetModel | None = None,
+    ) -> "MoAProposer":
         cfg, state, draft_vocab, parts, dt = load_for_drafting(drafter, target, dtype, device, target_model)
         if cfg.kind != "moa":
             raise ValueError(f"{drafter} is a {cfg.kind!r} drafter: load it with load_proposer")
@@ -501,11 +547,14 @@ class MoAProposer(ProposerBase):
         x = self.parts.embed_tokens(tokens)
         cos, sin = self.parts.rotary(positions, x.dtype)
         cos, sin = cos[0][:, None], sin[0][:, None]  # [N, 1, hd]: broadcast over heads
-        x = head.self_attention.forward_packed(x, cos, sin, PackedBatch.static(sa, slots, positions, store_at).attention(0))
+        x = head.self_attention.forward_packed(
+            x, cos, sin, PackedBatch.static(sa, slots, positions, store_at).attention(0)
+        )
         if single is not None:
             return head.cross_attention.forward_single_feature(x, single), single
         return head.cross_attention.forward_packed(
-            x, cos, sin, lambda q: invariant_attention(q, ca.k[0], ca.v[0], slots, last_feature, last_feature)), None
+            x, cos, sin, lambda q: invariant_attention(q, ca.k[0], ca.v[0], slots, last_feature, last_feature)
+        ), None
 
     def _forward(self, ctx, batch, tokens, qlens, slots, step, feed) -> torch.Tensor:
         """Feeds each session its tokens [B, T] (qlens real ones); returns the hidden state before
@@ -514,8 +563,9 @@ class MoAProposer(ProposerBase):
         positions = self.sa_cache.positions_for(slots, tokens.shape[1]).to(self.device)
         x = self.parts.embed_tokens(tokens)
         cos, sin = self.parts.rotary(positions, x.dtype)
-        x = self._run_layers(self.sa_cache, self.sa_fused, [self.head.self_attention], x, cos, sin, slots, qlens,
-                             positions)
+        x = self._run_layers(
+            self.sa_cache, self.sa_fused, [self.head.self_attention], x, cos, sin, slots, qlens, positions
+        )
         tli = len(self.parts.tli)
         if not tli and x.shape[1] > 1:  # only the last fed position drafts
             rows = torch.arange(len(batch), device=self.device)

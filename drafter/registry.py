@@ -7,20 +7,27 @@ drafter."""
 
 from __future__ import annotations
 
+from moa_serve.drafter import outputs
 from moa_serve.drafter.baselines import EagleProposer, IndependentProposer
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
-from moa_serve.drafter.features import HiddenFeatures, MoAFeatures
+from moa_serve.drafter.feature_sources import HiddenFeatures, MoAFeatures
 from moa_serve.drafter.lookup import HybridProposer, PromptLookupProposer
 from moa_serve.drafter.model import MoADrafter
-from moa_serve.drafter import outputs
 from moa_serve.drafter.proposer import MoAProposer, ProposerBase
 from moa_serve.drafter.spec import DrafterSpec
 
 PROPOSERS = {"moa": MoAProposer, "eagle": EagleProposer, "independent": IndependentProposer}
 
 
-def load_proposer(drafter: "str | DrafterSpec", target: str | None = None, dtype="float32", device="cpu",
-                  max_sessions: int = 16, max_model_len: int = 2048, target_model=None) -> ProposerBase:
+def load_proposer(
+    drafter: "str | DrafterSpec",
+    target: str | None = None,
+    dtype="float32",
+    device="cpu",
+    max_sessions: int = 16,
+    max_model_len: int = 2048,
+    target_model=None,
+) -> ProposerBase:
     """The proposer of a drafter spec: a checkpoint by its config's ``kind`` (MoA, EAGLE-style or
     independent), ``lookup`` (prompt lookup) or ``hybrid:<checkpoint>`` (both); ``lookup+outputs`` /
     ``hybrid+outputs:<checkpoint>`` add the target's earlier replies to the lookup. With ``target_model``
@@ -31,16 +38,26 @@ def load_proposer(drafter: "str | DrafterSpec", target: str | None = None, dtype
     if not spec:
         raise ValueError("no drafter to load: the spec names neither prompt lookup nor a checkpoint")
     if spec.lookup:
-        model = None if spec.checkpoint is None else load_proposer(
-            spec.checkpoint, target, dtype, device, max_sessions, max_model_len, target_model)
+        model = (
+            None
+            if spec.checkpoint is None
+            else load_proposer(spec.checkpoint, target, dtype, device, max_sessions, max_model_len, target_model)
+        )
         store, gate = lookup_store(spec, target or (model.cfg.target_name_or_path if model is not None else None))
         # the lookup copy never evicts before the model's (it would force needless resyncs)
-        lk = PromptLookupProposer(max_sessions=4 * max_sessions, max_model_len=max_model_len, store=store,
-                                  store_gate=gate)
+        lk = PromptLookupProposer(
+            max_sessions=4 * max_sessions, max_model_len=max_model_len, store=store, store_gate=gate
+        )
         return lk if model is None else HybridProposer(lk, model)
-    return PROPOSERS[spec.kind].load(spec.checkpoint, target=target, dtype=dtype, device=device,
-                                     max_sessions=max_sessions, max_model_len=max_model_len,
-                                     target_model=target_model)
+    return PROPOSERS[spec.kind].load(
+        spec.checkpoint,
+        target=target,
+        dtype=dtype,
+        device=device,
+        max_sessions=max_sessions,
+        max_model_len=max_model_len,
+        target_model=target_model,
+    )
 
 
 def lookup_store(spec: DrafterSpec, target: str | None) -> tuple[outputs.OutputStore | None, tuple | None]:

@@ -52,9 +52,11 @@ def resolve_drafter_path(name_or_path: str) -> Path:
             raise DrafterNotFoundError(
                 f"drafter {name_or_path!r} is neither a local checkpoint folder nor one packaged with "
                 f"moa-serve ({', '.join(sorted(x.name for x in PACKAGED.glob('*')) or ['none'])}), and the hub "
-                f"could not provide it ({type(exc).__name__})") from exc
+                f"could not provide it ({type(exc).__name__})"
+            ) from exc
     raise DrafterNotFoundError(
-        f"drafter {name_or_path!r} not found: expected config.json and model.safetensors in that folder")
+        f"drafter {name_or_path!r} not found: expected config.json and model.safetensors in that folder"
+    )
 
 
 @dataclass(frozen=True)
@@ -78,10 +80,11 @@ class DrafterSpec:
             return cls(lookup=True, outputs=text.endswith(OUTPUTS))
         for prefix in (HYBRID + ":", HYBRID + OUTPUTS + ":"):
             if text.startswith(prefix):
-                ckpt = text[len(prefix):]
+                ckpt = text[len(prefix) :]
                 if not ckpt:
-                    raise DrafterNotFoundError(f"drafter {text!r}: name a checkpoint after {prefix!r}, "
-                                               f"e.g. {prefix}smollm2-135m-instruct-moa")
+                    raise DrafterNotFoundError(
+                        f"drafter {text!r}: name a checkpoint after {prefix!r}, e.g. {prefix}smollm2-135m-instruct-moa"
+                    )
                 return cls(lookup=True, outputs=OUTPUTS in prefix, checkpoint=ckpt)
         return cls(checkpoint=text)
 
@@ -108,7 +111,7 @@ class DrafterSpec:
 
     @property
     def kind(self) -> str | None:
-        """"moa", "eagle" or "independent" from the checkpoint's config alone (the reference layout
+        """ "moa", "eagle" or "independent" from the checkpoint's config alone (the reference layout
         is always MoA); "lookup" for prompt lookup alone; None without a drafter. A hybrid has its
         checkpoint's kind (that is what decides the features it needs)."""
         raw = self.checkpoint_config
@@ -122,8 +125,12 @@ class DrafterSpec:
         drafter trained with ``cross_attention_latest_only``): then a position's feature is needed
         only while it is the latest, and the features of older positions need not travel."""
         raw = self.checkpoint_config
-        return raw is not None and raw.get("format") == FORMAT and checkpoint_kind(raw) == "moa" \
+        return (
+            raw is not None
+            and raw.get("format") == FORMAT
+            and checkpoint_kind(raw) == "moa"
             and bool(raw.get("cross_attention_latest_only", False))
+        )
 
 
 MAX_BRANCHING = 16
@@ -136,6 +143,7 @@ class TreeShape:
     are verified beside it as leaves); ``min_value`` > 0 makes the tree dynamic (EAGLE-2's idea): a
     candidate goes only if the drafter's own estimate that it is the target's token there (the
     product of the chain's top-1 probabilities before its depth, times its probability) reaches it."""
+
     widths: tuple[int, ...] = ()
     min_value: float = 0.0
 
@@ -168,8 +176,10 @@ def parse_branching(text: "str | TreeShape | tuple | list | None") -> TreeShape:
             widths = [int(w) for w in shape.split("-")]
             min_value = float(value) if value else 0.0
         except ValueError:
-            raise ValueError(f"branching must look like 4-2-2 or 8-3-2@0.05 (candidates per draft depth, "
-                             f"optionally the least worth of a candidate); got {text!r}") from None
+            raise ValueError(
+                f"branching must look like 4-2-2 or 8-3-2@0.05 (candidates per draft depth, "
+                f"optionally the least worth of a candidate); got {text!r}"
+            ) from None
     if any(not 1 <= w <= MAX_BRANCHING for w in widths):
         raise ValueError(f"branching widths must be between 1 and {MAX_BRANCHING}; got {widths}")
     if not 0.0 <= min_value < 1.0:
@@ -182,5 +192,6 @@ def parse_branching(text: "str | TreeShape | tuple | list | None") -> TreeShape:
 def parse_branchings(text: str | None, keywords: tuple[str, ...] = ()) -> list:
     """Comma-separated shapes (``"chain,4-2,8-3-2@0.05"``), each once, in order; empty: a chain.
     A word in ``keywords`` (a caller's own choice, e.g. the client's ``auto``) stays that string."""
-    return list(dict.fromkeys(b.strip() if b.strip() in keywords else parse_branching(b)
-                              for b in (text or "chain").split(",")))
+    return list(
+        dict.fromkeys(b.strip() if b.strip() in keywords else parse_branching(b) for b in (text or "chain").split(","))
+    )

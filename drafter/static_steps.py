@@ -27,7 +27,6 @@ import torch
 
 from moa_serve import cuda_graphs
 
-
 log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -52,8 +51,15 @@ class StaticDraftSteps:
     def size_for(self, n: int) -> int | None:
         return next((s for s in self.sizes if s >= n), None)
 
-    def __call__(self, first: torch.Tensor, slots: list[int], positions: list[int], steps: int,
-                 extra: list[int] | None = None, carry: torch.Tensor | None = None) -> torch.Tensor | None:
+    def __call__(
+        self,
+        first: torch.Tensor,
+        slots: list[int],
+        positions: list[int],
+        steps: int,
+        extra: list[int] | None = None,
+        carry: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Drafts ``steps`` more tokens for each session after ``first`` (its last pick, [B] on the
         device): [B, steps] target ids on the device. ``positions``: the cache position ``first``
         takes; ``extra`` and ``carry`` ([B, hidden]): the proposer's own inputs (see the module).
@@ -64,9 +70,17 @@ class StaticDraftSteps:
             return None
         cache = self.p.static_cache
         pad = size - b
-        host = torch.tensor([[0] * size, slots + [slots[0]] * pad, positions + [0] * pad, [1] * b + [0] * pad,
-                             [min(x, cache.max_len) for x in positions] + [cache.max_len] * pad,
-                             (extra or [0] * b) + [0] * pad], dtype=torch.long)
+        host = torch.tensor(
+            [
+                [0] * size,
+                slots + [slots[0]] * pad,
+                positions + [0] * pad,
+                [1] * b + [0] * pad,
+                [min(x, cache.max_len) for x in positions] + [cache.max_len] * pad,
+                (extra or [0] * b) + [0] * pad,
+            ],
+            dtype=torch.long,
+        )
         self._inputs[:, :size].copy_(host)  # one host->device transfer (then the first tokens, on the device)
         self._inputs[0, :b].copy_(first)
         if carry is not None:
@@ -104,8 +118,12 @@ class StaticDraftSteps:
         try:
             graph, out = cuda_graphs.capture(lambda: self._body(*key), self.device, self._pool)
         except RuntimeError as exc:  # an op that cannot be captured: draft on, uncaptured, and say why
-            log.warning("CUDA graph capture of %d draft steps for %d rows failed (%s); drafting without graphs",
-                        key[1], key[0], exc)
+            log.warning(
+                "CUDA graph capture of %d draft steps for %d rows failed (%s); drafting without graphs",
+                key[1],
+                key[0],
+                exc,
+            )
             self.use_graphs = False
             return None
         self._graphs[key] = (graph, out)

@@ -29,9 +29,21 @@ import yaml
 KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
 SUPPORTED_KEYS = {"apiVersion", "kind", "resources", "namespace", "images", "patches"}
 CLUSTER_SCOPED = {
-    "Namespace", "Node", "PersistentVolume", "StorageClass", "PriorityClass", "ClusterRole",
-    "ClusterRoleBinding", "CustomResourceDefinition", "APIService", "IngressClass", "RuntimeClass",
-    "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration", "CSIDriver", "VolumeAttachment",
+    "Namespace",
+    "Node",
+    "PersistentVolume",
+    "StorageClass",
+    "PriorityClass",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "CustomResourceDefinition",
+    "APIService",
+    "IngressClass",
+    "RuntimeClass",
+    "MutatingWebhookConfiguration",
+    "ValidatingWebhookConfiguration",
+    "CSIDriver",
+    "VolumeAttachment",
 }
 
 
@@ -61,6 +73,7 @@ def resource_id(obj: dict) -> tuple:
 
 
 # --------------------------------------------------------------------------- JSON6902
+
 
 def _unescape(token: str) -> str:
     return token.replace("~1", "/").replace("~0", "~")
@@ -147,7 +160,7 @@ def apply_json6902(doc, ops: list[dict]):
         elif kind == "remove":
             _remove(doc, path)
         elif kind == "replace":
-            _get(doc, path)                   # must exist
+            _get(doc, path)  # must exist
             if _split(path):
                 _remove(doc, path)
             doc = _add(doc, path, copy.deepcopy(op["value"]))
@@ -166,6 +179,7 @@ def apply_json6902(doc, ops: list[dict]):
 
 # --------------------------------------------------------------------------- transformers
 
+
 def _matches(obj: dict, target: dict) -> bool:
     unsupported = set(target) - {"group", "version", "kind", "name", "namespace"}
     if unsupported:
@@ -173,8 +187,13 @@ def _matches(obj: dict, target: dict) -> bool:
     api = obj.get("apiVersion", "")
     group, _, version = api.rpartition("/")
     meta = obj.get("metadata") or {}
-    want = {"group": group, "version": version, "kind": obj.get("kind"),
-            "name": meta.get("name"), "namespace": meta.get("namespace")}
+    want = {
+        "group": group,
+        "version": version,
+        "kind": obj.get("kind"),
+        "name": meta.get("name"),
+        "namespace": meta.get("namespace"),
+    }
     return all(want[k] == v for k, v in target.items())
 
 
@@ -185,7 +204,7 @@ def _set_image(image: str, rule: dict) -> str:
     slash = name.rfind("/")
     colon = name.rfind(":")
     if colon > slash:
-        name, tag = name[:colon], name[colon + 1:]
+        name, tag = name[:colon], name[colon + 1 :]
     if name != rule["name"]:
         return image
     name = rule.get("newName", name)

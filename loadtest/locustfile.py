@@ -45,7 +45,6 @@ from locust import User, constant, events, task
 from moa_serve.app.auth import client_headers
 from moa_serve.loadtest.prompts import DEFAULT_PROMPTS, load_prompts, messages_to_prompt
 
-
 # Also accepted from the environment (configargparse), so the runner and CI can set them.
 _OPTIONS = [
     # name, env var, default, type, help
@@ -53,11 +52,21 @@ _OPTIONS = [
     ("--categories", "MOA_LOADTEST_CATEGORIES", "", str, "comma-separated categories to keep (Spec-Bench 'category')"),
     ("--max-tokens", "MOA_LOADTEST_MAX_TOKENS", 128, int, "max_tokens of each request"),
     ("--temperature", "MOA_LOADTEST_TEMPERATURE", 0.0, float, "sampling temperature (0 = greedy)"),
-    ("--ignore-eos", "MOA_LOADTEST_IGNORE_EOS", "false", str,
-     "true: ask for exactly max_tokens tokens (our 'ignore_eos'; vLLM accepts it too)"),
+    (
+        "--ignore-eos",
+        "MOA_LOADTEST_IGNORE_EOS",
+        "false",
+        str,
+        "true: ask for exactly max_tokens tokens (our 'ignore_eos'; vLLM accepts it too)",
+    ),
     ("--model", "MOA_LOADTEST_MODEL", "", str, "model name for OpenAI routes (default: first id of GET /v1/models)"),
-    ("--num-speculative-tokens", "MOA_LOADTEST_NUM_SPECULATIVE_TOKENS", 0, int,
-     "per-request num_speculative_tokens for /v1/generate (0 = server default)"),
+    (
+        "--num-speculative-tokens",
+        "MOA_LOADTEST_NUM_SPECULATIVE_TOKENS",
+        0,
+        int,
+        "per-request num_speculative_tokens for /v1/generate (0 = server default)",
+    ),
     ("--metrics-file", "MOA_LOADTEST_METRICS", "", str, "append per-request metrics here as JSON lines"),
     ("--request-timeout", "MOA_LOADTEST_REQUEST_TIMEOUT", 300.0, float, "seconds before a request counts as failed"),
     ("--prompt-seed", "MOA_LOADTEST_SEED", 0, int, "seed of the prompt choice"),
@@ -124,8 +133,9 @@ def _on_request(request_type, name, response_time, response_length, exception=No
     if not context or "moa" not in context:
         return
     rec = dict(context["moa"])
-    rec.update(event="request", name=name, ok=exception is None,
-               error=None if exception is None else str(exception)[:300])
+    rec.update(
+        event="request", name=name, ok=exception is None, error=None if exception is None else str(exception)[:300]
+    )
     _write_metrics(rec)
 
 
@@ -200,15 +210,25 @@ class _LLMUser(User):
         prompt = _State.rng.choice(_State.prompts)
         body = self.body(prompt["messages"])
         name = f"{self.route}{' [stream]' if self.stream else ''}"
-        metrics = {"t_start": time.time(), "category": prompt["category"], "stream": self.stream,
-                   "ttft_ms": None, "latency_ms": None, "itl_ms": None, "output_tokens": 0,
-                   "tokens_per_s": None, "accepted_length": None, "rounds": None}
+        metrics = {
+            "t_start": time.time(),
+            "category": prompt["category"],
+            "stream": self.stream,
+            "ttft_ms": None,
+            "latency_ms": None,
+            "itl_ms": None,
+            "output_tokens": 0,
+            "tokens_per_s": None,
+            "accepted_length": None,
+            "rounds": None,
+        }
         t0 = time.perf_counter()
         exc: Exception | None = None
         length = 0
         try:
-            with self.session.post(self.host.rstrip("/") + self.route, json=body, stream=self.stream,
-                                   timeout=self.opts.request_timeout) as resp:
+            with self.session.post(
+                self.host.rstrip("/") + self.route, json=body, stream=self.stream, timeout=self.opts.request_timeout
+            ) as resp:
                 if resp.status_code != 200:
                     raise RequestFailed(_error_text(resp))
                 if self.stream:
@@ -230,8 +250,16 @@ class _LLMUser(User):
                 metrics["itl_ms"] = (metrics.pop("_last_token_ms") - metrics["ttft_ms"]) / (n - 1)
         metrics.pop("_last_token_ms", None)
         self.environment.events.request.fire(
-            request_type="POST", name=name, response_time=elapsed * 1000.0, response_length=length,
-            exception=exc, context={"moa": metrics}, response=None, url=self.route, start_time=metrics["t_start"])
+            request_type="POST",
+            name=name,
+            response_time=elapsed * 1000.0,
+            response_length=length,
+            exception=exc,
+            context={"moa": metrics},
+            response=None,
+            url=self.route,
+            start_time=metrics["t_start"],
+        )
 
     def _read_whole(self, data: dict, metrics: dict) -> None:
         usage = data.get("usage") or {}
@@ -327,7 +355,6 @@ class ChatUser(_OpenAIUser):
         return (choice.get("delta") or {}).get("content") or ""
 
 
-
 class ChatStreamUser(ChatUser):
     """``POST /v1/chat/completions`` streaming (the default of ``moa loadtest``)."""
 
@@ -347,7 +374,6 @@ class CompletionsStreamUser(_OpenAIUser):
 
     def _delta_text(self, choice):
         return choice.get("text") or ""
-
 
 
 class GenerateUser(_LLMUser):
@@ -372,7 +398,6 @@ class GenerateUser(_LLMUser):
 
     def _closing_event(self, obj):
         return obj.get("finish_reason") is not None or "usage" in obj
-
 
 
 class GenerateStreamUser(GenerateUser):

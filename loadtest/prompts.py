@@ -9,8 +9,9 @@ import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PROMPTS = (Path(os.environ.get("MOA_SHARED_DIR", REPO_ROOT.parent / "shared"))
-                   / "data" / "specbench" / "question.jsonl")
+DEFAULT_PROMPTS = (
+    Path(os.environ.get("MOA_SHARED_DIR", REPO_ROOT.parent / "shared")) / "data" / "specbench" / "question.jsonl"
+)
 
 
 def _prompt_of(rec: dict) -> list[dict] | None:

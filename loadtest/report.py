@@ -57,8 +57,13 @@ def read_metrics(path: str | Path) -> tuple[list[dict], float | None, float | No
     return reqs, start, stop
 
 
-def summarize_level(users: int, records: list[dict], duration_s: float | None = None,
-                    t_start: float | None = None, t_stop: float | None = None) -> dict:
+def summarize_level(
+    users: int,
+    records: list[dict],
+    duration_s: float | None = None,
+    t_start: float | None = None,
+    t_stop: float | None = None,
+) -> dict:
     """One entry of ``summary.json["levels"]``.
 
     Throughput: the output tokens emitted inside the measuring window (Locust's test start
@@ -93,8 +98,7 @@ def summarize_level(users: int, records: list[dict], duration_s: float | None = 
             overlap = max(0.0, min(end, w1) - max(first, w0))
             in_window += n * overlap / (end - first)
     tps = in_window / wall if wall else None
-    completed_in_window = [r for r in ok if wall is None
-                           or r["t_start"] + (r.get("latency_ms") or 0) / 1000 <= w1]
+    completed_in_window = [r for r in ok if wall is None or r["t_start"] + (r.get("latency_ms") or 0) / 1000 <= w1]
     # accepted length: per-request means weighted by their rounds (= tokens / rounds overall)
     acc = [(r["accepted_length"], r.get("rounds")) for r in ok if r.get("accepted_length") is not None]
     if acc and all(n for _, n in acc):
@@ -207,9 +211,11 @@ def plot_runs(summaries: list[dict], out_dir: str | Path, title: str = "") -> li
 
 def markdown_table(summaries: list[dict]) -> str:
     """A Markdown table of all levels of all runs (for reports)."""
-    rows = ["| run | users | requests | failures | output tok/s | tok/s per user | TTFT p50 / p99 ms "
-            "| latency p50 / p99 ms | ITL p50 ms | accepted length |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = [
+        "| run | users | requests | failures | output tok/s | tok/s per user | TTFT p50 / p99 ms "
+        "| latency p50 / p99 ms | ITL p50 ms | accepted length |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
 
     def f(x, nd=1):
         return "–" if x is None else f"{x:.{nd}f}"
@@ -221,5 +227,6 @@ def markdown_table(summaries: list[dict]) -> str:
                 f"| {s.get('label', '')} | {lv['users']} | {lv['requests']} | {lv['failures']} "
                 f"| {f(lv['output_tokens_per_s'])} | {f(lv['output_tokens_per_s_per_user'])} "
                 f"| {f(t['p50'], 0)} / {f(t['p99'], 0)} | {f(lat['p50'], 0)} / {f(lat['p99'], 0)} "
-                f"| {f(itl.get('p50'))} | {f(lv['mean_accepted_length'], 2)} |")
+                f"| {f(itl.get('p50'))} | {f(lv['mean_accepted_length'], 2)} |"
+            )
     return "\n".join(rows) + "\n"

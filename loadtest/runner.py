@@ -11,7 +11,8 @@ Examples::
     moa loadtest --config deployments/configs/local-cpu.yaml --no-speculation --users 1,4,16 --out runs/off
     moa loadtest --host http://127.0.0.1:8001 --users 1,4,16 --label vllm --out runs/vllm
     moa loadtest --compare runs/on --compare runs/off --compare runs/vllm --out runs/all   # plots only
-    moa loadtest --config deployments/configs/local-cpu.yaml --users 16 --soak 30m --out runs/soak  # memory/latency drift
+    # memory and latency drift over half an hour:
+    moa loadtest --config deployments/configs/local-cpu.yaml --users 16 --soak 30m --out runs/soak
 """
 
 from __future__ import annotations
@@ -79,12 +80,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--users", default="1,4,16", help="comma-separated concurrent user levels (default 1,4,16)")
     p.add_argument("--spawn-rate", type=float, default=None, help="users started per second (default: all at once)")
     p.add_argument("--duration", default="60s", help="measuring time per level (default 60s)")
-    p.add_argument("--no-speculation", action="store_true",
-                   help="with --config: start it with the application arg drafter: null")
+    p.add_argument(
+        "--no-speculation", action="store_true", help="with --config: start it with the application arg drafter: null"
+    )
     p.add_argument("--out", help="output folder (Locust CSV/HTML, metrics JSONL, summary.json, plots)")
-    p.add_argument("--user-class", default="ChatStreamUser",
-                   help=f"Locust user class(es), comma-separated, from {', '.join(USER_CLASSES)} "
-                        "(default ChatStreamUser: OpenAI streaming chat, works on any peer)")
+    p.add_argument(
+        "--user-class",
+        default="ChatStreamUser",
+        help=f"Locust user class(es), comma-separated, from {', '.join(USER_CLASSES)} "
+        "(default ChatStreamUser: OpenAI streaming chat, works on any peer)",
+    )
     p.add_argument("--prompts", default="", help="JSONL prompts (default: Spec-Bench question.jsonl)")
     p.add_argument("--categories", default="", help="keep only these prompt categories (comma-separated)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -96,20 +101,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for /readyz")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request before the first level")
-    p.add_argument("--compare", action="append", default=[], metavar="RUN_DIR",
-                   help="also draw these earlier runs (folders with summary.json) in the plots; "
-                        "without --config/--host: only draw the plots")
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="RUN_DIR",
+        help="also draw these earlier runs (folders with summary.json) in the plots; "
+        "without --config/--host: only draw the plots",
+    )
     p.add_argument("--fail-on-failures", action="store_true", help="exit 1 if any request failed (CI)")
     soak_opts = p.add_argument_group("soak (one level for a long time, the server sampled as it runs)")
-    soak_opts.add_argument("--soak", metavar="DURATION", default=None,
-                      help="run one closed-loop level of --users (a single number) for DURATION (e.g. 30m) and "
-                           "sample every --soak-interval: RSS per Ray Serve replica on this machine, the verifier's "
-                           "slots and retained prefixes, queue depth, latency and tok/s of the interval, failures")
+    soak_opts.add_argument(
+        "--soak",
+        metavar="DURATION",
+        default=None,
+        help="run one closed-loop level of --users (a single number) for DURATION (e.g. 30m) and "
+        "sample every --soak-interval: RSS per Ray Serve replica on this machine, the verifier's "
+        "slots and retained prefixes, queue depth, latency and tok/s of the interval, failures",
+    )
     soak_opts.add_argument("--soak-interval", default="30s", help="time between samples (default 30s)")
-    soak_opts.add_argument("--soak-warmup", default=None,
-                      help="RSS growth is measured from the first sample after this (default: a sixth of --soak)")
-    soak_opts.add_argument("--soak-results", default=None, metavar="DIR",
-                      help="also copy the soak's small files (soak.md, soak.png, soak.json, samples) to DIR")
+    soak_opts.add_argument(
+        "--soak-warmup",
+        default=None,
+        help="RSS growth is measured from the first sample after this (default: a sixth of --soak)",
+    )
+    soak_opts.add_argument(
+        "--soak-results",
+        default=None,
+        metavar="DIR",
+        help="also copy the soak's small files (soak.md, soak.png, soak.json, samples) to DIR",
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -166,8 +187,9 @@ def derived_config(config_path: str | Path, no_speculation: bool, port: int | No
     if prefix != "/":
         url += prefix.rstrip("/")
     dst = out / ("serve-config-nospec.yaml" if no_speculation else "serve-config.yaml")
-    dst.write_text(f"# derived by moa loadtest from {config_path}\n" + yaml.safe_dump(cfg, sort_keys=False),
-                   encoding="utf-8")
+    dst.write_text(
+        f"# derived by moa loadtest from {config_path}\n" + yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8"
+    )
     return dst, url
 
 
@@ -190,8 +212,9 @@ class Cluster:
             cmd = [str(serve), "run", "--address", "local", str(self.config)]
         log(f"starting the cluster: {' '.join(cmd)} (log: {self.log_path})")
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_default_sigint)  # Ctrl-C semantics even from a nohup'ed runner
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_sigint
+        )  # Ctrl-C semantics even from a nohup'ed runner
         self.wait_ready()
 
     def wait_ready(self) -> None:
@@ -200,12 +223,16 @@ class Cluster:
         while True:
             elapsed = time.monotonic() - t0
             if self.proc is not None and self.proc.poll() is not None:
-                raise LoadTestError(f"serve run exited with code {self.proc.returncode} before it was ready; "
-                                    f"see {self.log_path}:\n{_tail(self.log_path)}")
+                raise LoadTestError(
+                    f"serve run exited with code {self.proc.returncode} before it was ready; "
+                    f"see {self.log_path}:\n{_tail(self.log_path)}"
+                )
             failed = _deploy_failure(self.log_path)
             if failed:
-                raise LoadTestError(f"the application failed to deploy ({failed.strip()[:200]}); "
-                                    f"see {self.log_path}:\n{_tail(self.log_path, 40)}")
+                raise LoadTestError(
+                    f"the application failed to deploy ({failed.strip()[:200]}); "
+                    f"see {self.log_path}:\n{_tail(self.log_path, 40)}"
+                )
             try:
                 r = httpx.get(self.url + "/readyz", timeout=5)
                 if r.status_code == 200:
@@ -215,8 +242,10 @@ class Cluster:
             except httpx.HTTPError as exc:
                 state = type(exc).__name__
             if elapsed > self.ready_timeout:
-                raise LoadTestError(f"cluster not ready after {self.ready_timeout:.0f} s ({state}); "
-                                    f"see {self.log_path}:\n{_tail(self.log_path)}")
+                raise LoadTestError(
+                    f"cluster not ready after {self.ready_timeout:.0f} s ({state}); "
+                    f"see {self.log_path}:\n{_tail(self.log_path)}"
+                )
             if elapsed - last >= 10:
                 log(f"waiting for {self.url}/readyz ... {elapsed:.0f} s ({state})")
                 last = elapsed
@@ -250,8 +279,13 @@ class Cluster:
         # 3) a Ray that still runs and that was not running before we started is ours
         if not self.ray_was_running and _ray_running():
             log("Ray processes left behind: ray stop --force")
-            subprocess.run(["ray", "stop", "--force"], check=False, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=60)
+            subprocess.run(
+                ["ray", "stop", "--force"],
+                check=False,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=60,
+            )
         self._log.close()
         self.proc = None
 
@@ -325,14 +359,22 @@ def warmup(url: str, args) -> None:
     classes = args.user_class.split(",")
     try:
         if any(c.startswith("Generate") for c in classes) and not any(
-                c.startswith(("Chat", "Completions")) for c in classes):
-            r = httpx.post(url + "/v1/generate", json={"prompt": "Hello", "max_tokens": 8}, timeout=300,
-                           headers=client_headers())
+            c.startswith(("Chat", "Completions")) for c in classes
+        ):
+            r = httpx.post(
+                url + "/v1/generate", json={"prompt": "Hello", "max_tokens": 8}, timeout=300, headers=client_headers()
+            )
         else:
-            model = args.model or httpx.get(url + "/v1/models", timeout=30,
-                                            headers=client_headers()).json()["data"][0]["id"]
-            r = httpx.post(url + "/v1/chat/completions", timeout=300, headers=client_headers(), json={
-                "model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]})
+            model = (
+                args.model
+                or httpx.get(url + "/v1/models", timeout=30, headers=client_headers()).json()["data"][0]["id"]
+            )
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                timeout=300,
+                headers=client_headers(),
+                json={"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]},
+            )
         log(f"warm-up request: HTTP {r.status_code}")
     except Exception as exc:  # noqa: BLE001 — the load test will show what is wrong
         log(f"warm-up request failed: {exc}")
@@ -341,13 +383,39 @@ def warmup(url: str, args) -> None:
 def locust_command(url: str, users: int, args, out: Path, duration_s: float, tag: str, metrics: Path) -> list[str]:
     """The headless Locust run of ``users`` closed-loop users for ``duration_s`` (reports under ``tag``)."""
     rate = args.spawn_rate or users
-    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
-           "-u", str(users), "-r", str(rate), "-t", f"{duration_s:g}s",
-           "--stop-timeout", f"{args.request_timeout:g}",
-           "--host", url, "--csv", str(out / tag), "--html", str(out / f"{tag}.html"),
-           "--metrics-file", str(metrics), "--max-tokens", str(args.max_tokens),
-           "--temperature", str(args.temperature), "--request-timeout", str(args.request_timeout),
-           "--loglevel", "WARNING"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "--only-summary",
+        "-u",
+        str(users),
+        "-r",
+        str(rate),
+        "-t",
+        f"{duration_s:g}s",
+        "--stop-timeout",
+        f"{args.request_timeout:g}",
+        "--host",
+        url,
+        "--csv",
+        str(out / tag),
+        "--html",
+        str(out / f"{tag}.html"),
+        "--metrics-file",
+        str(metrics),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--temperature",
+        str(args.temperature),
+        "--request-timeout",
+        str(args.request_timeout),
+        "--loglevel",
+        "WARNING",
+    ]
     if args.prompts:
         cmd += ["--prompts", args.prompts]
     if args.categories:
@@ -369,19 +437,24 @@ def run_level(url: str, users: int, args, out: Path, duration_s: float) -> dict:
     env.pop("MOA_LOADTEST_METRICS", None)
     with open(out / f"{tag}_locust.log", "wb") as lf:
         # bounded: the run, the stop timeout, and some slack
-        proc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env,
-                              timeout=duration_s + args.request_timeout + 120)
+        proc = subprocess.run(
+            cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, timeout=duration_s + args.request_timeout + 120
+        )
     records, t_start, t_stop = report.read_metrics(metrics)
     if proc.returncode not in (0, 1) or (t_start is None and not records):
-        raise LoadTestError(f"locust exited with {proc.returncode} at {users} user(s); "
-                            f"see {out / f'{tag}_locust.log'}:\n{_tail(out / f'{tag}_locust.log')}")
+        raise LoadTestError(
+            f"locust exited with {proc.returncode} at {users} user(s); "
+            f"see {out / f'{tag}_locust.log'}:\n{_tail(out / f'{tag}_locust.log')}"
+        )
     level = report.summarize_level(users, records, duration_s=duration_s, t_start=t_start, t_stop=t_stop)
     level["files"] = {"csv_prefix": tag, "html": f"{tag}.html", "metrics": metrics.name}
     t, lat = level["ttft_ms"], level["latency_ms"]
-    log(f"  {level['requests']} requests, {level['failures']} failed, "
+    log(
+        f"  {level['requests']} requests, {level['failures']} failed, "
         f"{level['output_tokens_per_s']} output tok/s ({level['output_tokens_per_s_per_user']}/user), "
         f"TTFT p50 {t['p50']} ms, latency p50 {lat['p50']} / p99 {lat['p99']} ms, "
-        f"accepted length {level['mean_accepted_length']}")
+        f"accepted length {level['mean_accepted_length']}"
+    )
     return level
 
 
@@ -410,12 +483,20 @@ def run(args) -> int:
     else:
         label = args.label or args.host
     summary = {
-        "label": label, "host": args.host, "config": args.config,
+        "label": label,
+        "host": args.host,
+        "config": args.config,
         "speculation": (not args.no_speculation) if args.config else None,
-        "user_class": args.user_class, "duration_s": duration_s, "max_tokens": args.max_tokens,
-        "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-        "prompts": args.prompts or "specbench", "categories": args.categories or None,
-        "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "levels": [],
+        "user_class": args.user_class,
+        "duration_s": duration_s,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "ignore_eos": args.ignore_eos,
+        "prompts": args.prompts or "specbench",
+        "categories": args.categories or None,
+        "command": " ".join(sys.argv),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "levels": [],
     }
 
     def _levels(url: str) -> None:
@@ -464,9 +545,18 @@ def run_soak(args, out: Path, users: list[int], label: str) -> int:
     """``--soak``: one Locust run of ``users[0]`` users for the soak's duration, the server sampled
     every interval (``loadtest/soak.py``)."""
     duration_s, interval_s, warmup_s = soak_settings(args, users)
-    meta = {"label": label, "config": args.config, "users": users[0], "duration_s": duration_s,
-            "interval_s": interval_s, "warmup_s": warmup_s, "user_class": args.user_class,
-            "max_tokens": args.max_tokens, "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    meta = {
+        "label": label,
+        "config": args.config,
+        "users": users[0],
+        "duration_s": duration_s,
+        "interval_s": interval_s,
+        "warmup_s": warmup_s,
+        "user_class": args.user_class,
+        "max_tokens": args.max_tokens,
+        "command": " ".join(sys.argv),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
     def _soak(url: str, session: int | None) -> dict:
         if not args.no_warmup:
@@ -476,8 +566,9 @@ def run_soak(args, out: Path, users: list[int], label: str) -> int:
         metrics.unlink(missing_ok=True)
         log(f"soak: {users[0]} user(s) for {duration_s:g} s, a sample every {interval_s:g} s")
         try:
-            s.run(locust_command(url, users[0], args, out, duration_s, "soak", metrics), metrics,
-                  out / "soak_locust.log")
+            s.run(
+                locust_command(url, users[0], args, out, duration_s, "soak", metrics), metrics, out / "soak_locust.log"
+            )
         except RuntimeError as exc:
             raise LoadTestError(f"{exc}:\n{_tail(out / 'soak_locust.log')}") from None
         meta["host"] = url
@@ -489,9 +580,11 @@ def run_soak(args, out: Path, users: list[int], label: str) -> int:
             summary = _soak(url, cluster.proc.pid)  # start_new_session: its session id is its pid
     else:
         summary = _soak(args.host.rstrip("/"), None)
-    log(f"wrote {out / 'soak.md'}, {out / 'soak.png'}, {out / 'soak_samples.csv'}: "
+    log(
+        f"wrote {out / 'soak.md'}, {out / 'soak.png'}, {out / 'soak_samples.csv'}: "
         f"{summary.get('samples', 0)} samples, {summary.get('failures')} failed request(s), "
-        f"RSS growth after warm-up {summary.get('rss_total_growth_pct')} %")
+        f"RSS growth after warm-up {summary.get('rss_total_growth_pct')} %"
+    )
     if args.fail_on_failures and summary.get("failures"):
         return 1
     return 0

@@ -58,6 +58,7 @@ Standard library and PyYAML only. Exit code: 0 if every side ran all its levels,
 failed (not ready, client error; the other sides still run), 2 on bad arguments, 130 when
 interrupted (servers are stopped in every case).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -128,7 +129,7 @@ def _session_pids(sid: int) -> list[int]:
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid:   # after comm: state ppid pgrp session ...
+            if int(fields[3]) == sid:  # after comm: state ppid pgrp session ...
                 pids.append(int(stat.parent.name))
         except (OSError, IndexError, ValueError):
             continue
@@ -147,7 +148,7 @@ def _ray_pids() -> set[int]:
     return out
 
 
-def _default_sigint() -> None:   # children get the ordinary Ctrl-C behaviour even if we ignore it
+def _default_sigint() -> None:  # children get the ordinary Ctrl-C behaviour even if we ignore it
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -169,8 +170,18 @@ def _http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 class Server:
     """A server process in its own session; ``stop()`` ends it and everything it spawned."""
 
-    def __init__(self, label: str, cmd: list[str], env: dict, ready_url: str, log_path: Path,
-                 ready_timeout: float, host: str, port: int, fail_pattern: re.Pattern | None = None):
+    def __init__(
+        self,
+        label: str,
+        cmd: list[str],
+        env: dict,
+        ready_url: str,
+        log_path: Path,
+        ready_timeout: float,
+        host: str,
+        port: int,
+        fail_pattern: re.Pattern | None = None,
+    ):
         self.label, self.cmd, self.env, self.ready_url = label, cmd, env, ready_url
         self.log_path, self.ready_timeout, self.host, self.port = log_path, ready_timeout, host, port
         self.fail_pattern = fail_pattern
@@ -180,28 +191,38 @@ class Server:
     def start(self) -> float:
         """Start and wait until ``ready_url`` answers 200; return the seconds it took."""
         if _port_open(self.host, self.port):
-            raise SideError(f"{self.host}:{self.port} is already in use (someone else's server?); "
-                            "stop it or choose another port")
+            raise SideError(
+                f"{self.host}:{self.port} is already in use (someone else's server?); stop it or choose another port"
+            )
         log(f"{self.label}: starting: {shlex.join(self.cmd)} (log: {self.log_path})")
         self._log = open(self.log_path, "ab")
-        self._log.write(f"# {TAG} {_dt.datetime.now().isoformat(timespec='seconds')} "
-                        f"{shlex.join(self.cmd)}\n".encode())
+        self._log.write(f"# {TAG} {_dt.datetime.now().isoformat(timespec='seconds')} {shlex.join(self.cmd)}\n".encode())
         self._log.flush()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
-                                     preexec_fn=_default_sigint)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=_default_sigint,
+        )
         t0 = time.monotonic()
         last = 0.0
         while True:
             elapsed = time.monotonic() - t0
             if self.proc.poll() is not None:
-                raise SideError(f"{self.label}: server exited with code {self.proc.returncode} before "
-                                f"it was ready; see {self.log_path}:\n{_tail(self.log_path)}")
+                raise SideError(
+                    f"{self.label}: server exited with code {self.proc.returncode} before "
+                    f"it was ready; see {self.log_path}:\n{_tail(self.log_path)}"
+                )
             if self.fail_pattern is not None:
                 failed = self._log_match()
                 if failed:
-                    raise SideError(f"{self.label}: the application failed to deploy ({failed[:200]}); "
-                                    f"see {self.log_path}:\n{_tail(self.log_path, 40)}")
+                    raise SideError(
+                        f"{self.label}: the application failed to deploy ({failed[:200]}); "
+                        f"see {self.log_path}:\n{_tail(self.log_path, 40)}"
+                    )
             try:
                 code, _ = _http_get(self.ready_url, timeout=5)
                 state = f"HTTP {code}"
@@ -211,8 +232,10 @@ class Server:
             except (OSError, urllib.error.URLError) as exc:
                 state = type(exc).__name__
             if elapsed > self.ready_timeout:
-                raise SideError(f"{self.label}: not ready after {self.ready_timeout:.0f} s ({state}); "
-                                f"see {self.log_path}:\n{_tail(self.log_path)}")
+                raise SideError(
+                    f"{self.label}: not ready after {self.ready_timeout:.0f} s ({state}); "
+                    f"see {self.log_path}:\n{_tail(self.log_path)}"
+                )
             if elapsed - last >= 15:
                 log(f"{self.label}: waiting for {self.ready_url} ... {elapsed:.0f} s ({state})")
                 last = elapsed
@@ -301,9 +324,11 @@ def derived_config(config: Path, host: str, port: int, drafter_off: bool, dst: P
     prefix = cfg["applications"][0].get("route_prefix", "/") or "/"
     if prefix != "/":
         url += "/" + prefix.strip("/")
-    dst.write_text(f"# derived by loadtest/side_by_side.py from {config}"
-                   f"{' (drafter: null)' if drafter_off else ''}\n"
-                   + yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+    dst.write_text(
+        f"# derived by loadtest/side_by_side.py from {config}"
+        f"{' (drafter: null)' if drafter_off else ''}\n" + yaml.safe_dump(cfg, sort_keys=False),
+        encoding="utf-8",
+    )
     return dst, url
 
 
@@ -338,15 +363,26 @@ def build_sides(a, repo: Path, out: Path) -> list[dict]:
             config = Path(path)
             if not config.is_absolute() and not config.exists() and (repo / config).exists():
                 config = repo / config
-            cfg_path, url = derived_config(config, "127.0.0.1", a.port, off,
-                                           out / f"{_safe(label)}.serve.yaml")
+            cfg_path, url = derived_config(config, "127.0.0.1", a.port, off, out / f"{_safe(label)}.serve.yaml")
             shown = {"MOA_MODEL_DIR": moa_dir, **(a.ours_env or {}).get(name, {})}
             env = dict(os.environ, **shown)
             cmd = [*serve_command(a.ours_python), "--address", "local", str(cfg_path)]
-            sides.append({"label": label, "kind": "ours", "drafter_off": off, "config": str(config),
-                          "served_config": str(cfg_path), "url": url, "ready_path": "/readyz",
-                          "cmd": cmd, "env": env, "env_shown": shown,
-                          "port": a.port, "model": a.model})
+            sides.append(
+                {
+                    "label": label,
+                    "kind": "ours",
+                    "drafter_off": off,
+                    "config": str(config),
+                    "served_config": str(cfg_path),
+                    "url": url,
+                    "ready_path": "/readyz",
+                    "cmd": cmd,
+                    "env": env,
+                    "env_shown": shown,
+                    "port": a.port,
+                    "model": a.model,
+                }
+            )
     if a.vllm_python or a.vllm_model:
         if not (a.vllm_python and a.vllm_model):
             raise SystemExit("--vllm-python and --vllm-model go together")
@@ -355,24 +391,68 @@ def build_sides(a, repo: Path, out: Path) -> list[dict]:
             variants.append(("vllm/ngram", ["--speculative-config", a.vllm_ngram_config]))
         for name, extra in variants:
             label = unique(name)
-            cmd = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", a.vllm_model,
-                   "--served-model-name", a.vllm_served_name, "--dtype", "bfloat16",
-                   "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(a.vllm_port),
-                   *extra, *shlex.split(a.vllm_args or "")]
-            sides.append({"label": label, "kind": "vllm", "url": f"http://127.0.0.1:{a.vllm_port}",
-                          "ready_path": "/v1/models", "cmd": cmd, "env": dict(os.environ, **VLLM_ENV),
-                          "env_shown": dict(VLLM_ENV), "port": a.vllm_port,
-                          "model": a.model or a.vllm_served_name})
+            cmd = [
+                a.vllm_python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                a.vllm_model,
+                "--served-model-name",
+                a.vllm_served_name,
+                "--dtype",
+                "bfloat16",
+                "--max-model-len",
+                "2048",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(a.vllm_port),
+                *extra,
+                *shlex.split(a.vllm_args or ""),
+            ]
+            sides.append(
+                {
+                    "label": label,
+                    "kind": "vllm",
+                    "url": f"http://127.0.0.1:{a.vllm_port}",
+                    "ready_path": "/v1/models",
+                    "cmd": cmd,
+                    "env": dict(os.environ, **VLLM_ENV),
+                    "env_shown": dict(VLLM_ENV),
+                    "port": a.vllm_port,
+                    "model": a.model or a.vllm_served_name,
+                }
+            )
     elif a.vllm_ngram or a.no_vllm_plain:
         raise SystemExit("--vllm-ngram / --no-vllm-plain need --vllm-python and --vllm-model")
     if a.llama_server:
         gguf = a.llama_gguf or _default_gguf(repo)
         name = a.model or VLLM_SERVED_NAME
-        cmd = [a.llama_server, "-m", str(gguf), "--alias", name, "--host", "127.0.0.1",
-               "--port", str(a.llama_port), *shlex.split(a.llama_args)]
-        sides.append({"label": unique("llama.cpp"), "kind": "llama.cpp", "url": f"http://127.0.0.1:{a.llama_port}",
-                      "ready_path": "/health", "cmd": cmd, "env": dict(os.environ), "env_shown": {},
-                      "port": a.llama_port, "model": name})
+        cmd = [
+            a.llama_server,
+            "-m",
+            str(gguf),
+            "--alias",
+            name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(a.llama_port),
+            *shlex.split(a.llama_args),
+        ]
+        sides.append(
+            {
+                "label": unique("llama.cpp"),
+                "kind": "llama.cpp",
+                "url": f"http://127.0.0.1:{a.llama_port}",
+                "ready_path": "/health",
+                "cmd": cmd,
+                "env": dict(os.environ),
+                "env_shown": {},
+                "port": a.llama_port,
+                "model": name,
+            }
+        )
     return sides
 
 
@@ -426,8 +506,10 @@ def _pick(d: dict, *names):
 
 def normalize(level: dict) -> dict:
     """The fields the tables show, whatever the client calls them (its raw line is kept too)."""
-    ttft_key = next((k for k in level if "ttft" in k.lower() and ("p50" in k.lower() or "mean" in k.lower())),
-                    next((k for k in level if "ttft" in k.lower()), None))
+    ttft_key = next(
+        (k for k in level if "ttft" in k.lower() and ("p50" in k.lower() or "mean" in k.lower())),
+        next((k for k in level if "ttft" in k.lower()), None),
+    )
     ttft = level.get(ttft_key) if ttft_key else None
     if isinstance(ttft, dict):
         ttft = _pick(ttft, "p50", "median", "mean")
@@ -446,8 +528,22 @@ def normalize(level: dict) -> dict:
 
 
 def client_command(a, url: str, model: str, users: int) -> list[str]:
-    cmd = [a.client_python, str(a.client), "--base", url, "--model", model, "--questions", str(a.questions),
-           "--users", str(users), "--duration", str(a.duration), "--max-tokens", str(a.max_tokens)]
+    cmd = [
+        a.client_python,
+        str(a.client),
+        "--base",
+        url,
+        "--model",
+        model,
+        "--questions",
+        str(a.questions),
+        "--users",
+        str(users),
+        "--duration",
+        str(a.duration),
+        "--max-tokens",
+        str(a.max_tokens),
+    ]
     if a.limit is not None:
         cmd += ["--limit", str(a.limit)]
     return cmd
@@ -455,9 +551,22 @@ def client_command(a, url: str, model: str, users: int) -> list[str]:
 
 def ttft_command(a, url: str, model: str, users: int) -> list[str]:
     """The streaming probe (``loadtest/ttft_probe.py``) at the same level, for ``--ttft-duration`` s."""
-    cmd = [a.client_python, str(Path(__file__).resolve().parent / "ttft_probe.py"), "--base", url,
-           "--model", model, "--questions", str(a.questions), "--users", str(users),
-           "--duration", str(a.ttft_duration), "--max-tokens", str(a.max_tokens)]
+    cmd = [
+        a.client_python,
+        str(Path(__file__).resolve().parent / "ttft_probe.py"),
+        "--base",
+        url,
+        "--model",
+        model,
+        "--questions",
+        str(a.questions),
+        "--users",
+        str(users),
+        "--duration",
+        str(a.ttft_duration),
+        "--max-tokens",
+        str(a.max_tokens),
+    ]
     if a.limit is not None:
         cmd += ["--limit", str(a.limit)]
     return cmd
@@ -469,8 +578,15 @@ class _Running:
 
 def run_client(cmd: list[str], timeout: float, log_path: Path) -> tuple[int, str, str]:
     """Run the client in its own process group, bounded by ``timeout``; killed on interrupt."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            text=True, start_new_session=True, preexec_fn=_default_sigint)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
+    )
     _Running.client = proc
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -515,8 +631,9 @@ def first_model_id(url: str) -> str | None:
 
 
 def warmup(url: str, model: str) -> str:
-    body = json.dumps({"model": model, "max_tokens": 8, "temperature": 0,
-                       "messages": [{"role": "user", "content": "Hello"}]}).encode()
+    body = json.dumps(
+        {"model": model, "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "Hello"}]}
+    ).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
     t0 = time.monotonic()
     try:
@@ -547,13 +664,20 @@ def write_reports(out: Path, results: dict) -> None:
     tmp.replace(out / "results.json")
 
     m = results["meta"]
-    lines = [f"# Side by side ({m['started']})", "",
-             f"Client `{m['client']}`, questions `{m['questions']}`, {m['duration_s']:g} s per level, "
-             f"max_tokens {m['max_tokens']}, users {','.join(map(str, m['users']))}; "
-             f"{m['cpus']} CPUs; load average at start {m['loadavg_start']}.", ""]
+    lines = [
+        f"# Side by side ({m['started']})",
+        "",
+        f"Client `{m['client']}`, questions `{m['questions']}`, {m['duration_s']:g} s per level, "
+        f"max_tokens {m['max_tokens']}, users {','.join(map(str, m['users']))}; "
+        f"{m['cpus']} CPUs; load average at start {m['loadavg_start']}.",
+        "",
+    ]
     any_ttft = any(lv["summary"].get("ttft") is not None for s in results["sides"] for lv in s["levels"])
-    head = ["side", "users", "tok/s", "tok/s/user", "p50 s", "p99 s"] + (["TTFT p50 s"] if any_ttft else []) + \
-           ["requests", "failures", "load avg"]
+    head = (
+        ["side", "users", "tok/s", "tok/s/user", "p50 s", "p99 s"]
+        + (["TTFT p50 s"] if any_ttft else [])
+        + ["requests", "failures", "load avg"]
+    )
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in results["sides"]:
         if not s["levels"]:
@@ -565,10 +689,18 @@ def write_reports(out: Path, results: dict) -> None:
                 fails += " (" + ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) + ")"
             if lv.get("error"):
                 fails += f" [{lv['error'][:60]}]"
-            row = [s["label"], _fmt(r["users"]), _fmt(r["tok_per_s"]), _fmt(r["tok_per_s_per_user"]),
-                   _fmt(r["latency_p50_s"]), _fmt(r["latency_p99_s"])] + \
-                  ([_fmt(r.get("ttft"), 3)] if any_ttft else []) + \
-                  [_fmt(r["requests"]), fails, _fmt(lv.get("loadavg_start"))]
+            row = (
+                [
+                    s["label"],
+                    _fmt(r["users"]),
+                    _fmt(r["tok_per_s"]),
+                    _fmt(r["tok_per_s_per_user"]),
+                    _fmt(r["latency_p50_s"]),
+                    _fmt(r["latency_p99_s"]),
+                ]
+                + ([_fmt(r.get("ttft"), 3)] if any_ttft else [])
+                + [_fmt(r["requests"]), fails, _fmt(lv.get("loadavg_start"))]
+            )
             lines.append("| " + " | ".join(row) + " |")
 
     # aggregate tok/s per level, sides as columns, and the ratio to the first vLLM side
@@ -593,8 +725,11 @@ def write_reports(out: Path, results: dict) -> None:
                     cell += f" ({v / r:.2f}×)"
                 cells.append(cell)
             lines.append(f"| {u} | " + " | ".join(cells) + " |")
-    notes = [f"- {s['label']}: ready after {_fmt(s.get('ready_s'), 0)} s; `{s['command']}`"
-             + (f"; ERROR: {s['error'].splitlines()[0][:200]}" if s.get("error") else "") for s in results["sides"]]
+    notes = [
+        f"- {s['label']}: ready after {_fmt(s.get('ready_s'), 0)} s; `{s['command']}`"
+        + (f"; ERROR: {s['error'].splitlines()[0][:200]}" if s.get("error") else "")
+        for s in results["sides"]
+    ]
     lines += ["", "Sides:", "", *notes, ""]
     (out / "results.md").write_text("\n".join(lines), encoding="utf-8")
 
@@ -607,8 +742,7 @@ def questions_of(questions: Path, categories: list[str], dst: Path) -> Path:
     """The lines of a Spec-Bench-format file whose ``category`` is one of ``categories``, in their
     order, written to ``dst``; ValueError when none is."""
     wanted = set(categories)
-    lines = [ln for ln in questions.read_text().splitlines()
-             if ln.strip() and json.loads(ln).get("category") in wanted]
+    lines = [ln for ln in questions.read_text().splitlines() if ln.strip() and json.loads(ln).get("category") in wanted]
     if not lines:
         raise ValueError(f"no question of {sorted(wanted)} in {questions}")
     dst.write_text("\n".join(lines) + "\n")
@@ -640,24 +774,42 @@ def parse_users(text: str) -> list[int]:
 
 def build_parser(repo: Path) -> argparse.ArgumentParser:
     shared = repo.parent / "shared"
-    p = argparse.ArgumentParser(prog="side_by_side", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="side_by_side", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     g = p.add_argument_group("our cluster")
-    g.add_argument("--ours", action="append", metavar="[LABEL=]CONFIG.yaml",
-                   help="serve run this config (repeatable; label default 'on', shown as ours/LABEL)")
-    g.add_argument("--ours-off", action="append", metavar="[LABEL=]CONFIG.yaml",
-                   help="the same with the application arg drafter: null (label default 'off')")
-    g.add_argument("--ours-env", action=_SideEnv, metavar="LABEL:KEY=VALUE", dest="ours_env",
-                   help="an environment variable for one of our sides (repeatable), e.g. "
-                        "fast:RAY_SERVE_THROUGHPUT_OPTIMIZED=1 for the side given as --ours fast=CONFIG")
+    g.add_argument(
+        "--ours",
+        action="append",
+        metavar="[LABEL=]CONFIG.yaml",
+        help="serve run this config (repeatable; label default 'on', shown as ours/LABEL)",
+    )
+    g.add_argument(
+        "--ours-off",
+        action="append",
+        metavar="[LABEL=]CONFIG.yaml",
+        help="the same with the application arg drafter: null (label default 'off')",
+    )
+    g.add_argument(
+        "--ours-env",
+        action=_SideEnv,
+        metavar="LABEL:KEY=VALUE",
+        dest="ours_env",
+        help="an environment variable for one of our sides (repeatable), e.g. "
+        "fast:RAY_SERVE_THROUGHPUT_OPTIMIZED=1 for the side given as --ours fast=CONFIG",
+    )
     g.add_argument("--port", type=int, default=8000, help="HTTP port for our cluster (default 8000)")
-    g.add_argument("--moa-model-dir", help="MOA_MODEL_DIR for serve run (default: $MOA_MODEL_DIR, "
-                                           "else <repo>/../shared/models)")
-    g.add_argument("--ours-python", default=sys.executable,
-                   help="python whose serve run to use (default: this one)")
-    g.add_argument("--ray-stop", choices=("auto", "always", "never"), default="always",
-                   help="after our sides: 'ray stop --force' always (default), only when Ray daemons "
-                        "that were not running before are left (auto), or never")
+    g.add_argument(
+        "--moa-model-dir", help="MOA_MODEL_DIR for serve run (default: $MOA_MODEL_DIR, else <repo>/../shared/models)"
+    )
+    g.add_argument("--ours-python", default=sys.executable, help="python whose serve run to use (default: this one)")
+    g.add_argument(
+        "--ray-stop",
+        choices=("auto", "always", "never"),
+        default="always",
+        help="after our sides: 'ray stop --force' always (default), only when Ray daemons "
+        "that were not running before are left (auto), or never",
+    )
     g = p.add_argument_group("vLLM-CPU peer")
     g.add_argument("--vllm-python", help="python of the vLLM venv, e.g. /work/venv-vllm/bin/python")
     g.add_argument("--vllm-model", help="HF model folder for vLLM (bf16 copy of the target)")
@@ -673,27 +825,42 @@ def build_parser(repo: Path) -> argparse.ArgumentParser:
     g.add_argument("--llama-port", type=int, default=8300)
     g.add_argument("--llama-args", default=LLAMA_ARGS, help=f"server arguments (default: {LLAMA_ARGS!r})")
     g = p.add_argument_group("load")
-    g.add_argument("--client", type=Path, default=shared / "tools" / "openai_load.py",
-                   help="closed-loop client (default <repo>/../shared/tools/openai_load.py)")
+    g.add_argument(
+        "--client",
+        type=Path,
+        default=shared / "tools" / "openai_load.py",
+        help="closed-loop client (default <repo>/../shared/tools/openai_load.py)",
+    )
     g.add_argument("--client-python", default=sys.executable)
     g.add_argument("--questions", type=Path, default=shared / "data" / "specbench" / "question.jsonl")
     g.add_argument("--users", type=parse_users, default=[1, 4, 16, 64], help="levels (default 1,4,16,64)")
     g.add_argument("--duration", type=float, default=60.0, help="seconds per level (default 60)")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--limit", type=int, help="client --limit (prompts used; client default 64)")
-    g.add_argument("--categories", type=lambda t: [c for c in t.split(",") if c],
-                   help="only the questions of these categories, comma-separated (e.g. summarization,rag: "
-                        "text a reply copies from, where prompt lookup drafts well); written to "
-                        "<out>/questions.jsonl, which every side's client reads")
-    g.add_argument("--model", help="model name sent in requests (default: vLLM's served name; "
-                                   "ours: first id of GET /v1/models)")
+    g.add_argument(
+        "--categories",
+        type=lambda t: [c for c in t.split(",") if c],
+        help="only the questions of these categories, comma-separated (e.g. summarization,rag: "
+        "text a reply copies from, where prompt lookup drafts well); written to "
+        "<out>/questions.jsonl, which every side's client reads",
+    )
+    g.add_argument(
+        "--model", help="model name sent in requests (default: vLLM's served name; ours: first id of GET /v1/models)"
+    )
     g.add_argument("--no-warmup", action="store_true", help="skip the one short request before the levels")
     g.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for a server")
-    g.add_argument("--ttft-duration", type=float, default=15.0,
-                   help="after each level, this many seconds of the streaming TTFT probe (loadtest/ttft_probe.py) "
-                        "at the same number of users; 0 = off (default 15)")
-    g.add_argument("--level-timeout", type=float,
-                   help="bound on one client run (default duration + 660 s: its request timeout is 600 s)")
+    g.add_argument(
+        "--ttft-duration",
+        type=float,
+        default=15.0,
+        help="after each level, this many seconds of the streaming TTFT probe (loadtest/ttft_probe.py) "
+        "at the same number of users; 0 = off (default 15)",
+    )
+    g.add_argument(
+        "--level-timeout",
+        type=float,
+        help="bound on one client run (default duration + 660 s: its request timeout is 600 s)",
+    )
     p.add_argument("--out", type=Path, help="output folder (default <repo>/runs/side-by-side/<time>)")
     p.add_argument("--dry-run", action="store_true", help="write derived configs, print commands, start nothing")
     return p
@@ -716,20 +883,43 @@ def _install_signal_handlers() -> dict:
 
 def _initial_results(a, argv, repo: Path, out: Path, started, sides: list[dict]) -> dict:
     """The results file's skeleton: the run's settings, and per side its command, log and no levels yet."""
-    results = {"meta": {"started": started.isoformat(timespec="seconds"), "finished": None,
-                        "argv": sys.argv[1:] if argv is None else argv, "repo": str(repo), "out": str(out),
-                        "client": str(a.client), "questions": str(a.questions), "users": a.users,
-                        "duration_s": a.duration, "max_tokens": a.max_tokens, "limit": a.limit,
-                        "cpus": os.cpu_count(), "loadavg_start": round(os.getloadavg()[0], 2),
-                        "interrupted": False},
-               "sides": []}
+    results = {
+        "meta": {
+            "started": started.isoformat(timespec="seconds"),
+            "finished": None,
+            "argv": sys.argv[1:] if argv is None else argv,
+            "repo": str(repo),
+            "out": str(out),
+            "client": str(a.client),
+            "questions": str(a.questions),
+            "users": a.users,
+            "duration_s": a.duration,
+            "max_tokens": a.max_tokens,
+            "limit": a.limit,
+            "cpus": os.cpu_count(),
+            "loadavg_start": round(os.getloadavg()[0], 2),
+            "interrupted": False,
+        },
+        "sides": [],
+    }
     for s in sides:
         env_s = " ".join(f"{k}={shlex.quote(v)}" for k, v in s["env_shown"].items())
-        results["sides"].append({"label": s["label"], "kind": s["kind"], "url": s["url"],
-                                 "command": (env_s + " " if env_s else "") + shlex.join(s["cmd"]),
-                                 "config": s.get("config"), "served_config": s.get("served_config"),
-                                 "log": str(out / f"{_safe(s['label'])}.log"), "ready_s": None,
-                                 "warmup": None, "model": None, "levels": [], "error": None})
+        results["sides"].append(
+            {
+                "label": s["label"],
+                "kind": s["kind"],
+                "url": s["url"],
+                "command": (env_s + " " if env_s else "") + shlex.join(s["cmd"]),
+                "config": s.get("config"),
+                "served_config": s.get("served_config"),
+                "log": str(out / f"{_safe(s['label'])}.log"),
+                "ready_s": None,
+                "warmup": None,
+                "model": None,
+                "levels": [],
+                "error": None,
+            }
+        )
     return results
 
 
@@ -744,22 +934,29 @@ def _run_level(a, s: dict, model: str, u: int, out: Path, level_timeout: float) 
     """One user level against a started side: the shared client's summary (and the streaming TTFT
     probe's); ``error`` set when the client failed or printed no JSON."""
     load = round(os.getloadavg()[0], 2)
-    log(f"{s['label']} users={u} duration={a.duration:g}s max_tokens={a.max_tokens} "
-        f"(load avg {load}) ...")
+    log(f"{s['label']} users={u} duration={a.duration:g}s max_tokens={a.max_tokens} (load avg {load}) ...")
     cmd = client_command(a, s["url"], model, u)
     rc, stdout, stderr = run_client(cmd, level_timeout, out / f"{_safe(s['label'])}.client.log")
     parsed = [o for o in parse_client_output(stdout) if "users" in o] or parse_client_output(stdout)
-    level = {"users": u, "loadavg_start": load, "client_exit": rc, "raw": None,
-             "error": None, "summary": normalize({"users": u})}
+    level = {
+        "users": u,
+        "loadavg_start": load,
+        "client_exit": rc,
+        "raw": None,
+        "error": None,
+        "summary": normalize({"users": u}),
+    }
     if parsed:
         level["raw"] = parsed[-1]
         level["summary"] = normalize(parsed[-1])
     if rc != 0 or not parsed:
-        level["error"] = (f"client exit {rc}" if rc != 0 else "no JSON in client output") + \
-                         (": " + stderr.strip().splitlines()[-1][:300] if stderr.strip() else "")
+        level["error"] = (f"client exit {rc}" if rc != 0 else "no JSON in client output") + (
+            ": " + stderr.strip().splitlines()[-1][:300] if stderr.strip() else ""
+        )
     if a.ttft_duration > 0:  # the shared client cannot see first tokens: a streaming probe
-        prc, pout, _ = run_client(ttft_command(a, s["url"], model, u), level_timeout,
-                                  out / f"{_safe(s['label'])}.ttft.log")
+        prc, pout, _ = run_client(
+            ttft_command(a, s["url"], model, u), level_timeout, out / f"{_safe(s['label'])}.ttft.log"
+        )
         probe = parse_client_output(pout)
         level["ttft_probe"] = probe[-1] if probe else {"error": f"probe exit {prc}"}
         level["summary"]["ttft"] = level["ttft_probe"].get("ttft_p50_s")
@@ -770,10 +967,12 @@ def _run_level(a, s: dict, model: str, u: int, out: Path, level_timeout: float) 
         except (OSError, ValueError) as exc:
             level["server_stats"] = {"error": f"{type(exc).__name__}: {exc}"}
     sm = level["summary"]
-    log(f"{s['label']} users={u}: tok/s={_fmt(sm['tok_per_s'])} "
+    log(
+        f"{s['label']} users={u}: tok/s={_fmt(sm['tok_per_s'])} "
         f"per-user={_fmt(sm['tok_per_s_per_user'])} p50={_fmt(sm['latency_p50_s'])}s "
         f"p99={_fmt(sm['latency_p99_s'])}s TTFT p50={_fmt(sm.get('ttft'), 3)}s requests={_fmt(sm['requests'])} "
-        f"failures={_fmt(sm['failures'])}" + (f" ERROR {level['error']}" if level["error"] else ""))
+        f"failures={_fmt(sm['failures'])}" + (f" ERROR {level['error']}" if level["error"] else "")
+    )
     return level
 
 
@@ -789,10 +988,19 @@ class _Progress:
 
 def _run_side(a, s: dict, r: dict, out: Path, level_timeout: float, results: dict, progress: _Progress) -> None:
     """Starts one side, warms it up, runs every user level against it and stops it."""
-    progress.current = Server(s["label"], s["cmd"], s["env"], s["url"] + s["ready_path"], Path(r["log"]),
-                              a.ready_timeout, "127.0.0.1", s["port"],
-                              re.compile(r"DEPLOY_FAILED|Failed to update the deployments|Deploying app .* failed")
-                              if s["kind"] == "ours" else None)
+    progress.current = Server(
+        s["label"],
+        s["cmd"],
+        s["env"],
+        s["url"] + s["ready_path"],
+        Path(r["log"]),
+        a.ready_timeout,
+        "127.0.0.1",
+        s["port"],
+        re.compile(r"DEPLOY_FAILED|Failed to update the deployments|Deploying app .* failed")
+        if s["kind"] == "ours"
+        else None,
+    )
     try:
         progress.ours_started |= s["kind"] == "ours"
         r["ready_s"] = round(progress.current.start(), 1)
@@ -824,8 +1032,13 @@ def _clean_up(a, progress: _Progress, ray_before: set[int]) -> None:
         if a.ray_stop == "always" or (a.ray_stop == "auto" and left and not ray_before):
             log("ray stop --force")
             try:
-                subprocess.run(["ray", "stop", "--force"], check=False, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, timeout=120)
+                subprocess.run(
+                    ["ray", "stop", "--force"],
+                    check=False,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    timeout=120,
+                )
             except (OSError, subprocess.TimeoutExpired) as exc:
                 log(f"ray stop --force failed: {exc}")
         elif left:
@@ -863,8 +1076,10 @@ def main(argv: list[str] | None = None) -> int:
         _print_dry_run(a, sides, results)
         return 0
 
-    log(f"{len(sides)} side(s): {', '.join(s['label'] for s in sides)}; users {a.users}, "
-        f"{a.duration:g} s per level; output {out}")
+    log(
+        f"{len(sides)} side(s): {', '.join(s['label'] for s in sides)}; users {a.users}, "
+        f"{a.duration:g} s per level; output {out}"
+    )
     old_handlers = _install_signal_handlers()
     ray_before = _ray_pids()
     progress = _Progress()

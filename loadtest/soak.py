@@ -108,9 +108,14 @@ def server_counters(url: str) -> dict:
     except (httpx.HTTPError, ValueError) as exc:
         return {"stats_error": type(exc).__name__}
     engine = stats.get("verifier_engine") or {}
-    return {"queue_depth": stats.get("queue_depth"), "active_sessions": stats.get("active_sessions"),
-            "slots_in_use": engine.get("sessions"), "retained_prefixes": engine.get("retained_slots"),
-            "free_slots": engine.get("free_slots"), "verifier_replica": engine.get("replica")}
+    return {
+        "queue_depth": stats.get("queue_depth"),
+        "active_sessions": stats.get("active_sessions"),
+        "slots_in_use": engine.get("sessions"),
+        "retained_prefixes": engine.get("retained_slots"),
+        "free_slots": engine.get("free_slots"),
+        "verifier_replica": engine.get("replica"),
+    }
 
 
 class MetricsTail:
@@ -137,10 +142,15 @@ def interval_requests(records: list[dict], seconds: float) -> dict:
     ok = [r for r in records if r.get("ok")]
     latency = [r.get("latency_ms") for r in ok]
     tokens = sum(int(r.get("output_tokens") or 0) for r in ok)
-    return {"requests": len(records), "failures": len(records) - len(ok),
-            "latency_p50_ms": _r(report.percentile(latency, 50)), "latency_p99_ms": _r(report.percentile(latency, 99)),
-            "ttft_p50_ms": _r(report.percentile([r.get("ttft_ms") for r in ok], 50)),
-            "output_tokens": tokens, "output_tokens_per_s": _r(tokens / seconds if seconds > 0 else None)}
+    return {
+        "requests": len(records),
+        "failures": len(records) - len(ok),
+        "latency_p50_ms": _r(report.percentile(latency, 50)),
+        "latency_p99_ms": _r(report.percentile(latency, 99)),
+        "ttft_p50_ms": _r(report.percentile([r.get("ttft_ms") for r in ok], 50)),
+        "output_tokens": tokens,
+        "output_tokens_per_s": _r(tokens / seconds if seconds > 0 else None),
+    }
 
 
 def _r(x, nd=1):
@@ -165,10 +175,16 @@ class Soak:
     def sample(self, t0: float, last: float, tail: MetricsTail) -> dict:
         now = time.time()
         replicas, per_deployment = replica_memory(self.session)
-        s = {"t": round(now, 3), "elapsed_s": round(now - t0, 1), "interval_s": round(now - last, 1),
-             "rss_mib": per_deployment, "rss_total_mib": round(sum(per_deployment.values()), 1),
-             **server_counters(self.url), **interval_requests(tail.new_requests(), now - last),
-             "replicas": replicas}
+        s = {
+            "t": round(now, 3),
+            "elapsed_s": round(now - t0, 1),
+            "interval_s": round(now - last, 1),
+            "rss_mib": per_deployment,
+            "rss_total_mib": round(sum(per_deployment.values()), 1),
+            **server_counters(self.url),
+            **interval_requests(tail.new_requests(), now - last),
+            "replicas": replicas,
+        }
         self.samples.append(s)
         with open(self.out / "soak_samples.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(s) + "\n")
@@ -208,10 +224,13 @@ def _running_until(proc: subprocess.Popen, deadline: float) -> bool:
 
 def _log_sample(s: dict) -> None:
     rss = ", ".join(f"{k} {v:.0f}" for k, v in s["rss_mib"].items()) or "no replicas found"
-    print(f"[soak] {s['elapsed_s']:7.0f} s  RSS MiB: {rss}  slots {s.get('slots_in_use')} "
-          f"retained {s.get('retained_prefixes')} queue {s.get('queue_depth')}  {s['requests']} req "
-          f"{s['failures']} failed  p50 {s['latency_p50_ms']} ms  {s['output_tokens_per_s']} tok/s",
-          file=sys.stderr, flush=True)
+    print(
+        f"[soak] {s['elapsed_s']:7.0f} s  RSS MiB: {rss}  slots {s.get('slots_in_use')} "
+        f"retained {s.get('retained_prefixes')} queue {s.get('queue_depth')}  {s['requests']} req "
+        f"{s['failures']} failed  p50 {s['latency_p50_ms']} ms  {s['output_tokens_per_s']} tok/s",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -232,20 +251,31 @@ def summarize(samples: list[dict], warmup_s: float) -> dict:
     after = [s for s in samples if s["elapsed_s"] >= warmup_s] or samples[-1:]
     base, end = after[0], samples[-1]
     deployments = sorted({d for s in samples for d in s["rss_mib"]})
-    rss = {d: {"after_warmup_mib": base["rss_mib"].get(d), "last_mib": end["rss_mib"].get(d),
-               "growth_pct": growth_pct(base["rss_mib"].get(d), end["rss_mib"].get(d)),
-               "max_mib": max((s["rss_mib"].get(d) or 0) for s in samples)} for d in deployments}
+    rss = {
+        d: {
+            "after_warmup_mib": base["rss_mib"].get(d),
+            "last_mib": end["rss_mib"].get(d),
+            "growth_pct": growth_pct(base["rss_mib"].get(d), end["rss_mib"].get(d)),
+            "max_mib": max((s["rss_mib"].get(d) or 0) for s in samples),
+        }
+        for d in deployments
+    }
     # the sample taken after Locust stopped covers a short tail: not an interval to compare
     nominal = max(s.get("interval_s", 0) for s in samples)
     with_latency = [s for s in samples if s.get("latency_p50_ms") is not None and s.get("interval_s", 0) >= nominal / 2]
     return {
-        "samples": len(samples), "elapsed_s": end["elapsed_s"], "warmup_s": warmup_s,
-        "baseline_elapsed_s": base["elapsed_s"], "rss": rss,
+        "samples": len(samples),
+        "elapsed_s": end["elapsed_s"],
+        "warmup_s": warmup_s,
+        "baseline_elapsed_s": base["elapsed_s"],
+        "rss": rss,
         "rss_total_growth_pct": growth_pct(base["rss_total_mib"], end["rss_total_mib"]),
-        "requests": sum(s["requests"] for s in samples), "failures": sum(s["failures"] for s in samples),
+        "requests": sum(s["requests"] for s in samples),
+        "failures": sum(s["failures"] for s in samples),
         "latency_p50_first_ms": with_latency[0]["latency_p50_ms"] if with_latency else None,
         "latency_p50_last_ms": with_latency[-1]["latency_p50_ms"] if with_latency else None,
-        "max_slots_in_use": _max(samples, "slots_in_use"), "max_retained_prefixes": _max(samples, "retained_prefixes"),
+        "max_slots_in_use": _max(samples, "slots_in_use"),
+        "max_retained_prefixes": _max(samples, "retained_prefixes"),
         "max_queue_depth": _max(samples, "queue_depth"),
     }
 
@@ -259,31 +289,62 @@ def markdown(summary: dict, meta: dict) -> str:
     def f(x, unit=""):
         return "–" if x is None else f"{x}{unit}"
 
-    lines = [f"# Soak: {meta['users']} users, {meta['duration_s'] / 60:g} min, a sample every {meta['interval_s']:g} s",
-             "", f"Command: `{meta['command']}`  ", f"Server: {meta['host']}; started {meta['started']}.", "",
-             f"{summary.get('samples', 0)} samples over {f(summary.get('elapsed_s'), ' s')}; warm-up "
-             f"{f(summary.get('warmup_s'), ' s')} (RSS growth is measured from the sample at "
-             f"{f(summary.get('baseline_elapsed_s'), ' s')} to the last).", "",
-             "| replica (summed per deployment) | RSS after warm-up MiB | last MiB | max MiB | growth |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"# Soak: {meta['users']} users, {meta['duration_s'] / 60:g} min, a sample every {meta['interval_s']:g} s",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Server: {meta['host']}; started {meta['started']}.",
+        "",
+        f"{summary.get('samples', 0)} samples over {f(summary.get('elapsed_s'), ' s')}; warm-up "
+        f"{f(summary.get('warmup_s'), ' s')} (RSS growth is measured from the sample at "
+        f"{f(summary.get('baseline_elapsed_s'), ' s')} to the last).",
+        "",
+        "| replica (summed per deployment) | RSS after warm-up MiB | last MiB | max MiB | growth |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for d, r in (summary.get("rss") or {}).items():
-        lines.append(f"| {d} | {f(r['after_warmup_mib'])} | {f(r['last_mib'])} | {f(r['max_mib'])} "
-                     f"| {f(r['growth_pct'], ' %')} |")
-    lines += ["", "| | |", "| --- | ---: |",
-              f"| all replicas, RSS growth after warm-up | {f(summary.get('rss_total_growth_pct'), ' %')} |",
-              f"| requests / failed | {f(summary.get('requests'))} / {f(summary.get('failures'))} |",
-              f"| latency p50, first interval | {f(summary.get('latency_p50_first_ms'), ' ms')} |",
-              f"| latency p50, last interval | {f(summary.get('latency_p50_last_ms'), ' ms')} |",
-              f"| most slots in use / retained prefixes | {f(summary.get('max_slots_in_use'))} / "
-              f"{f(summary.get('max_retained_prefixes'))} |",
-              f"| deepest queue | {f(summary.get('max_queue_depth'))} |",
-              "", "Samples: `soak_samples.csv` (and `.jsonl`, with each replica's PID); plot: `soak.png`.", ""]
+        lines.append(
+            f"| {d} | {f(r['after_warmup_mib'])} | {f(r['last_mib'])} | {f(r['max_mib'])} "
+            f"| {f(r['growth_pct'], ' %')} |"
+        )
+    lines += [
+        "",
+        "| | |",
+        "| --- | ---: |",
+        f"| all replicas, RSS growth after warm-up | {f(summary.get('rss_total_growth_pct'), ' %')} |",
+        f"| requests / failed | {f(summary.get('requests'))} / {f(summary.get('failures'))} |",
+        f"| latency p50, first interval | {f(summary.get('latency_p50_first_ms'), ' ms')} |",
+        f"| latency p50, last interval | {f(summary.get('latency_p50_last_ms'), ' ms')} |",
+        f"| most slots in use / retained prefixes | {f(summary.get('max_slots_in_use'))} / "
+        f"{f(summary.get('max_retained_prefixes'))} |",
+        f"| deepest queue | {f(summary.get('max_queue_depth'))} |",
+        "",
+        "Samples: `soak_samples.csv` (and `.jsonl`, with each replica's PID); plot: `soak.png`.",
+        "",
+    ]
     return "\n".join(lines)
 
 
-CSV_FIELDS = ["t", "elapsed_s", "interval_s", "rss_total_mib", "slots_in_use", "retained_prefixes", "free_slots",
-              "queue_depth", "active_sessions", "requests", "failures", "latency_p50_ms", "latency_p99_ms",
-              "ttft_p50_ms", "output_tokens", "output_tokens_per_s", "replica_pids", "stats_error"]
+CSV_FIELDS = [
+    "t",
+    "elapsed_s",
+    "interval_s",
+    "rss_total_mib",
+    "slots_in_use",
+    "retained_prefixes",
+    "free_slots",
+    "queue_depth",
+    "active_sessions",
+    "requests",
+    "failures",
+    "latency_p50_ms",
+    "latency_p99_ms",
+    "ttft_p50_ms",
+    "output_tokens",
+    "output_tokens_per_s",
+    "replica_pids",
+    "stats_error",
+]
 
 
 def write_csv(samples: list[dict], path: Path) -> None:
@@ -293,8 +354,11 @@ def write_csv(samples: list[dict], path: Path) -> None:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for s in samples:
-            row = {**s, **{f"rss_{d}_mib": v for d, v in s["rss_mib"].items()},
-                   "replica_pids": " ".join(f"{r['deployment']}:{r['pid']}" for r in s["replicas"])}
+            row = {
+                **s,
+                **{f"rss_{d}_mib": v for d, v in s["rss_mib"].items()},
+                "replica_pids": " ".join(f"{r['deployment']}:{r['pid']}" for r in s["replicas"]),
+            }
             w.writerow(row)
 
 
@@ -316,8 +380,14 @@ def plot(samples: list[dict], warmup_s: float, path: Path, title: str) -> None:
     lat.set_title("request latency of the interval (ms)")
     tps.plot(minutes, [s.get("output_tokens_per_s") for s in samples], marker=".", label="output tok/s")
     fails = tps.twinx()
-    fails.bar(minutes, [s["failures"] for s in samples], width=0.4 * (minutes[1] - minutes[0]) if len(minutes) > 1
-              else 0.1, color="C3", alpha=0.5, label="failures")
+    fails.bar(
+        minutes,
+        [s["failures"] for s in samples],
+        width=0.4 * (minutes[1] - minutes[0]) if len(minutes) > 1 else 0.1,
+        color="C3",
+        alpha=0.5,
+        label="failures",
+    )
     fails.set_ylim(0, 1.2 * max(1, max(s["failures"] for s in samples)))
     fails.set_ylabel("failed requests")
     tps.set_title("throughput and failures of the interval")
@@ -346,8 +416,7 @@ def write_outputs(soak: Soak, meta: dict, results_dir: Path | None = None) -> di
     (soak.out / "soak.md").write_text(markdown(summary, meta), encoding="utf-8")
     (soak.out / "soak.json").write_text(json.dumps({**meta, "summary": summary}, indent=2), encoding="utf-8")
     if soak.samples:
-        plot(soak.samples, soak.warmup_s, soak.out / "soak.png",
-             f"soak: {soak.users} users, {meta['host']}")
+        plot(soak.samples, soak.warmup_s, soak.out / "soak.png", f"soak: {soak.users} users, {meta['host']}")
     if results_dir is not None:
         results_dir.mkdir(parents=True, exist_ok=True)
         for name in SMALL_FILES:

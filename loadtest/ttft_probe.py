@@ -13,6 +13,7 @@ second. ``loadtest/side_by_side.py --ttft-duration`` runs it after each level, o
 
 Standard library only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,10 +51,16 @@ def request_headers() -> dict[str, str]:
 
 def stream_one(base: str, model: str, prompt: str, max_tokens: int, timeout: float) -> tuple[float | None, float, int]:
     """(seconds to the first text chunk or None, seconds to the end, text chunks) of one request."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}
-    req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers=request_headers())
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        base + "/v1/chat/completions", data=json.dumps(body).encode(), headers=request_headers()
+    )
     t0 = time.perf_counter()
     first, chunks = None, 0
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -72,8 +79,9 @@ def stream_one(base: str, model: str, prompt: str, max_tokens: int, timeout: flo
     return first, time.perf_counter() - t0, chunks
 
 
-def one_level(base: str, model: str, prompts: list[str], users: int, duration: float, max_tokens: int,
-              timeout: float = 600.0) -> dict:
+def one_level(
+    base: str, model: str, prompts: list[str], users: int, duration: float, max_tokens: int, timeout: float = 600.0
+) -> dict:
     ttft, latency, errors = [], [], []
     chunks = [0]
     lock = threading.Lock()
@@ -102,10 +110,18 @@ def one_level(base: str, model: str, prompts: list[str], users: int, duration: f
         t.join()
     wall = time.monotonic() - t0
     r = lambda x: None if x is None else round(x, 4)  # noqa: E731
-    return {"users": users, "duration_s": round(wall, 2), "requests": len(latency), "failures": len(errors),
-            "ttft_p50_s": r(percentile(ttft, 0.5)), "ttft_p90_s": r(percentile(ttft, 0.9)),
-            "ttft_p99_s": r(percentile(ttft, 0.99)), "latency_p50_s": r(percentile(latency, 0.5)),
-            "chunks_per_s": round(chunks[0] / wall, 2) if wall else 0.0, "errors": errors[:3]}
+    return {
+        "users": users,
+        "duration_s": round(wall, 2),
+        "requests": len(latency),
+        "failures": len(errors),
+        "ttft_p50_s": r(percentile(ttft, 0.5)),
+        "ttft_p90_s": r(percentile(ttft, 0.9)),
+        "ttft_p99_s": r(percentile(ttft, 0.99)),
+        "latency_p50_s": r(percentile(latency, 0.5)),
+        "chunks_per_s": round(chunks[0] / wall, 2) if wall else 0.0,
+        "errors": errors[:3],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

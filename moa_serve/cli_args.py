@@ -22,19 +22,32 @@ class CLIError(Exception):
 def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="Hugging Face id or path of the target LLM")
     if drafter:
-        p.add_argument("--drafter", default=DEFAULT_DRAFTER,
-                       help="MoA drafter checkpoint folder (or a packaged one's name); 'none' = target only")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="auto: bfloat16 on GPUs and CPUs with native bf16, float32 elsewhere")
+        p.add_argument(
+            "--drafter",
+            default=DEFAULT_DRAFTER,
+            help="MoA drafter checkpoint folder (or a packaged one's name); 'none' = target only",
+        )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="auto: bfloat16 on GPUs and CPUs with native bf16, float32 elsewhere",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-model-len", type=int, default=2048)
     add_kernel_args(
-        p, "auto: a float32 CPU target from a GGUF keeps its 4/8-bit blocks, de-quantized in registers",
+        p,
+        "auto: a float32 CPU target from a GGUF keeps its 4/8-bit blocks, de-quantized in registers",
         "packed CPU target (torch backend): medium multiplies bfloat16-rounded activations and weights "
         "(float32 sums) on CPUs with AVX512-BF16; low rounds activations to 8-bit blocks and multiplies the "
-        "GGUF's integers (llama.cpp's CPU arithmetic, AVX2); highest multiplies in float32")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="torch backend: the target's KV cache dtype (auto = the target's dtype; bfloat16 halves it)")
+        "GGUF's integers (llama.cpp's CPU arithmetic, AVX2); highest multiplies in float32",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="torch backend: the target's KV cache dtype (auto = the target's dtype; bfloat16 halves it)",
+    )
 
 
 def add_kernel_args(p: argparse.ArgumentParser, packed_help: str, precision_help: str) -> None:
@@ -70,8 +83,11 @@ def tree_shape(args):
 
 def prompt_tokens(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                  add_generation_prompt=True, tokenize=True, return_dict=False))
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
     return tokenizer.encode(prompt)
 
 

@@ -18,8 +18,16 @@ from moa_serve.kernels import gpu_invariant
 
 
 class SlotKVCache:
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         shape = (num_layers, num_slots, num_kv_heads, max_len + 1, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -45,8 +53,7 @@ class SlotKVCache:
         self.lengths[slot] = 0
         heapq.heappush(self._free, slot)
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots [B], positions [B, T] (positions >= max_len go to the scratch column),
         k/v [B, KVH, T, hd]."""
         pos = positions.clamp(max=self.max_len)
@@ -58,10 +65,12 @@ class SlotKVCache:
         for a single session)."""
         if len(slots) == 1:
             s = int(slots[0])
-            return self.k[layer, s:s + 1, :, :length], self.v[layer, s:s + 1, :, :length]
+            return self.k[layer, s : s + 1, :, :length], self.v[layer, s : s + 1, :, :length]
         slots = slots.to(self.k.device)  # index_select wants its index on the tensor's device
-        return (torch.index_select(self.k[layer, :, :, :length], 0, slots),  # 3x faster than k[layer, slots]
-                torch.index_select(self.v[layer, :, :, :length], 0, slots))
+        return (
+            torch.index_select(self.k[layer, :, :, :length], 0, slots),  # 3x faster than k[layer, slots]
+            torch.index_select(self.v[layer, :, :, :length], 0, slots),
+        )
 
     def per_layer_kv(self, slot: int, start: int, end: int) -> torch.Tensor:
         """For positions [start, end) of one slot: [n, num_layers, KVH * 2 * hd], each layer's
@@ -73,13 +82,13 @@ class SlotKVCache:
         n_layers, heads, n, width = kv.shape
         return kv.permute(2, 0, 1, 3).reshape(n, n_layers, heads * width)
 
-
     def positions_for(self, slots: torch.Tensor, width: int) -> torch.Tensor:
         """Positions [B, width] of the next ``width`` tokens of each slot."""
         return self.lengths[slots][:, None] + torch.arange(width)[None, :]
 
-    def run_layers(self, layers, x: torch.Tensor, cos, sin, slots: torch.Tensor, query_lens: torch.Tensor,
-                   first_layer: int = 0) -> torch.Tensor:
+    def run_layers(
+        self, layers, x: torch.Tensor, cos, sin, slots: torch.Tensor, query_lens: torch.Tensor, first_layer: int = 0
+    ) -> torch.Tensor:
         """Runs decoder ``layers`` over a ragged batch x [B, T, H] whose session b's tokens sit at
         positions lengths[slot_b] + t (t < query_lens[b]); each layer writes its keys/values to
         cache layer ``first_layer + i`` and attends causally over the slot's cached prefix.
@@ -91,10 +100,12 @@ class SlotKVCache:
         single = x.shape[1] == 1 and bool((starts + query_lens == total).all())
         mask = None if single else ragged_causal_mask(starts, query_lens, total).to(x.device)
         for i, layer in enumerate(layers):
+
             def kv_and_mask(k, v, li=first_layer + i):
                 self.write(li, slots, positions, k, v)
                 k_all, v_all = self.read(li, slots, total)
                 return k_all, v_all, mask
+
             x = layer(x, cos, sin, kv_and_mask)
         return x
 
@@ -128,13 +139,21 @@ class PackedBatch:
 
     SHORT = 16  # sequences with at most this many new tokens attend in the shared call
 
-    def __init__(self, cache: SlotKVCache, slots: list[int], starts: list[int], lens: list[int],
-                 device: torch.device | str = "cpu", kernel: bool = False,
-                 twins: list[list[int]] | None = None):
+    def __init__(
+        self,
+        cache: SlotKVCache,
+        slots: list[int],
+        starts: list[int],
+        lens: list[int],
+        device: torch.device | str = "cpu",
+        kernel: bool = False,
+        twins: list[list[int]] | None = None,
+    ):
         """``kernel``: attend with the batch-invariant kernels (``moa_serve.kernels.attention`` on a
         CPU cache of float32 or bfloat16, ``gpu_invariant.slot_attention`` on a GPU): every token alone
-        over its own slot, in a fixed order, so its output does not depend on the batch. ``twins``: per sequence, the chain index each of its trailing alternatives shares a
-        position with (empty or None: a plain chain)."""
+        over its own slot, in a fixed order, so its output does not depend on the batch.
+        ``twins``: per sequence, the chain index each of its trailing alternatives shares a position
+        with (empty or None: a plain chain)."""
         self.cache = cache
         self.kernel = kernel
         self.n = sum(lens)
@@ -170,14 +189,24 @@ class PackedBatch:
             q_at = torch.zeros(rows, width, dtype=torch.long)
             for i in short:
                 r = slots[i] - lo
-                gather[r, :lens[i]] = torch.arange(offsets[i], offsets[i] + lens[i])
-                q_pos[r, :lens[i]] = pos[i]
-                q_at[r, :lens[i]] = store[i]
+                gather[r, : lens[i]] = torch.arange(offsets[i], offsets[i] + lens[i])
+                q_pos[r, : lens[i]] = pos[i]
+                q_at[r, : lens[i]] = store[i]
             flat = gather.flatten()
             real = (flat < self.n).nonzero().flatten()
-            mask = _sees(torch.arange(total)[None, None, :], q_pos[:, :, None], q_at[:, :, None])  # [rows, width, total]
-            self.short = dict(lo=lo, hi=hi, width=width, total=total, gather=flat.to(device),
-                              real=real.to(device), dest=flat[real].to(device), mask=mask.to(device))
+            mask = _sees(
+                torch.arange(total)[None, None, :], q_pos[:, :, None], q_at[:, :, None]
+            )  # [rows, width, total]
+            self.short = dict(
+                lo=lo,
+                hi=hi,
+                width=width,
+                total=total,
+                gather=flat.to(device),
+                real=real.to(device),
+                dest=flat[real].to(device),
+                mask=mask.to(device),
+            )
         for i, n in enumerate(lens):
             if n > self.SHORT:
                 a = starts[i]
@@ -185,8 +214,9 @@ class PackedBatch:
                 self.long.append(dict(slot=slots[i], offset=offsets[i], n=n, total=a + n, mask=mask.to(device)))
 
     @classmethod
-    def static(cls, cache: SlotKVCache, token_slots: torch.Tensor, positions: torch.Tensor,
-               store_at: torch.Tensor) -> "PackedBatch":
+    def static(
+        cls, cache: SlotKVCache, token_slots: torch.Tensor, positions: torch.Tensor, store_at: torch.Tensor
+    ) -> "PackedBatch":
         """A batch over per-token tensors the caller already holds on the device (fixed-address
         buffers of a captured step): token i has rotary position ``positions[i]``, attends to keys
         0..positions[i]-1 of slot ``token_slots[i]`` and to its own K/V, written at ``store_at[i]``
@@ -201,6 +231,7 @@ class PackedBatch:
 
     def attention(self, layer: int):
         """The ``attention`` callable of ``DecoderLayer.forward_packed`` for cache layer ``layer``."""
+
         def attend_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             c = self.cache
             c.k[layer, self.token_slots, :, self._write_at] = k.to(c.k.dtype)  # a bf16 cache under a float32 model
@@ -216,29 +247,43 @@ class PackedBatch:
                 rows, width, total = p["hi"] - p["lo"], p["width"], p["total"]
                 qp = torch.cat((q, q.new_zeros(1, heads, hd)))[p["gather"]]  # [rows*width, H, hd]
                 # fold the query heads sharing a KV head into the query axis (no K/V copies)
-                qp = qp.view(rows, width, kv_heads, groups, hd).permute(0, 2, 3, 1, 4).reshape(
-                    rows, kv_heads, groups * width, hd)
-                mask = p["mask"][:, None, None].expand(rows, 1, groups, width, total).reshape(
-                    rows, 1, groups * width, total)
-                keys = c.k[layer, p["lo"]:p["hi"], :, :total]
-                values = c.v[layer, p["lo"]:p["hi"], :, :total]
+                qp = (
+                    qp.view(rows, width, kv_heads, groups, hd)
+                    .permute(0, 2, 3, 1, 4)
+                    .reshape(rows, kv_heads, groups * width, hd)
+                )
+                mask = (
+                    p["mask"][:, None, None]
+                    .expand(rows, 1, groups, width, total)
+                    .reshape(rows, 1, groups * width, total)
+                )
+                keys = c.k[layer, p["lo"] : p["hi"], :, :total]
+                values = c.v[layer, p["lo"] : p["hi"], :, :total]
                 o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask)
                 o = o.view(rows, kv_heads, groups, width, hd).permute(0, 3, 1, 2, 4).reshape(rows * width, heads, hd)
                 out[p["dest"]] = o[p["real"]]
             for p in self.long:
                 a, m = p["offset"], p["n"]
-                ql = q[a:a + m].view(m, kv_heads, groups, hd).permute(1, 2, 0, 3).reshape(1, kv_heads, groups * m, hd)
+                ql = q[a : a + m].view(m, kv_heads, groups, hd).permute(1, 2, 0, 3).reshape(1, kv_heads, groups * m, hd)
                 mask = p["mask"][None, None].expand(1, groups, m, p["total"]).reshape(1, 1, groups * m, p["total"])
                 s = p["slot"]
-                o = F.scaled_dot_product_attention(ql, c.k[layer, s:s + 1, :, :p["total"]],
-                                                   c.v[layer, s:s + 1, :, :p["total"]], attn_mask=mask)
-                out[a:a + m] = o.view(kv_heads, groups, m, hd).permute(2, 0, 1, 3).reshape(m, heads, hd)
+                o = F.scaled_dot_product_attention(
+                    ql, c.k[layer, s : s + 1, :, : p["total"]], c.v[layer, s : s + 1, :, : p["total"]], attn_mask=mask
+                )
+                out[a : a + m] = o.view(kv_heads, groups, m, hd).permute(2, 0, 1, 3).reshape(m, heads, hd)
             return out
+
         return attend_packed
 
 
-def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                        positions: torch.Tensor, store_at: torch.Tensor | None) -> torch.Tensor:
+def invariant_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    store_at: torch.Tensor | None,
+) -> torch.Tensor:
     """Batch-invariant attention of packed tokens over one slot-cache layer (the contract of
     ``moa_serve.kernels.attention``): the C kernel on a CPU, the Triton kernel on a GPU (and on a
     CPU under Triton's interpreter, which is how the tests reach it)."""

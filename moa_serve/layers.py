@@ -26,8 +26,7 @@ class LayerShape:
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
 
 # Small-M matmuls: for x [M, K] times a weight [N, K], MKL's x @ W.T kernel is slow for a few rows
@@ -187,8 +186,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if mask is not None and mask.shape[1] != 1:  # a per-head mask: fall back to copying
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(groups, dim=1),
-                                              v.repeat_interleave(groups, dim=1), attn_mask=mask)
+        return F.scaled_dot_product_attention(
+            q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), attn_mask=mask
+        )
     q = q.reshape(b, kv_heads, groups * t, hd)
     if mask is not None:
         mb, _, _, length = mask.shape
@@ -250,7 +250,10 @@ def fuse_dense_projections(layers) -> int:
     fused = 0
     for layer in layers:
         a, mlp = layer.self_attn, layer.mlp
-        for owner, attr, parts in ((a, "qkv", ("q_proj", "k_proj", "v_proj")), (mlp, "gate_up", ("gate_proj", "up_proj"))):
+        for owner, attr, parts in (
+            (a, "qkv", ("q_proj", "k_proj", "v_proj")),
+            (mlp, "gate_up", ("gate_proj", "up_proj")),
+        ):
             mods = [getattr(owner, p) for p in parts]
             if getattr(owner, attr) is not None or any(type(m) is not Linear or m.bias is not None for m in mods):
                 continue
@@ -260,7 +263,7 @@ def fuse_dense_projections(layers) -> int:
             start = 0
             for m in mods:
                 rows = m.out_features
-                m.weight = nn.Parameter(weight[start:start + rows], requires_grad=False)
+                m.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
                 start += rows
             setattr(owner, attr, joint)
             fused += 1

@@ -56,15 +56,16 @@ def resolve_model_path(name_or_path: str, weights: bool = True) -> Path:
         try:
             from huggingface_hub import snapshot_download
 
-            return Path(snapshot_download(str(name_or_path),
-                                          allow_patterns=_HUB_FILES + (["*.safetensors"] if weights else [])))
+            return Path(
+                snapshot_download(str(name_or_path), allow_patterns=_HUB_FILES + (["*.safetensors"] if weights else []))
+            )
         except Exception as exc:  # offline, gated, unknown id
             raise ModelNotFoundError(
                 f"model {name_or_path!r} is not a local folder (tried {', '.join(tried)}) and could not be "
                 f"fetched from the Hugging Face hub ({type(exc).__name__}). Set MOA_MODEL_DIR to a folder of "
-                f"local copies or pass a path.") from exc
-    raise ModelNotFoundError(
-        f"model {name_or_path!r} not found: no config.json at {', '.join(tried)}")
+                f"local copies or pass a path."
+            ) from exc
+    raise ModelNotFoundError(f"model {name_or_path!r} not found: no config.json at {', '.join(tried)}")
 
 
 def read_config(path: Path):
@@ -195,8 +196,9 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
-def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu",
-                target: str | Path | None = None) -> torch.dtype:
+def parse_dtype(
+    name: str | torch.dtype, device: str | torch.device = "cpu", target: str | Path | None = None
+) -> torch.dtype:
     """A dtype by name. ``auto`` is bfloat16 on GPUs; on a CPU it is float32 when the ``target``
     folder holds a GGUF (in float32 the target runs through the packed kernels over the file's
     quantized blocks: 47 vs 27 tok/s single-stream for SmolLM2-135M against bf16 on an AVX-512
@@ -210,15 +212,25 @@ def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu",
         if target is not None and _runs_packed(Path(target)):
             return torch.float32
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if name not in table:
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {name!r}")
     return table[name]
 
 
-def target_dtype(name: str | torch.dtype, device: str | torch.device = "cpu", path: Path | None = None,
-                 model: torch.nn.Module | None = None) -> torch.dtype:
+def target_dtype(
+    name: str | torch.dtype,
+    device: str | torch.device = "cpu",
+    path: Path | None = None,
+    model: torch.nn.Module | None = None,
+) -> torch.dtype:
     """:func:`parse_dtype` for a target: ``auto`` takes the dtype of an already built ``model``
     (an in-process engine's), else decides from the target folder ``path``."""
     if name == "auto" and model is not None:

@@ -20,6 +20,7 @@ from moa_serve.sampling import GREEDY, SamplingParams
 class DraftRequest:
     """One session's share of a draft call. Like ``VerifyRequest``, tokens travel as deltas: the
     session's committed tokens are ``replica_copy[:base] + tokens`` (``base=0``: the whole list)."""
+
     session_id: str
     tokens: list[int]  # committed tokens from position ``base`` on
     num_drafts: int
@@ -53,6 +54,7 @@ class VerifyRequest:
     tokens are ``replica_copy[:base] + tokens``, where ``replica_copy`` is what the replica already
     holds of the session (its previous committed tokens plus the tokens it returned last round).
     ``base=0`` sends the whole committed list (a new session, or a resync)."""
+
     session_id: str
     tokens: list[int]  # committed tokens from position ``base`` on
     drafts: list[int] = field(default_factory=list)
@@ -103,7 +105,22 @@ class VerifyResult:
 @dataclass
 class PoolReply:
     """What a pool call returns: the backend's results plus who did the work and how long it took."""
+
     results: Any
     replica: str
     compute_s: float  # on the replica's worker thread
     queued_s: float  # waiting for the worker thread (behind other groups' calls)
+
+
+@dataclass
+class Update:
+    """What one step of a step-wise verifier (the vLLM backend) did for a request, streamed to the
+    Router: its new tokens, the finish reason when it ended
+    (``stop`` / ``length`` / ``abort`` / ``error: ...``), and its drafts verified and accepted so
+    far (cumulative)."""
+
+    tokens: list[int]
+    finish_reason: str | None = None
+    drafted: int = 0
+    accepted: int = 0
+    replica: str | None = None  # set by the serving layer: which verifier replica ran it

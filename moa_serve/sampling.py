@@ -29,12 +29,27 @@ def _greedy_below_eps(temperature: float) -> float:
     return 0.0 if temperature < SAMPLING_EPS else temperature
 
 
-Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False, description=(
-    f"0 = greedy; a temperature below {SAMPLING_EPS:g} is greedy too (as in vLLM)")),
-    AfterValidator(_greedy_below_eps)]
-TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False, description=(
-    "nucleus sampling: the smallest set of most likely tokens whose probability reaches top_p (at least the "
-    "most likely token); 1 = off"))]
+Temperature = Annotated[
+    float,
+    Field(
+        ge=0.0,
+        allow_inf_nan=False,
+        description=(f"0 = greedy; a temperature below {SAMPLING_EPS:g} is greedy too (as in vLLM)"),
+    ),
+    AfterValidator(_greedy_below_eps),
+]
+TopP = Annotated[
+    float,
+    Field(
+        gt=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description=(
+            "nucleus sampling: the smallest set of most likely tokens whose probability reaches top_p (at least the "
+            "most likely token); 1 = off"
+        ),
+    ),
+]
 TopK = Annotated[int, Field(ge=0, description="0 = no top-k filtering; at least the vocabulary = off")]
 Seed = Annotated[int | None, Field(ge=0, le=SEED_MAX, description="makes sampling reproducible")]
 

@@ -36,7 +36,9 @@ class TargetArch:
     def from_hf_config(cls, cfg) -> "TargetArch":
         model_type = getattr(cfg, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported target model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ValueError(
+                f"unsupported target model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         if model_type == "mistral" and getattr(cfg, "sliding_window", None):
             raise ValueError("Mistral models with a sliding window are not supported")
         heads = cfg.num_attention_heads
@@ -44,18 +46,31 @@ class TargetArch:
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         return cls(
-            model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-            num_layers=cfg.num_hidden_layers, num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
-            intermediate_size=cfg.intermediate_size, rms_norm_eps=cfg.rms_norm_eps, rope_theta=float(theta),
+            model_type=model_type,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate_size=cfg.intermediate_size,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(theta),
             qkv_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=cfg.max_position_embeddings,
         )
 
     def layer_shape(self) -> LayerShape:
-        return LayerShape(self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
-                          self.intermediate_size, self.rms_norm_eps, self.qkv_bias)
+        return LayerShape(
+            self.hidden_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.intermediate_size,
+            self.rms_norm_eps,
+            self.qkv_bias,
+        )
 
     @property
     def kv_width(self) -> int:
@@ -74,8 +89,14 @@ def rotary_for(cfg, arch: TargetArch) -> Rotary:
     return Rotary(inv_freq, scaling)
 
 
-def assign_weights(module: nn.Module, arch: TargetArch, cfg, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                   device: str | torch.device):
+def assign_weights(
+    module: nn.Module,
+    arch: TargetArch,
+    cfg,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: str | torch.device,
+):
     """Loads Hugging Face target weights into a module built on the meta device (``model.*`` and
     ``lm_head`` names: the whole target, or the drafter's part of it): checks that they match,
     ties the LM head to the embeddings when the config says so, sets the rotary embedding."""
@@ -84,8 +105,9 @@ def assign_weights(module: nn.Module, arch: TargetArch, cfg, state: dict[str, to
     missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (arch.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
-        raise ValueError(f"target weights do not match a {arch.model_type} model: "
-                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"target weights do not match a {arch.model_type} model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     if arch.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
     module.rotary = rotary_for(cfg, arch)
@@ -111,8 +133,9 @@ class TargetModel(nn.Module):
         self.rotary = rotary
 
     @classmethod
-    def from_state_dict(cls, cfg, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                        device: str | torch.device = "cpu") -> "TargetModel":
+    def from_state_dict(
+        cls, cfg, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str | torch.device = "cpu"
+    ) -> "TargetModel":
         arch = TargetArch.from_hf_config(cfg)
         with torch.device("meta"):
             model = cls(arch, Rotary(torch.zeros(arch.head_dim // 2)))
@@ -122,8 +145,15 @@ class TargetModel(nn.Module):
     def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype | None = None) -> SlotKVCache:
         """A slot KV cache in ``dtype`` (default: the model's)."""
         p = self.lm_head.weight
-        return SlotKVCache(self.arch.num_layers, num_slots, self.arch.num_kv_heads, self.arch.head_dim,
-                           max_len, dtype or p.dtype, p.device)
+        return SlotKVCache(
+            self.arch.num_layers,
+            num_slots,
+            self.arch.num_kv_heads,
+            self.arch.head_dim,
+            max_len,
+            dtype or p.dtype,
+            p.device,
+        )
 
     def forward_packed(self, tokens: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """tokens [N]: the new tokens of several sessions packed one after another (``batch`` says
@@ -143,8 +173,13 @@ class TargetModel(nn.Module):
 
     # ------------------------------------------------------------------ training (additive)
     @torch.no_grad()
-    def forward_train(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, tli_layers: int = 0,
-                      vocab_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def forward_train(
+        self,
+        tokens: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        tli_layers: int = 0,
+        vocab_ids: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Teacher-forced causal pass over whole (right-padded) sequences, for drafter distillation.
 
         tokens [B, S]; ``valid`` [B, S] bool marks real tokens (padding sits at the end, so the
@@ -170,6 +205,7 @@ class TargetModel(nn.Module):
             def kv_and_mask(k, v):
                 kvs.append(torch.cat((k, v), dim=-1))  # [B, KVH, S, 2hd]
                 return k, v, causal
+
             x = layer(x, cos, sin, kv_and_mask)
         prenorm = x
         if tli_input is None:
@@ -178,5 +214,11 @@ class TargetModel(nn.Module):
         kv = torch.stack(kvs, 1)  # [B, L, KVH, S, 2hd]
         kv = kv.permute(0, 3, 1, 2, 4).reshape(b, s, n, -1)
         w = self.lm_head.weight if vocab_ids is None else self.lm_head.weight[vocab_ids]
-        return {"per_layer_kv": kv, "embeds": embeds, "tli_input": tli_input, "prenorm": prenorm,
-                "hidden": hidden, "logits": hidden @ w.T}
+        return {
+            "per_layer_kv": kv,
+            "embeds": embeds,
+            "tli_input": tli_input,
+            "prenorm": prenorm,
+            "hidden": hidden,
+            "logits": hidden @ w.T,
+        }

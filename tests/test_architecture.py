@@ -14,8 +14,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # the repository's top-level folders installed under moa_serve (pyproject.toml's package-dir)
-INSTALLED_AS = {"app": "moa_serve.app", "deployments": "moa_serve.deployments", "drafter": "moa_serve.drafter",
-                "verifier": "moa_serve.verifier", "loadtest": "moa_serve.loadtest"}
+INSTALLED_AS = {
+    "app": "moa_serve.app",
+    "deployments": "moa_serve.deployments",
+    "drafter": "moa_serve.drafter",
+    "verifier": "moa_serve.verifier",
+    "loadtest": "moa_serve.loadtest",
+}
 PACKAGES = {"moa_serve", *INSTALLED_AS}
 MAX_LOCAL_IMPORTS = 20  # function-local imports of the project's own modules, in all
 MAX_FUNCTION_LINES = 120
@@ -25,15 +30,16 @@ MAX_INIT_PARAMS = 12
 def module_name(path: str) -> str:
     top = path.split("/")[0]
     if top in INSTALLED_AS:
-        path = INSTALLED_AS[top] + path[len(top):]
+        path = INSTALLED_AS[top] + path[len(top) :]
     name = path[:-3].replace("/", ".")
     return name.removesuffix(".__init__")
 
 
 @pytest.fixture(scope="module")
 def modules() -> dict[str, ast.Module]:
-    files = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     return {module_name(f): ast.parse((REPO / f).read_text(), f) for f in files if f.split("/")[0] in PACKAGES}
 
 
@@ -45,7 +51,7 @@ def imported(node: ast.Import | ast.ImportFrom, name: str, is_package: bool, kno
         base = node.module or ""
         if node.level:
             parts = (name if is_package else name.rpartition(".")[0]).split(".")
-            parts = parts[:len(parts) - (node.level - 1)]
+            parts = parts[: len(parts) - (node.level - 1)]
             base = ".".join(parts + ([base] if base else []))
         targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
     out = []
@@ -113,20 +119,54 @@ def test_no_import_circles(imports):
 
 def test_drafter_and_verifier_meet_only_in_the_protocol_module(imports):
     graph, _ = imports
-    crossing = [(a, b) for a, bs in graph.items() for b in bs
-                if (a.startswith("moa_serve.drafter") and b.startswith("moa_serve.verifier"))
-                or (a.startswith("moa_serve.verifier") and b.startswith("moa_serve.drafter"))]
+    crossing = [
+        (a, b)
+        for a, bs in graph.items()
+        for b in bs
+        if (a.startswith("moa_serve.drafter") and b.startswith("moa_serve.verifier"))
+        or (a.startswith("moa_serve.verifier") and b.startswith("moa_serve.drafter"))
+    ]
     assert crossing == []
 
 
 def test_the_runtime_never_imports_the_tools(imports):
     graph, _ = imports
-    runtime = ("moa_serve.engine", "moa_serve.drafter", "moa_serve.verifier", "moa_serve.deployments",
-               "moa_serve.app", "moa_serve.cs", "moa_serve.client.")
-    uses = [(a, b) for a, bs in graph.items() for b in bs
-            if a.startswith(runtime) and a != "moa_serve.client.cli"
-            and (b in ("moa_serve.cli", "moa_serve.cli_args") or b.startswith(("moa_serve.tools", "moa_serve.loadtest")))]
+    runtime = (
+        "moa_serve.engine",
+        "moa_serve.drafter",
+        "moa_serve.verifier",
+        "moa_serve.deployments",
+        "moa_serve.app",
+        "moa_serve.cs",
+        "moa_serve.client.",
+    )
+    uses = [
+        (a, b)
+        for a, bs in graph.items()
+        for b in bs
+        if a.startswith(runtime)
+        and a != "moa_serve.client.cli"
+        and (b in ("moa_serve.cli", "moa_serve.cli_args") or b.startswith(("moa_serve.tools", "moa_serve.loadtest")))
+    ]
     assert uses == []
+
+
+def test_vllm_is_a_room_of_the_verifier(modules):
+    """vLLM is imported only by the vLLM backend's package (``verifier/vllm/``) and the benchmark
+    that runs it; the verifier's top level holds the torch backend and what both backends share."""
+
+    def imports_vllm(tree: ast.Module) -> bool:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "vllm" for a in node.names):
+                return True
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "vllm":
+                return True
+        return False
+
+    allowed = ("moa_serve.verifier.vllm.", "moa_serve.tools.vllm_bench")
+    assert [name for name, tree in modules.items() if imports_vllm(tree) and not name.startswith(allowed)] == []
+    top = sorted(p.stem for p in (REPO / "verifier").glob("*.py"))
+    assert top == ["__init__", "acceptance", "api", "static_forward", "torch_runner"]
 
 
 def test_imports_at_the_top(imports):

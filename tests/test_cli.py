@@ -23,8 +23,19 @@ def drafter_dir(tmp_path_factory, stories_path):
 def test_generate_json_identical_with_and_without_drafter(capsys, stories_path, drafter_dir):
     results = []
     for d in ["none", str(drafter_dir)]:
-        code, out, _ = run(capsys, "generate", "--target", str(stories_path), "--drafter", d,
-                           "--prompt", "Once upon a time", "--max-new-tokens", "16", "--json")
+        code, out, _ = run(
+            capsys,
+            "generate",
+            "--target",
+            str(stories_path),
+            "--drafter",
+            d,
+            "--prompt",
+            "Once upon a time",
+            "--max-new-tokens",
+            "16",
+            "--json",
+        )
         assert code == 0
         results.append(json.loads(out))
     for r in results:
@@ -37,28 +48,44 @@ def test_generate_json_identical_with_and_without_drafter(capsys, stories_path, 
 def test_generate_with_tree_drafts_gives_the_same_tokens(capsys, stories_path, drafter_dir):
     outs = []
     for shape in ("chain", "4-2", "8-3-2@0.01"):
-        code, out, _ = run(capsys, "generate", "--target", str(stories_path), "--drafter", str(drafter_dir),
-                           "--prompt", "Once upon a time", "--max-new-tokens", "24", "--json", "--branching", shape)
+        code, out, _ = run(
+            capsys,
+            "generate",
+            "--target",
+            str(stories_path),
+            "--drafter",
+            str(drafter_dir),
+            "--prompt",
+            "Once upon a time",
+            "--max-new-tokens",
+            "24",
+            "--json",
+            "--branching",
+            shape,
+        )
         assert code == 0
         outs.append(json.loads(out))
     assert [o["branching"] for o in outs] == ["chain", "4-2", "8-3-2@0.01"]
     assert outs[0]["token_ids"] == outs[1]["token_ids"] == outs[2]["token_ids"]
-    code, _, err = run(capsys, "generate", "--target", str(stories_path), "--drafter", "lookup",
-                       "--prompt", "hi", "--branching", "4-2")
+    code, _, err = run(
+        capsys, "generate", "--target", str(stories_path), "--drafter", "lookup", "--prompt", "hi", "--branching", "4-2"
+    )
     assert code == 2 and "--branching" in err and "chains only" in err
 
 
-@pytest.mark.parametrize("args, field", [
-    (["-k", "0"], "--num-speculative-tokens"),
-    (["--temperature", "-0.5"], "--temperature"),
-    (["--top-p", "0"], "--top-p"),
-    (["--top-p", "1.5"], "--top-p"),
-    (["--max-new-tokens", "0"], "--max-new-tokens"),
-    (["--branching", "4-0"], "--branching"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["-k", "0"], "--num-speculative-tokens"),
+        (["--temperature", "-0.5"], "--temperature"),
+        (["--top-p", "0"], "--top-p"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--branching", "4-0"], "--branching"),
+    ],
+)
 def test_bad_arguments_name_the_field(capsys, stories_path, args, field):
-    code, _, err = run(capsys, "generate", "--target", str(stories_path), "--drafter", "none",
-                       "--prompt", "hi", *args)
+    code, _, err = run(capsys, "generate", "--target", str(stories_path), "--drafter", "none", "--prompt", "hi", *args)
     assert code == 2 and field in err
 
 
@@ -68,12 +95,21 @@ def test_unknown_model_is_a_clear_error(capsys, tmp_path):
 
 
 def test_prompt_longer_than_context(capsys, stories_path):
-    code, _, err = run(capsys, "generate", "--target", str(stories_path), "--drafter", "none",
-                       "--max-model-len", "32", "--prompt", "Once upon a time " * 20)
+    code, _, err = run(
+        capsys,
+        "generate",
+        "--target",
+        str(stories_path),
+        "--drafter",
+        "none",
+        "--max-model-len",
+        "32",
+        "--prompt",
+        "Once upon a time " * 20,
+    )
     assert code == 2 and "--prompt" in err and "context" in err
 
 
 def test_drafter_for_another_target_is_refused(capsys, tiny_model, drafter_dir):
-    code, _, err = run(capsys, "generate", "--target", str(tiny_model), "--drafter", str(drafter_dir),
-                       "--prompt", "x")
+    code, _, err = run(capsys, "generate", "--target", str(tiny_model), "--drafter", str(drafter_dir), "--prompt", "x")
     assert code == 2 and "another target" in err

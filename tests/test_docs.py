@@ -17,8 +17,7 @@ README_MAX_LINES = 300
 
 # a session of the project's own work named by its number, or an earlier/later one: a build log,
 # not the product's own sessions (users' sessions are never numbered in prose)
-HISTORY_TEXT = re.compile(
-    r"\bsessions?[ -]\d+\b|\b(?:earlier|previous|prior|later|last) sessions?\b", re.IGNORECASE)
+HISTORY_TEXT = re.compile(r"\bsessions?[ -]\d+\b|\b(?:earlier|previous|prior|later|last) sessions?\b", re.IGNORECASE)
 # path parts named by run or session: "s18", "side-by-side-s14", "sbs12b", "ablation-s12"
 HISTORY_PATH = re.compile(r"(?:^|[-_.])(?:s|sbs|session)\d{1,3}[a-z]?(?:[-_.]|$)", re.IGNORECASE)
 MD_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
@@ -45,8 +44,9 @@ def text_of(path: Path) -> str | None:
 def test_configuration_page_matches_the_config_models():
     assert undocumented_fields() == [], "every config field needs a description (deployments/config.py)"
     page = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
-    assert page == render(), ("docs/configuration.md is stale: "
-                              "python -m moa_serve.deployments.config_doc > docs/configuration.md")
+    assert page == render(), (
+        "docs/configuration.md is stale: python -m moa_serve.deployments.config_doc > docs/configuration.md"
+    )
 
 
 def test_no_tracked_file_speaks_of_build_history():
@@ -65,8 +65,11 @@ def test_no_tracked_file_speaks_of_build_history():
 
 
 def test_no_tracked_path_is_named_by_run_or_session():
-    named = [str(p.relative_to(ROOT)) for p in tracked_files()
-             if any(HISTORY_PATH.search(part) for part in p.relative_to(ROOT).parts)]
+    named = [
+        str(p.relative_to(ROOT))
+        for p in tracked_files()
+        if any(HISTORY_PATH.search(part) for part in p.relative_to(ROOT).parts)
+    ]
     assert named == []
 
 
@@ -121,6 +124,14 @@ def test_readme_is_short_and_the_license_is_there():
     assert len(readme.splitlines()) <= README_MAX_LINES
     assert "Apache License" in (ROOT / "LICENSE").read_text(encoding="utf-8")
     assert (ROOT / "NOTICE").is_file()
-    for page in ("architecture", "configuration", "client-server", "vllm-backend", "training", "kubernetes",
-                 "benchmarks", "security"):
+    for page in (
+        "architecture",
+        "configuration",
+        "client-server",
+        "vllm-backend",
+        "training",
+        "kubernetes",
+        "benchmarks",
+        "security",
+    ):
         assert f"docs/{page}.md" in readme, f"the README links docs/{page}.md"

@@ -25,8 +25,9 @@ def accept_greedy(choice: list[int], drafts: list[int]) -> tuple[int, int]:
     return n, choice[n]
 
 
-def accept_sampling(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: list[int],
-                    generator: torch.Generator | None) -> tuple[int, int]:
+def accept_sampling(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: list[int], generator: torch.Generator | None
+) -> tuple[int, int]:
     """target_probs [K+1, V], draft_probs [K, V] (the drafter's distributions the drafts were
     sampled from). Returns (number of drafts accepted, next token)."""
     k = len(drafts)

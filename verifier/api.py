@@ -39,8 +39,7 @@ class FeatureSource(Protocol):
     def prepared(self, device: torch.device, dtype: torch.dtype) -> FeatureSource:
         """This source on the verifier's device and dtype, ready for inference."""
 
-    def inputs(self, cache, slot: int, start: int, end: int,
-               hidden: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def inputs(self, cache, slot: int, start: int, end: int, hidden: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The head's inputs [n, ...] for positions ``start``..``end`` of the session in cache ``slot``
         (n = end - start, or fewer, the last ones, with ``latest_only``); ``hidden()`` gives the
         target's final hidden states [end - start, H] of those positions, computed in this call."""

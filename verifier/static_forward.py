@@ -53,8 +53,15 @@ def packed_layout(starts: list[int], lens: list[int], twins: list[list[int]]) ->
 class StaticForward:
     """``TargetModel.forward_packed`` over fixed-address buffers, one CUDA graph per row count."""
 
-    def __init__(self, model, cache: SlotKVCache, max_tokens: int, graphs: bool,
-                 sizes: tuple[int, ...] = GRAPH_SIZES, stats: dict | None = None):
+    def __init__(
+        self,
+        model,
+        cache: SlotKVCache,
+        max_tokens: int,
+        graphs: bool,
+        sizes: tuple[int, ...] = GRAPH_SIZES,
+        stats: dict | None = None,
+    ):
         """``stats``: a dict to count into (static_calls, graph_captures, eager_calls)."""
         self.model = model
         self.cache = cache
@@ -80,8 +87,9 @@ class StaticForward:
                 return s
         return None
 
-    def __call__(self, tokens: list[int], token_slots: list[int], positions: list[int],
-                 store_at: list[int]) -> torch.Tensor | None:
+    def __call__(
+        self, tokens: list[int], token_slots: list[int], positions: list[int], store_at: list[int]
+    ) -> torch.Tensor | None:
         """Final-norm hidden states [n, H] of the n tokens (a view of the graph's output: valid
         until the next call), or None when n is above every size."""
         n = len(tokens)
@@ -107,8 +115,12 @@ class StaticForward:
     def _fill(self, size: int, tokens, token_slots, positions, store_at) -> None:
         n = len(tokens)
         pad = size - n
-        rows = [tokens + [0] * pad, token_slots + [token_slots[0]] * pad, positions + [0] * pad,
-                store_at + [self.cache.max_len] * pad]
+        rows = [
+            tokens + [0] * pad,
+            token_slots + [token_slots[0]] * pad,
+            positions + [0] * pad,
+            store_at + [self.cache.max_len] * pad,
+        ]
         if self._copied is not None:
             self._copied.synchronize()  # the last call's copy has left the staging buffer
         self._staging[:, :size] = torch.tensor(rows, dtype=torch.long)
@@ -128,8 +140,12 @@ class StaticForward:
         try:
             graph, out = cuda_graphs.capture(lambda: self._body(size), self.device, self._pool)
         except RuntimeError as exc:
-            log.warning("CUDA graph capture of the %d-row forward failed (%s); this replica runs its "
-                        "fixed-shape forwards without graphs", size, exc)
+            log.warning(
+                "CUDA graph capture of the %d-row forward failed (%s); this replica runs its "
+                "fixed-shape forwards without graphs",
+                size,
+                exc,
+            )
             self.use_graphs = False
             self.stats["graph_capture_failed"] = str(exc)[:300]
             return None

@@ -33,17 +33,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moa_serve.sampling import SamplingParams, generator_for, warp_probs
 from moa_serve import kernels
+from moa_serve.kernels import gpu_invariant
 from moa_serve.kernels.packed import pack_target
 from moa_serve.kv_cache import PackedBatch
-from moa_serve.kernels import gpu_invariant
 from moa_serve.layers import fuse_dense_projections, use_matmul, use_rms_norm
 from moa_serve.model_files import load_state_dict, read_config, resolve_model_path, target_dtype
+from moa_serve.protocol import VerifyRequest, VerifyResult
+from moa_serve.sampling import SamplingParams, generator_for, warp_probs
+from moa_serve.target_model import TargetModel
 from moa_serve.verifier.acceptance import accept_greedy, accept_sampling
 from moa_serve.verifier.api import NO_FEATURES, FeatureSource, TargetBackend
-from moa_serve.protocol import VerifyRequest, VerifyResult
-from moa_serve.target_model import TargetModel
 from moa_serve.verifier.static_forward import StaticForward, packed_layout
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class _Work:
 
 def _alternatives(req: VerifyRequest) -> list[tuple[int, int]]:
     """The request's alternatives as (draft index, token), shallowest first."""
-    return [(i, a) for i, row in enumerate(req.alternatives[:len(req.drafts)]) for a in row]
+    return [(i, a) for i, row in enumerate(req.alternatives[: len(req.drafts)]) for a in row]
 
 
 def _with_alternatives(req: VerifyRequest, tokens: list[int]) -> tuple[list[int], list[int]]:
@@ -125,6 +125,7 @@ def _with_alternatives(req: VerifyRequest, tokens: list[int]) -> tuple[list[int]
 @dataclass(frozen=True)
 class RunnerOptions:
     """The tuning knobs of a torch verifier (what the pool config sets beside the model)."""
+
     max_num_batched_tokens: int = 512  # per-forward token budget (chunked prefill)
     packed_weights: str = "auto"  # "auto": the packed CPU kernels where they apply; "off"
     prefix_caching: bool = True
@@ -144,10 +145,18 @@ class TorchTargetRunner(TargetBackend):
     """``features``: the verifier-side half of the drafter served (the drafter registry's
     ``load_feature_source``); None: no features."""
 
-    def __init__(self, target: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
-                 max_sessions: int = 16, max_model_len: int = 2048, features: FeatureSource | None = None,
-                 model: TargetModel | None = None, draft_vocab: torch.Tensor | None = None,
-                 options: RunnerOptions = RunnerOptions()):
+    def __init__(
+        self,
+        target: str,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        max_sessions: int = 16,
+        max_model_len: int = 2048,
+        features: FeatureSource | None = None,
+        model: TargetModel | None = None,
+        draft_vocab: torch.Tensor | None = None,
+        options: RunnerOptions = RunnerOptions(),
+    ):
         packed_weights, matmul_precision = options.packed_weights, options.matmul_precision
         kv_cache_dtype = options.kv_cache_dtype
         path = resolve_model_path(target) if model is None else None
@@ -171,7 +180,9 @@ class TorchTargetRunner(TargetBackend):
         self.max_num_batched_tokens = options.max_num_batched_tokens
         kv_dtype = self.dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES.get(kv_cache_dtype)
         if kv_dtype is None:
-            raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}"
+            )
         self.cache = model.new_cache(max_sessions, self.max_model_len, kv_dtype)
         # batch-invariant attention (every token alone over its slot, fixed order, float32 sums over a
         # float32 or bfloat16 cache) where it runs: the C kernel on a CPU, Triton on a GPU
@@ -181,18 +192,26 @@ class TorchTargetRunner(TargetBackend):
             raise ValueError(f"static_forward must be auto, on or off; got {options.static_forward!r}")
         hd = self.arch.head_dim
         # (on a CPU only under Triton's interpreter: how the tests reach them)
-        on_gpu_kernels = options.batch_invariant == "auto" and gpu_invariant.available(self.device) and hd & (hd - 1) == 0
+        on_gpu_kernels = (
+            options.batch_invariant == "auto" and gpu_invariant.available(self.device) and hd & (hd - 1) == 0
+        )
         self.attention_kernel = on_gpu_kernels or (
-            self.cache.k.dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
-            and hd % 8 == 0 and hd <= 256 and kernels.library() is not None)
+            self.cache.k.dtype in (torch.float32, torch.bfloat16)
+            and self.device.type == "cpu"
+            and hd % 8 == 0
+            and hd <= 256
+            and kernels.library() is not None
+        )
         if on_gpu_kernels:
             self.packing["batch_invariant_matmuls"] = use_matmul(model, gpu_invariant.matmul)
             self.packing["batch_invariant_norms"] = use_rms_norm(model, gpu_invariant.rms_norm)
         # the fixed-shape forward (below) needs the invariant attention: padding rows must not touch real ones
         wanted = options.static_forward == "on" or (options.static_forward == "auto" and self.device.type == "cuda")
         if kv_dtype != self.dtype and not self.attention_kernel:
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype} with a {str(self.dtype).removeprefix('torch.')} target "
-                             f"needs the CPU attention kernel ({kernels.unavailable_reason() or 'not for this device'})")
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype} with a {str(self.dtype).removeprefix('torch.')} target "
+                f"needs the CPU attention kernel ({kernels.unavailable_reason() or 'not for this device'})"
+            )
         self.features = (features or NO_FEATURES).prepared(self.device, self.dtype)
         # a drafter that reads only the freshest feature: each span's last position is computed,
         # zeros stand in for the others (never read), so a prefill pays the LSA once, not per token
@@ -202,11 +221,24 @@ class TorchTargetRunner(TargetBackend):
         self.prefix_caching = options.prefix_caching
         # slot -> the tokens whose K/V a released session left in it, least recently used first
         self.retained: OrderedDict[int, list[int]] = OrderedDict()
-        self.stats = {"forwards": 0, "tokens": 0, "forward_s": 0.0, "evictions": 0, "resyncs": 0,
-                      "prefix_hits": 0, "prefix_tokens": 0, "alternatives_accepted": 0, "steps_cut": 0}
-        self.static = (StaticForward(model, self.cache, options.max_num_batched_tokens,
-                                     graphs=self.device.type == "cuda", stats=self.stats)
-                       if wanted and self.attention_kernel else None)
+        self.stats = {
+            "forwards": 0,
+            "tokens": 0,
+            "forward_s": 0.0,
+            "evictions": 0,
+            "resyncs": 0,
+            "prefix_hits": 0,
+            "prefix_tokens": 0,
+            "alternatives_accepted": 0,
+            "steps_cut": 0,
+        }
+        self.static = (
+            StaticForward(
+                model, self.cache, options.max_num_batched_tokens, graphs=self.device.type == "cuda", stats=self.stats
+            )
+            if wanted and self.attention_kernel
+            else None
+        )
         # set from another thread (``cut_steps``): the verify running or next ends its multi-step
         # decoding after the forward in progress
         self._cut = threading.Event()
@@ -224,11 +256,14 @@ class TorchTargetRunner(TargetBackend):
         if s is None:
             return
         if self.prefix_caching and s.cached > 0:
-            held = s.committed[:s.cached]
+            held = s.committed[: s.cached]
             # a retained prefix that this one contains (the same prompt answered again) is freed: one
             # slot per distinct prefix, so repeats do not crowd other prompts out of the cache
-            for slot in [slot for slot, old in self.retained.items()
-                         if len(old) <= len(held) and common_prefix(old, held, len(old)) == len(old)]:
+            for slot in [
+                slot
+                for slot, old in self.retained.items()
+                if len(old) <= len(held) and common_prefix(old, held, len(old)) == len(old)
+            ]:
                 del self.retained[slot]
                 self.cache.free(slot)
             self.retained[s.slot] = held
@@ -249,8 +284,10 @@ class TorchTargetRunner(TargetBackend):
             else:
                 victim = next((sid for sid in self.sessions if sid not in keep), None)
                 if victim is None:
-                    raise CacheFullError(f"all {self.cache.num_slots} KV slots are used by sessions of this call; "
-                                         "send fewer sessions per call or raise max_sessions")
+                    raise CacheFullError(
+                        f"all {self.cache.num_slots} KV slots are used by sessions of this call; "
+                        "send fewer sessions per call or raise max_sessions"
+                    )
                 log.info("KV cache full: evicting idle session %s", victim)
                 self.cache.free(self.sessions.pop(victim).slot)
                 self.stats["evictions"] += 1
@@ -273,8 +310,9 @@ class TorchTargetRunner(TargetBackend):
         # the only slot there is to take; a partial match (another prompt's shared system prompt) is
         # copied instead, so the retained prefix still answers a later repeat of its own prompt
         from_retained = best is not None and not live
-        take_over = from_retained and (best_len == len(self.retained[best])
-                                       or (self.cache.num_free == 0 and len(self.retained) == 1))
+        take_over = from_retained and (
+            best_len == len(self.retained[best]) or (self.cache.num_free == 0 and len(self.retained) == 1)
+        )
         if from_retained and not take_over and best_len < MIN_PREFIX_COPY:
             best, best_len, from_retained = None, 0, False  # too short to be worth a copy
         if take_over:
@@ -304,13 +342,14 @@ class TorchTargetRunner(TargetBackend):
                 reuse = not (req.want_features and not self.features.from_cache)
                 s = self._new_session(req.session_id, keep, list(req.tokens), reuse)
         self.sessions.move_to_end(req.session_id)
-        committed = s.committed[:req.base] + list(req.tokens)
+        committed = s.committed[: req.base] + list(req.tokens)
         if not committed:
             raise ValueError(f"session {req.session_id}: no tokens to verify")
         need = len(committed) + len(req.drafts)
         if need > self.max_model_len:
             raise ContextTooLongError(
-                f"session {req.session_id}: {need} tokens exceed the context of {self.max_model_len}")
+                f"session {req.session_id}: {need} tokens exceed the context of {self.max_model_len}"
+            )
         # keep the cached K/V of the longest prefix still committed; the last committed token is
         # always fed again (its logits predict the first draft)
         m = common_prefix(s.committed, committed, min(s.cached, len(committed) - 1))
@@ -337,7 +376,7 @@ class TorchTargetRunner(TargetBackend):
             (decode if len(s.committed) - s.cached == 1 else prefill).append((req, s))
 
         def answering(r: VerifyRequest, s: _Session) -> _Work:
-            fed, depth = _with_alternatives(r, s.committed[s.cached:] + list(r.drafts))
+            fed, depth = _with_alternatives(r, s.committed[s.cached :] + list(r.drafts))
             return _Work(r, s, s.cached, fed, True, alt_depth=depth)
 
         work = [answering(r, s) for r, s in decode]
@@ -349,8 +388,7 @@ class TorchTargetRunner(TargetBackend):
                 w = answering(r, s)
             elif room > 0:
                 chunk = min(uncached, room)
-                w = _Work(r, s, s.cached, s.committed[s.cached:s.cached + chunk], chunk == uncached,
-                          uncached - chunk)
+                w = _Work(r, s, s.cached, s.committed[s.cached : s.cached + chunk], chunk == uncached, uncached - chunk)
                 if w.done:  # the prompt fits but its drafts do not: answer without drafts
                     w.req = dataclasses.replace(r, drafts=[], draft_probs=None, alternatives=[])
             else:
@@ -384,8 +422,9 @@ class TorchTargetRunner(TargetBackend):
         fed = [w for w in work if w.fed]
         for w in work:
             if not w.fed:
-                results[w.req.session_id] = VerifyResult(w.req.session_id, [], 0, w.start, None,
-                                                         prefill_remaining=w.remaining)
+                results[w.req.session_id] = VerifyResult(
+                    w.req.session_id, [], 0, w.start, None, prefill_remaining=w.remaining
+                )
         if fed:
             for w, res in zip(fed, self._forward(fed)):
                 results[w.req.session_id] = res
@@ -402,31 +441,42 @@ class TorchTargetRunner(TargetBackend):
         for them later (``features_from``), so a feature head that cannot recompute them (hidden
         states) keeps single steps."""
         can_features = self.features.from_cache
-        live = [w for w in work if w.done and w.req.decode_steps > 1
-                and (not w.req.want_features or (can_features and not w.req.drafts))]
+        live = [
+            w
+            for w in work
+            if w.done and w.req.decode_steps > 1 and (not w.req.want_features or (can_features and not w.req.drafts))
+        ]
         # the steps after the verified drafts sample from the target alone
         plain = {w.req.session_id: dataclasses.replace(w.req, drafts=[], draft_probs=None) for w in live}
         step = 1  # forwards so far
         while True:
-            live = [w for w in live
-                    if step < w.req.decode_steps
-                    and (w.req.max_tokens <= 0 or len(results[w.req.session_id].tokens) < w.req.max_tokens)
-                    and results[w.req.session_id].tokens[-1] not in w.req.stop_token_ids
-                    and len(w.session.committed) < self.max_model_len]
+            live = [
+                w
+                for w in live
+                if step < w.req.decode_steps
+                and (w.req.max_tokens <= 0 or len(results[w.req.session_id].tokens) < w.req.max_tokens)
+                and results[w.req.session_id].tokens[-1] not in w.req.stop_token_ids
+                and len(w.session.committed) < self.max_model_len
+            ]
             if not live:
                 return
             if self._cut.is_set():
                 self.stats["steps_cut"] += 1
                 return
             t0 = time.perf_counter()
-            hidden = self._packed_forward([w.session.slot for w in live], [w.session.cached for w in live],
-                                          [[w.session.committed[-1]] for w in live], [[] for _ in live])
+            hidden = self._packed_forward(
+                [w.session.slot for w in live],
+                [w.session.cached for w in live],
+                [[w.session.committed[-1]] for w in live],
+                [[] for _ in live],
+            )
             logits, choice = self._logits_and_choice(hidden, [plain[w.req.session_id] for w in live])
             for i, w in enumerate(live):
                 s, r = w.session, results[w.req.session_id]
                 position = w.req.base + len(w.req.tokens) + len(r.tokens)  # this token's index
-                _, tok = self._accept(plain[w.req.session_id], None if logits is None else logits[i:i + 1],
-                                      choice[i:i + 1], position)
+                _, tok = self._accept(
+                    plain[w.req.session_id], None if logits is None else logits[i : i + 1], choice[i : i + 1], position
+                )
                 s.cached += 1
                 s.committed.append(tok)
                 self.cache.lengths[s.slot] = s.cached
@@ -440,8 +490,9 @@ class TorchTargetRunner(TargetBackend):
     def _forward(self, work: list[_Work]) -> list[VerifyResult]:
         t0 = time.perf_counter()
         twins = [[w.chain - len(w.req.drafts) + d for d in w.alt_depth] for w in work]
-        hidden = self._packed_forward([w.session.slot for w in work], [w.start for w in work],
-                                      [w.fed for w in work], twins)  # [N, H]
+        hidden = self._packed_forward(
+            [w.session.slot for w in work], [w.start for w in work], [w.fed for w in work], twins
+        )  # [N, H]
         # logits only where needed: the last committed token, each draft and each alternative of
         # answering sessions
         rows, offset = [], 0
@@ -451,8 +502,7 @@ class TorchTargetRunner(TargetBackend):
                 first = offset + w.chain - k - 1
                 rows.extend(range(first, first + k + 1 + len(w.alt_depth)))
             offset += len(w.fed)
-        logits, choice = (self._logits_and_choice(hidden[rows], [w.req for w in work if w.done]) if rows
-                          else (None, []))
+        logits, choice = self._logits_and_choice(hidden[rows], [w.req for w in work if w.done]) if rows else (None, [])
         self.stats["forwards"] += 1
         self.stats["tokens"] += hidden.shape[0]
         self.stats["forward_s"] += time.perf_counter() - t0
@@ -462,12 +512,16 @@ class TorchTargetRunner(TargetBackend):
             s = w.session
             if not w.done:  # a prefill chunk: cache it, answer nothing yet
                 s.cached += len(w.fed)
-                results.append(VerifyResult(w.req.session_id, [], 0, w.start, None, num_computed=len(w.fed),
-                                            prefill_remaining=w.remaining))
+                results.append(
+                    VerifyResult(
+                        w.req.session_id, [], 0, w.start, None, num_computed=len(w.fed), prefill_remaining=w.remaining
+                    )
+                )
                 continue
             k, n_alt = len(w.req.drafts), len(w.alt_depth)
-            n_acc, nxt = self._accept(w.req, None if logits is None else logits[row:row + k + 1],
-                                      choice[row:row + k + 1])
+            n_acc, nxt = self._accept(
+                w.req, None if logits is None else logits[row : row + k + 1], choice[row : row + k + 1]
+            )
             out = list(w.req.drafts[:n_acc]) + [nxt]
             alt = self._accepted_alternative(w, n_acc, nxt) if n_alt else None
             if alt is not None:  # the target's token at the first rejected depth was an alternative
@@ -478,15 +532,19 @@ class TorchTargetRunner(TargetBackend):
             kept = w.chain - k + n_acc  # uncached committed tokens + accepted drafts
             s.cached = w.start + kept
             s.committed.extend(out)  # the replica's copy: what it returned is committed next round
-            results.append(VerifyResult(w.req.session_id, out, n_acc, feature_start=w.start, features=None,
-                                        num_computed=len(w.fed)))
+            results.append(
+                VerifyResult(
+                    w.req.session_id, out, n_acc, feature_start=w.start, features=None, num_computed=len(w.fed)
+                )
+            )
         for w in work:
             self.cache.lengths[w.session.slot] = w.session.cached
         self._attach_features(work, results, hidden)
         return results
 
-    def _packed_forward(self, slots: list[int], starts: list[int], fed: list[list[int]],
-                        twins: list[list[int]]) -> torch.Tensor:
+    def _packed_forward(
+        self, slots: list[int], starts: list[int], fed: list[list[int]], twins: list[list[int]]
+    ) -> torch.Tensor:
         """One forward over the sessions' new tokens packed one after another: final-norm hidden
         states [N, H]. The fixed-shape (graph-replayed) forward when it covers the call, else the
         forward planned for this call's shapes."""
@@ -496,8 +554,9 @@ class TorchTargetRunner(TargetBackend):
             hidden = self.static([t for f in fed for t in f], token_slots, positions, store_at)
             if hidden is not None:
                 return hidden
-        batch = PackedBatch(self.cache, slots, starts, [len(f) for f in fed], self.device,
-                            kernel=self.attention_kernel, twins=twins)
+        batch = PackedBatch(
+            self.cache, slots, starts, [len(f) for f in fed], self.device, kernel=self.attention_kernel, twins=twins
+        )
         return self.model.forward_packed(torch.tensor([t for f in fed for t in f], device=self.device), batch)
 
     def _logits_and_choice(self, hidden: torch.Tensor, answering: list[VerifyRequest]):
@@ -531,8 +590,9 @@ class TorchTargetRunner(TargetBackend):
         w.accepted_alt = alt
         self.stats["alternatives_accepted"] += 1
 
-    def _accept(self, req: VerifyRequest, logits: torch.Tensor | None, choice: list[int],
-                position: int | None = None) -> tuple[int, int]:
+    def _accept(
+        self, req: VerifyRequest, logits: torch.Tensor | None, choice: list[int], position: int | None = None
+    ) -> tuple[int, int]:
         """(accepted drafts, next token): greedy from ``choice`` (the argmax rows); sampling from
         ``logits`` (host float32 rows, given whenever the request samples)."""
         params: SamplingParams = req.sampling
@@ -558,8 +618,10 @@ class TorchTargetRunner(TargetBackend):
         if q.shape[-1] == vocab:
             return q
         if self.draft_vocab is None or q.shape[-1] != len(self.draft_vocab):
-            raise ValueError(f"session {session_id}: draft_probs has {q.shape[-1]} columns; expected {vocab} "
-                             "or the drafter's draft vocabulary size")
+            raise ValueError(
+                f"session {session_id}: draft_probs has {q.shape[-1]} columns; expected {vocab} "
+                "or the drafter's draft vocabulary size"
+            )
         full = torch.zeros(q.shape[0], vocab, dtype=q.dtype)
         full[:, self.draft_vocab.cpu()] = q
         return full
@@ -580,8 +642,10 @@ class TorchTargetRunner(TargetBackend):
             spans.append((start, end))
             rows.append(offset)
             offset += len(w.fed)
-        inputs = [source.inputs(self.cache, w.session.slot, a, e, self._hidden_rows(hidden, w, o, e - a))
-                  for w, o, (a, e) in zip(work, rows, spans)]
+        inputs = [
+            source.inputs(self.cache, w.session.slot, a, e, self._hidden_rows(hidden, w, o, e - a))
+            for w, o, (a, e) in zip(work, rows, spans)
+        ]
         sizes = [x.shape[0] for x in inputs]
         if sum(sizes) == 0:
             return
@@ -595,9 +659,11 @@ class TorchTargetRunner(TargetBackend):
     def _hidden_rows(hidden: torch.Tensor, w: _Work, offset: int, n: int):
         """The target's hidden states of a session's ``n`` newly cached positions, ``offset`` its
         first row in the call's forward: the last one is that of the accepted alternative if any."""
+
         def rows() -> torch.Tensor:
-            chunk = hidden[offset:offset + n]
+            chunk = hidden[offset : offset + n]
             if w.accepted_alt is not None and n > 0:  # the last position holds the accepted alternative
                 chunk = torch.cat((chunk[:-1], hidden[offset + w.chain + w.accepted_alt][None]))
             return chunk
+
         return rows

@@ -44,10 +44,13 @@ def render_segments(tok, messages: list[dict], add_generation_prompt: bool = Fal
             body = tok.encode(f"{content}<|im_end|>", add_special_tokens=False)
             tail = tok.encode("\n", add_special_tokens=False)
         else:
-            head = tok.encode(("User: " if role == "user" else "Assistant: " if role == "assistant" else f"{role}: "),
-                              add_special_tokens=False)
-            body = tok.encode(content, add_special_tokens=False) + ([tok.eos_token_id] if role == "assistant"
-                                                                    and tok.eos_token_id is not None else [])
+            head = tok.encode(
+                ("User: " if role == "user" else "Assistant: " if role == "assistant" else f"{role}: "),
+                add_special_tokens=False,
+            )
+            body = tok.encode(content, add_special_tokens=False) + (
+                [tok.eos_token_id] if role == "assistant" and tok.eos_token_id is not None else []
+            )
             tail = tok.encode("\n", add_special_tokens=False)
         segs.append((head, False))
         segs.append((body, role == "assistant"))
@@ -75,7 +78,7 @@ def default_system_prompt(tok) -> str | None:
     head = "<|im_start|>system\n"
     if not text.startswith(head) or "<|im_end|>" not in text.split(probe)[0]:
         return None
-    return text[len(head):text.index("<|im_end|>")]
+    return text[len(head) : text.index("<|im_end|>")]
 
 
 def encode_conversation(tok, messages: list[dict], max_len: int, max_prompt: int = 0) -> tuple[list[int], list[bool]]:
@@ -99,8 +102,8 @@ def encode_turns(tok, messages: list[dict], max_len: int, max_prompt: int = 0) -
     segs = render_segments(tok, messages)  # a turn's window is the segments up to its reply's body
     out = []
     for last in (i for i, (_, is_resp) in enumerate(segs) if is_resp):
-        ids = [t for seg, _ in segs[:last + 1] for t in seg]
-        resp = [i == last for i, (seg, _) in enumerate(segs[:last + 1]) for _ in seg]
+        ids = [t for seg, _ in segs[: last + 1] for t in seg]
+        resp = [i == last for i, (seg, _) in enumerate(segs[: last + 1]) for _ in seg]
         out.append(_cut(ids, resp, max_len, max_prompt))
     return out
 
@@ -125,8 +128,9 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
 
 
-def load_conversations(data_dir: str | Path, per_file: int = 0, seed: int = 0,
-                       files: list[str] | None = None, with_source: bool = False) -> list:
+def load_conversations(
+    data_dir: str | Path, per_file: int = 0, seed: int = 0, files: list[str] | None = None, with_source: bool = False
+) -> list:
     """Conversations from every ``*.jsonl`` of ``data_dir`` (at most ``per_file`` each, sampled;
     a larger ``per_file`` keeps the smaller one's sample). ``with_source``: (messages,
     ``{"file": name, "row": i}``) pairs instead."""
@@ -190,8 +194,8 @@ def batches(examples: list[Example], batch_size: int, seed: int, pool: int = 16)
         rng.shuffle(order)
         chunk = batch_size * pool
         for c in range(0, len(order), chunk):
-            group = sorted(order[c:c + chunk], key=lambda i: len(examples[i].ids))
-            bs = [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
+            group = sorted(order[c : c + chunk], key=lambda i: len(examples[i].ids))
+            bs = [group[i : i + batch_size] for i in range(0, len(group), batch_size)]
             rng.shuffle(bs)
             for b in bs:
                 yield collate([examples[i] for i in b])

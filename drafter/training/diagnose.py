@@ -24,11 +24,11 @@ import sys
 import torch
 
 from moa_serve.drafter.baselines import build_baseline
-from moa_serve.drafter.training import masks
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
-from moa_serve.drafter.spec import resolve_drafter_path
-from moa_serve.drafter.training.data import batches, build_examples, load_conversations
 from moa_serve.drafter.model import MoADrafter, TargetParts
+from moa_serve.drafter.spec import resolve_drafter_path
+from moa_serve.drafter.training import masks
+from moa_serve.drafter.training.data import batches, build_examples, load_conversations
 from moa_serve.model_files import load_state_dict, load_tokenizer, read_config, resolve_model_path
 from moa_serve.target_model import TargetModel
 
@@ -48,8 +48,17 @@ def _load(spec: str):
 
 
 @torch.no_grad()
-def diagnose(target_name: str, drafters: list[str], data_dir: str, batches_: int = 30, batch_size: int = 8,
-             period: int = 6, max_len: int = 128, max_prompt: int = 48, progress: bool = True) -> list[dict]:
+def diagnose(
+    target_name: str,
+    drafters: list[str],
+    data_dir: str,
+    batches_: int = 30,
+    batch_size: int = 8,
+    period: int = 6,
+    max_len: int = 128,
+    max_prompt: int = 48,
+    progress: bool = True,
+) -> list[dict]:
     from tqdm import tqdm
 
     path = resolve_model_path(target_name)
@@ -65,8 +74,10 @@ def diagnose(target_name: str, drafters: list[str], data_dir: str, batches_: int
     for spec in drafters:
         cfg, m, vocab = _load(spec)
         loaded.append((spec, cfg, m, vocab, parts.lm_head.weight if vocab is None else parts.lm_head.weight[vocab]))
-    acc = {spec: {"hits": torch.zeros(period), "count": torch.zeros(period), "zeroed": 0, "fresh": 0.0,
-                  "uniform": 0.0} for spec in drafters}
+    acc = {
+        spec: {"hits": torch.zeros(period), "count": torch.zeros(period), "zeroed": 0, "fresh": 0.0, "uniform": 0.0}
+        for spec in drafters
+    }
     stream = batches(examples, batch_size, 123)
     for _ in tqdm(range(n), desc="diagnose", disable=not progress, file=sys.stderr):
         tokens, resp, valid = next(stream)
@@ -97,8 +108,11 @@ def diagnose(target_name: str, drafters: list[str], data_dir: str, batches_: int
                 a["count"][1] += scored.sum()
                 continue
             sa = masks.self_mask(visible, torch.zeros(b, dtype=torch.bool))
-            ca = (masks.latest_cross_mask(visible) if cfg.cross_attention_latest_only
-                  else masks.bounded_cross_mask(visible))
+            ca = (
+                masks.latest_cross_mask(visible)
+                if cfg.cross_attention_latest_only
+                else masks.bounded_cross_mask(visible)
+            )
             sel = visible & valid
             fv = m.feature_head(t["per_layer_kv"][sel])
             feats = torch.zeros(b, s, fv.shape[-1]).index_put((sel,), fv)
@@ -124,24 +138,40 @@ def diagnose(target_name: str, drafters: list[str], data_dir: str, batches_: int
     for spec, cfg, *_ in loaded:
         a = acc[spec]
         by_d = (a["hits"] / a["count"].clamp_min(1)).tolist()
-        row = {"drafter": str(resolve_drafter_path(spec)), "kind": cfg.kind, "data": data_dir,
-               "positions": int(a["count"].sum())}
+        row = {
+            "drafter": str(resolve_drafter_path(spec)),
+            "kind": cfg.kind,
+            "data": data_dir,
+            "positions": int(a["count"].sum()),
+        }
         if cfg.kind == "eagle":
             row["top1_d1"] = round(by_d[1], 3)
         else:
             total = int(a["count"].sum())
-            row.update({"top1_by_distance": [round(x, 3) for x in by_d],
-                        "top1_all_distances": round(float(a["hits"].sum()) / max(1, total), 3),
-                        "top1_features_zeroed": round(a["zeroed"] / max(1, total), 3),
-                        "ca_mass_on_freshest": round(a["fresh"] / max(1, total), 3),
-                        "ca_mass_if_uniform": round(a["uniform"] / max(1, total), 3)})
+            row.update(
+                {
+                    "top1_by_distance": [round(x, 3) for x in by_d],
+                    "top1_all_distances": round(float(a["hits"].sum()) / max(1, total), 3),
+                    "top1_features_zeroed": round(a["zeroed"] / max(1, total), 3),
+                    "ca_mass_on_freshest": round(a["fresh"] / max(1, total), 3),
+                    "ca_mass_if_uniform": round(a["uniform"] / max(1, total), 3),
+                }
+            )
         out.append(row)
     return out
 
 
 def cmd_diagnose(args) -> int:
-    rows = diagnose(args.target, [d for d in args.drafter.split(",") if d], args.data, args.batches,
-                    args.batch_size, args.period, args.max_len, args.max_prompt)
+    rows = diagnose(
+        args.target,
+        [d for d in args.drafter.split(",") if d],
+        args.data,
+        args.batches,
+        args.batch_size,
+        args.period,
+        args.max_len,
+        args.max_prompt,
+    )
     for row in rows:
         print(json.dumps(row))
     return 0

@@ -20,8 +20,8 @@ import torch
 
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter, save_drafter
 from moa_serve.drafter.spec import resolve_drafter_path
-from moa_serve.model_files import load_tokenizer, resolve_model_path
 from moa_serve.drafter.training.data import build_examples, load_conversations, response_counts, stop_token_ids
+from moa_serve.model_files import load_tokenizer, resolve_model_path
 
 
 def shrink_draft_vocab(drafter: str, size: int, data_dir: str, out_dir: str, max_len: int = 256) -> dict:
@@ -48,10 +48,15 @@ def shrink_draft_vocab(drafter: str, size: int, data_dir: str, out_dir: str, max
 
     state = {**state, DRAFT_VOCAB_KEY: torch.tensor(keep, dtype=old.dtype)}
     out = save_drafter(out_dir, dataclasses.replace(cfg, draft_vocab_size=size), state)
-    report = {"from": str(src), "size_before": len(old_ids), "size": size, "data": str(data_dir),
-              "reply_tokens": total,
-              "coverage_before": round(sum(counts[t] for t in old_ids) / total, 4),
-              "coverage": round(sum(counts[t] for t in keep) / total, 4)}
+    report = {
+        "from": str(src),
+        "size_before": len(old_ids),
+        "size": size,
+        "data": str(data_dir),
+        "reply_tokens": total,
+        "coverage_before": round(sum(counts[t] for t in old_ids) / total, 4),
+        "coverage": round(sum(counts[t] for t in keep) / total, 4),
+    }
     training = src / "training.json"
     record = json.loads(training.read_text()) if training.exists() else {}
     record["draft_vocab_shrunk"] = report
@@ -67,12 +72,18 @@ def cmd_shrink_vocab(args) -> int:
 
 
 def register(dsub) -> None:
-    p = dsub.add_parser("shrink-vocab", help="keep a trained drafter's most frequent draft-vocabulary tokens "
-                                             "(cheaper drafting, same weights)")
+    p = dsub.add_parser(
+        "shrink-vocab",
+        help="keep a trained drafter's most frequent draft-vocabulary tokens (cheaper drafting, same weights)",
+    )
     p.add_argument("--drafter", required=True, help="a trained drafter checkpoint with a draft vocabulary")
     p.add_argument("--size", type=int, required=True, help="tokens to keep (e.g. 2048)")
-    p.add_argument("--data", required=True, help="folder of *.jsonl conversations whose replies give the "
-                                                  "frequencies (the drafter's self-distilled training data)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="folder of *.jsonl conversations whose replies give the "
+        "frequencies (the drafter's self-distilled training data)",
+    )
     p.add_argument("--out", required=True, help="folder for the new checkpoint")
     p.add_argument("--max-len", type=int, default=256, help="tokens per conversation window, as in training")
     p.set_defaults(func=cmd_shrink_vocab)

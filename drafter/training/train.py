@@ -42,25 +42,64 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from moa_serve.drafter.training import masks
 from moa_serve.drafter.baselines import build_baseline
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter, save_drafter
 from moa_serve.drafter.config import DrafterConfig
-from moa_serve.drafter.training.data import (batches, build_examples, load_conversations, stop_token_ids, top_vocab,
-                                    vocab_coverage)
 from moa_serve.drafter.model import MoADrafter, TargetParts, init_weights
+from moa_serve.drafter.training import masks
+from moa_serve.drafter.training.data import (
+    batches,
+    build_examples,
+    load_conversations,
+    stop_token_ids,
+    top_vocab,
+    vocab_coverage,
+)
 from moa_serve.model_files import load_state_dict, load_tokenizer, read_config, resolve_model_path
 from moa_serve.target_model import TargetArch, TargetModel
 
 DEFAULTS = dict(
-    target="HuggingFaceTB/SmolLM2-135M-Instruct", data_dir="../shared/data/train", data_files=None, per_file=1500,
-    max_len=256, drafters=["moa", "eagle", "independent"], target_layer_inference=0, draft_vocab_size=8192,
-    independent_layers=2, batch_size=8, grad_accum=2, max_steps=1000, max_time_min=0.0, lr=1e-3, min_lr_ratio=0.1,
-    warmup_steps=20, weight_decay=0.0, betas=[0.9, 0.95], grad_clip=1.0, kl_weight=0.1, period_min=6,
-    period_max=14, staircase=True, eagle_noise=0.1, feature_target_weight=0.0, value_readout_layers=0,
-    cross_attention_latest_only=False, amp="float32", target_dtype="bfloat16", max_prompt=0, device="cpu", threads=2, seed=0,
-    out_dir="runs/drafters", export_dir="runs/drafters/export", export_prefix="drafter", save_every_min=5.0,
-    log_every=5, init_seed=0, init_from=None, system_prompted="keep",
+    target="HuggingFaceTB/SmolLM2-135M-Instruct",
+    data_dir="../shared/data/train",
+    data_files=None,
+    per_file=1500,
+    max_len=256,
+    drafters=["moa", "eagle", "independent"],
+    target_layer_inference=0,
+    draft_vocab_size=8192,
+    independent_layers=2,
+    batch_size=8,
+    grad_accum=2,
+    max_steps=1000,
+    max_time_min=0.0,
+    lr=1e-3,
+    min_lr_ratio=0.1,
+    warmup_steps=20,
+    weight_decay=0.0,
+    betas=[0.9, 0.95],
+    grad_clip=1.0,
+    kl_weight=0.1,
+    period_min=6,
+    period_max=14,
+    staircase=True,
+    eagle_noise=0.1,
+    feature_target_weight=0.0,
+    value_readout_layers=0,
+    cross_attention_latest_only=False,
+    amp="float32",
+    target_dtype="bfloat16",
+    max_prompt=0,
+    device="cpu",
+    threads=2,
+    seed=0,
+    out_dir="runs/drafters",
+    export_dir="runs/drafters/export",
+    export_prefix="drafter",
+    save_every_min=5.0,
+    log_every=5,
+    init_seed=0,
+    init_from=None,
+    system_prompted="keep",
 )
 
 
@@ -106,8 +145,9 @@ class Trainer:
         self.target32 = TargetModel.from_state_dict(hf, state, torch.float32, self.device)
         self.target32.requires_grad_(False)
         tdt = getattr(torch, cfg["target_dtype"])
-        self.target = (TargetModel.from_state_dict(hf, state, tdt, self.device) if tdt != torch.float32
-                       else self.target32)
+        self.target = (
+            TargetModel.from_state_dict(hf, state, tdt, self.device) if tdt != torch.float32 else self.target32
+        )
         self.arch: TargetArch = self.target32.arch
         self.tok = load_tokenizer(path)
         self.tli = int(cfg["target_layer_inference"])
@@ -119,8 +159,10 @@ class Trainer:
         if cfg["system_prompted"] == "drop":  # the paper's recipe on data regenerated with --system-prompt-share
             convs = [c for c in convs if c[0]["role"] != "system"]
         if not convs:
-            raise ValueError(f"data_dir {cfg['data_dir']!r}: no conversations in *.jsonl files (for the "
-                             "self-distilled recipe run `moa regenerate --out ../runs/selfdistill` first)")
+            raise ValueError(
+                f"data_dir {cfg['data_dir']!r}: no conversations in *.jsonl files (for the "
+                "self-distilled recipe run `moa regenerate --out ../runs/selfdistill` first)"
+            )
         self.examples = build_examples(self.tok, convs, cfg["max_len"], max_prompt=cfg["max_prompt"])
         vsize = int(cfg["draft_vocab_size"])
         stops = stop_token_ids(self.tok, self.arch.vocab_size)
@@ -141,13 +183,16 @@ class Trainer:
         self.models: dict[str, torch.nn.Module] = {}
         self.cfgs: dict[str, DrafterConfig] = {}
         for kind in cfg["drafters"]:
-            dcfg = DrafterConfig(target=self.arch, target_name_or_path=str(cfg["target"]),
-                                 target_layer_inference=self.tli if kind == "moa" else 0,
-                                 draft_vocab_size=len(self.vocab) if self.vocab is not None else 0, kind=kind,
-                                 num_layers=int(cfg["independent_layers"]) if kind == "independent" else 0,
-                                 value_readout_layers=int(cfg["value_readout_layers"]) if kind == "moa" else 0,
-                                 cross_attention_latest_only=bool(cfg["cross_attention_latest_only"])
-                                 if kind == "moa" else False)
+            dcfg = DrafterConfig(
+                target=self.arch,
+                target_name_or_path=str(cfg["target"]),
+                target_layer_inference=self.tli if kind == "moa" else 0,
+                draft_vocab_size=len(self.vocab) if self.vocab is not None else 0,
+                kind=kind,
+                num_layers=int(cfg["independent_layers"]) if kind == "independent" else 0,
+                value_readout_layers=int(cfg["value_readout_layers"]) if kind == "moa" else 0,
+                cross_attention_latest_only=bool(cfg["cross_attention_latest_only"]) if kind == "moa" else False,
+            )
             m = MoADrafter(dcfg) if kind == "moa" else build_baseline(dcfg)
             init_weights(m, seed=cfg["init_seed"])
             if kind in self.init:
@@ -158,8 +203,12 @@ class Trainer:
                 self._fit_value_readout(m)  # a new readout (init_from's, when it has one, is kept)
             self.models[kind] = m.to(self.device).train()
             self.cfgs[kind] = dcfg
-        self.opts = {k: torch.optim.AdamW(m.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]),
-                                          weight_decay=cfg["weight_decay"]) for k, m in self.models.items()}
+        self.opts = {
+            k: torch.optim.AdamW(
+                m.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]), weight_decay=cfg["weight_decay"]
+            )
+            for k, m in self.models.items()
+        }
         self.step = 0
         self.elapsed = 0.0
         self.tokens_seen = 0
@@ -190,8 +239,10 @@ class Trainer:
         head.value_readout.weight.copy_(w[:-1].T)
         head.value_readout.bias.copy_(w[-1])
         fit = F.cosine_similarity(x1 @ w, h, dim=-1).mean().item()
-        print(json.dumps({"event": "value_readout_fit", "positions": len(x), "feature_hidden_cos": round(fit, 4)}),
-              flush=True)
+        print(
+            json.dumps({"event": "value_readout_fit", "positions": len(x), "feature_hidden_cos": round(fit, 4)}),
+            flush=True,
+        )
 
     def _warm_start_states(self, cfg: dict) -> dict[str, tuple[DrafterConfig, dict]]:
         """``init_from``: the folder of exported checkpoints (``<export_prefix>-<kind>``) to start
@@ -202,16 +253,21 @@ class Trainer:
             path = Path(cfg["init_from"]) / f"{cfg['export_prefix']}-{kind}"
             dcfg, state = load_drafter(str(path))
             if dcfg.kind != kind or dcfg.target_layer_inference != (self.tli if kind == "moa" else 0):
-                raise ValueError(f"init_from {path}: a {dcfg.kind} drafter with TLI {dcfg.target_layer_inference}, "
-                                 f"not the {kind} drafter this config trains")
+                raise ValueError(
+                    f"init_from {path}: a {dcfg.kind} drafter with TLI {dcfg.target_layer_inference}, "
+                    f"not the {kind} drafter this config trains"
+                )
             if kind == "moa" and dcfg.value_readout_layers not in (0, int(cfg["value_readout_layers"])):
-                raise ValueError(f"init_from {path}: its value readout reads {dcfg.value_readout_layers} layers; set "
-                                 f"value_readout_layers={dcfg.value_readout_layers} (this config: "
-                                 f"{cfg['value_readout_layers']})")
+                raise ValueError(
+                    f"init_from {path}: its value readout reads {dcfg.value_readout_layers} layers; set "
+                    f"value_readout_layers={dcfg.value_readout_layers} (this config: "
+                    f"{cfg['value_readout_layers']})"
+                )
             out[kind] = (dcfg, state)
         vocabs = [st.get(DRAFT_VOCAB_KEY) for _, st in out.values()]
-        if any(v is None for v in vocabs) != all(v is None for v in vocabs) or \
-                any(v is not None and not torch.equal(v, vocabs[0]) for v in vocabs):
+        if any(v is None for v in vocabs) != all(v is None for v in vocabs) or any(
+            v is not None and not torch.equal(v, vocabs[0]) for v in vocabs
+        ):
             raise ValueError(f"init_from {cfg['init_from']}: the drafters' draft vocabularies differ")
         return out
 
@@ -222,11 +278,20 @@ class Trainer:
     def save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         tmp = self.out / "train_state.pt.tmp"
-        torch.save({"step": self.step, "elapsed": self.elapsed, "tokens_seen": self.tokens_seen,
-                    "models": {k: m.state_dict() for k, m in self.models.items()},
-                    "opts": {k: o.state_dict() for k, o in self.opts.items()},
-                    "history": self.history, "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(),
-                    "config": self.cfg}, tmp)
+        torch.save(
+            {
+                "step": self.step,
+                "elapsed": self.elapsed,
+                "tokens_seen": self.tokens_seen,
+                "models": {k: m.state_dict() for k, m in self.models.items()},
+                "opts": {k: o.state_dict() for k, o in self.opts.items()},
+                "history": self.history,
+                "rng": self.rng.getstate(),
+                "torch_rng": torch.get_rng_state(),
+                "config": self.cfg,
+            },
+            tmp,
+        )
         os.replace(tmp, self.state_path())
         self.export()
 
@@ -262,11 +327,17 @@ class Trainer:
     def summary(self, kind: str) -> dict:
         recent = [h[kind] for h in self.history[-20:] if kind in h]
         avg = {k: round(sum(r[k] for r in recent) / len(recent), 4) for k in recent[0]} if recent else {}
-        return {"kind": kind, "steps": self.step, "wall_time_s": round(self.elapsed, 1),
-                "tokens_seen": self.tokens_seen, "final_losses_last20": avg,
-                "draft_vocab_size": len(self.vocab) if self.vocab is not None else 0,
-                "draft_vocab_coverage": round(self.vocab_coverage, 4),
-                "num_examples": len(self.examples), "config": self.cfg}
+        return {
+            "kind": kind,
+            "steps": self.step,
+            "wall_time_s": round(self.elapsed, 1),
+            "tokens_seen": self.tokens_seen,
+            "final_losses_last20": avg,
+            "draft_vocab_size": len(self.vocab) if self.vocab is not None else 0,
+            "draft_vocab_coverage": round(self.vocab_coverage, 4),
+            "num_examples": len(self.examples),
+            "config": self.cfg,
+        }
 
     # ------------------------------------------------------------------ one batch
     def progress(self) -> float:
@@ -288,7 +359,7 @@ class Trainer:
         positions = torch.arange(s, device=dev)[None].expand(b, s)
         causal = masks.causal_mask(b, s, dev)
         stats = {}
-        ac = (torch.autocast(dev.type, dtype=self.amp) if self.amp else torch.autocast(dev.type, enabled=False))
+        ac = torch.autocast(dev.type, dtype=self.amp) if self.amp else torch.autocast(dev.type, enabled=False)
 
         def losses(pred, logits, extra=None):
             q_log = F.log_softmax(logits.float(), -1)
@@ -305,11 +376,17 @@ class Trainer:
                     period = torch.randint(cfg["period_min"], cfg["period_max"] + 1, (b,), device=dev)
                     visible = masks.every_t_visible(~resp, period) | ~valid
                     visible[:, 0] = True
-                    use_stair = (torch.rand(b, device=dev) < masks.staircase_probability(self.progress())) \
-                        if cfg["staircase"] else torch.zeros(b, dtype=torch.bool, device=dev)
+                    use_stair = (
+                        (torch.rand(b, device=dev) < masks.staircase_probability(self.progress()))
+                        if cfg["staircase"]
+                        else torch.zeros(b, dtype=torch.bool, device=dev)
+                    )
                     sa = masks.self_mask(visible, use_stair)
-                    ca = (masks.latest_cross_mask(visible) if cfg["cross_attention_latest_only"]
-                          else masks.bounded_cross_mask(visible))
+                    ca = (
+                        masks.latest_cross_mask(visible)
+                        if cfg["cross_attention_latest_only"]
+                        else masks.bounded_cross_mask(visible)
+                    )
                     sel = visible & valid
                     fv = m.feature_head(t["per_layer_kv"][sel])
                     grounding = None
@@ -322,12 +399,20 @@ class Trainer:
                     feats = torch.zeros(b, s, fv.shape[-1], dtype=fv.dtype, device=dev)
                     feats = feats.index_put((sel,), fv)
                     hidden, ca_out = m.draft_head.forward_parallel(
-                        self.parts, tokens, feats, positions, sa, ca,
-                        t["tli_input"] if self.tli else None, ~visible if self.tli else None)
+                        self.parts,
+                        tokens,
+                        feats,
+                        positions,
+                        sa,
+                        ca,
+                        t["tli_input"] if self.tli else None,
+                        ~visible if self.tli else None,
+                    )
                     extra = None
                     if self.tli:
-                        extra = _masked_mean(F.smooth_l1_loss(ca_out.float(), t["tli_input"], reduction="none")
-                                             .mean(-1), loss_mask)
+                        extra = _masked_mean(
+                            F.smooth_l1_loss(ca_out.float(), t["tli_input"], reduction="none").mean(-1), loss_mask
+                        )
                     logits = hidden @ self.head_w.T.to(hidden.dtype)
                     loss, st = losses(hidden, logits, extra)
                     if grounding is not None:
@@ -356,12 +441,27 @@ class Trainer:
         cfg = self.cfg
         stream = batches(self.examples, cfg["batch_size"], cfg["seed"] + self.step)
         budget = 60 * cfg["max_time_min"] if cfg["max_time_min"] else float("inf")
-        bar = tqdm(total=cfg["max_steps"], initial=self.step, disable=not progress_bar, mininterval=10,
-                   dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(
+            total=cfg["max_steps"],
+            initial=self.step,
+            disable=not progress_bar,
+            mininterval=10,
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
         last_save = time.perf_counter()
-        print(json.dumps({"event": "start", "examples": len(self.examples), "vocab_coverage": self.vocab_coverage,
-                          "step": self.step, "params": {k: sum(p.numel() for p in m.parameters())
-                                                         for k, m in self.models.items()}}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "event": "start",
+                    "examples": len(self.examples),
+                    "vocab_coverage": self.vocab_coverage,
+                    "step": self.step,
+                    "params": {k: sum(p.numel() for p in m.parameters()) for k, m in self.models.items()},
+                }
+            ),
+            flush=True,
+        )
         while self.step < cfg["max_steps"] and self.elapsed < budget:
             t0 = time.perf_counter()
             factor = _lr_factor(cfg, self.step, self.progress())
@@ -386,13 +486,20 @@ class Trainer:
             self.elapsed += dt
             self.step += 1
             self.tokens_seen += ntok
-            rec = {"step": self.step, "elapsed": round(self.elapsed, 1), "lr": cfg["lr"] * factor,
-                   "tok_s": round(ntok / dt, 1), **{k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in acc.items()}}
+            rec = {
+                "step": self.step,
+                "elapsed": round(self.elapsed, 1),
+                "lr": cfg["lr"] * factor,
+                "tok_s": round(ntok / dt, 1),
+                **{k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in acc.items()},
+            }
             self.history.append(rec)
             eta = min((cfg["max_steps"] - self.step) * dt, budget - self.elapsed)
             bar.update(1)
-            bar.set_postfix_str(" ".join(f"{k}:loss={v['loss']:.3f},kl={v['kl']:.2f},acc={v['acc']:.2f}"
-                                         for k, v in acc.items()) + f" tok/s={ntok / dt:.0f} eta={eta / 60:.1f}m")
+            bar.set_postfix_str(
+                " ".join(f"{k}:loss={v['loss']:.3f},kl={v['kl']:.2f},acc={v['acc']:.2f}" for k, v in acc.items())
+                + f" tok/s={ntok / dt:.0f} eta={eta / 60:.1f}m"
+            )
             if self.step % cfg["log_every"] == 0 or self.step == 1:
                 print(json.dumps({**rec, "eta_min": round(eta / 60, 1)}), flush=True)
             if time.perf_counter() - last_save > 60 * cfg["save_every_min"]:

@@ -3,9 +3,18 @@ it borrows), ``Transport`` (keep-alive HTTP to ``/v1/cs``), ``RemoteGenerator`` 
 remote verification, offline degradation). ``moa client generate`` is its command line."""
 
 from moa_serve.client.device import DeviceDrafter
-from moa_serve.client.generate import (ClientEvent, ClientResult, HandshakeError, OfflineError,
-                                       RemoteGenerator)
+from moa_serve.client.generate import ClientEvent, ClientResult, HandshakeError, OfflineError, RemoteGenerator
 from moa_serve.client.transport import ResyncError, ServerError, Transport, Unreachable
 
-__all__ = ["ClientEvent", "ClientResult", "DeviceDrafter", "HandshakeError", "OfflineError", "RemoteGenerator",
-           "ResyncError", "ServerError", "Transport", "Unreachable"]
+__all__ = [
+    "ClientEvent",
+    "ClientResult",
+    "DeviceDrafter",
+    "HandshakeError",
+    "OfflineError",
+    "RemoteGenerator",
+    "ResyncError",
+    "ServerError",
+    "Transport",
+    "Unreachable",
+]

@@ -18,8 +18,9 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 def best_k(alpha: float, draft_s: float, round_trip_s: float, k_max: int, k_min: int = 1) -> int:
     """The K in [k_min, k_max] with the most expected tokens per second of a round."""
-    return max(range(k_min, k_max + 1),
-               key=lambda k: (expected_tokens(alpha, k) / max(1e-9, round_trip_s + k * draft_s), -k))
+    return max(
+        range(k_min, k_max + 1), key=lambda k: (expected_tokens(alpha, k) / max(1e-9, round_trip_s + k * draft_s), -k)
+    )
 
 
 class KController:
@@ -45,7 +46,9 @@ class KController:
         """One round: ``accepted`` of ``drafted`` drafts, drafting took ``draft_s`` (all of them),
         the verify call ``round_trip_s``."""
         d = self.decay
-        self.round_trip_s = round_trip_s if self.round_trip_s is None else d * self.round_trip_s + (1 - d) * round_trip_s
+        self.round_trip_s = (
+            round_trip_s if self.round_trip_s is None else d * self.round_trip_s + (1 - d) * round_trip_s
+        )
         if drafted <= 0:
             return
         self._accepts = d * self._accepts + accepted
@@ -61,6 +64,9 @@ class KController:
         return best_k(self.alpha, self.draft_s, self.round_trip_s, self.k_max)
 
     def snapshot(self) -> dict:
-        return {"alpha": round(self.alpha, 4), "k": self.k(),
-                "draft_ms_per_token": round(1e3 * self.draft_s, 3) if self.draft_s is not None else None,
-                "round_trip_ms": round(1e3 * self.round_trip_s, 3) if self.round_trip_s is not None else None}
+        return {
+            "alpha": round(self.alpha, 4),
+            "k": self.k(),
+            "draft_ms_per_token": round(1e3 * self.draft_s, 3) if self.draft_s is not None else None,
+            "round_trip_ms": round(1e3 * self.round_trip_s, 3) if self.round_trip_s is not None else None,
+        }

@@ -27,8 +27,16 @@ def percentile(values, q: float) -> float:
 
 
 class CallDeadline:
-    def __init__(self, *, multiple: float = MULTIPLE, floor_s: float = FLOOR_S, cap_s: float = CAP_S,
-                 first_s: float = FIRST_S, window: int = WINDOW, fixed_s: float | None = None):
+    def __init__(
+        self,
+        *,
+        multiple: float = MULTIPLE,
+        floor_s: float = FLOOR_S,
+        cap_s: float = CAP_S,
+        first_s: float = FIRST_S,
+        window: int = WINDOW,
+        fixed_s: float | None = None,
+    ):
         if not 0 < floor_s <= cap_s or multiple <= 0 or first_s <= 0 or window < 1:
             raise ValueError("a deadline needs 0 < floor_s <= cap_s, multiple > 0, first_s > 0 and window >= 1")
         if fixed_s is not None and fixed_s <= 0:

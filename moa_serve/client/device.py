@@ -31,18 +31,30 @@ class DeviceDrafter:
             self.model = self.proposer.model if isinstance(self.proposer, HybridProposer) else self.proposer
 
     @classmethod
-    def load(cls, drafter: str, target: str | None = None, dtype: str = "float32",
-             max_model_len: int = 2048, device: str = "cpu") -> "DeviceDrafter":
+    def load(
+        cls,
+        drafter: str,
+        target: str | None = None,
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        device: str = "cpu",
+    ) -> "DeviceDrafter":
         spec = DrafterSpec.parse(drafter)
         if spec.checkpoint is None:
-            raise ValueError(f"drafter {drafter!r}: a device drafts with a trained checkpoint (a checkpoint, or "
-                             "hybrid:<checkpoint> for prompt lookup in front of it), not prompt lookup alone")
-        proposer = load_proposer(spec, target=target, dtype=dtype, device=device, max_sessions=1,
-                                 max_model_len=max_model_len)
+            raise ValueError(
+                f"drafter {drafter!r}: a device drafts with a trained checkpoint (a checkpoint, or "
+                "hybrid:<checkpoint> for prompt lookup in front of it), not prompt lookup alone"
+            )
+        proposer = load_proposer(
+            spec, target=target, dtype=dtype, device=device, max_sessions=1, max_model_len=max_model_len
+        )
         model = proposer.model if spec.lookup else proposer  # a hybrid's trained drafter
         tokenizer = load_tokenizer(resolve_model_path(target or model.cfg.target_name_or_path, weights=False))
-        prints = {"target": model_fingerprint(model.parts), "tokenizer": tokenizer_fingerprint(tokenizer),
-                  "drafter": drafter_fingerprint(drafter)}
+        prints = {
+            "target": model_fingerprint(model.parts),
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "drafter": drafter_fingerprint(drafter),
+        }
         return cls(proposer, tokenizer, prints, drafter, model)
 
     @property
@@ -66,8 +78,9 @@ class DeviceDrafter:
     def weight_bytes(self) -> int:
         """Bytes of every weight the device holds (shared tensors counted once)."""
         seen, total = set(), 0
-        modules = [self.model.parts] + [m for m in (getattr(self.model, "head", None),
-                                                     getattr(self.model, "model", None)) if m is not None]
+        modules = [self.model.parts] + [
+            m for m in (getattr(self.model, "head", None), getattr(self.model, "model", None)) if m is not None
+        ]
         for m in modules:
             for p in list(m.parameters()) + list(m.buffers()):
                 if p.data_ptr() not in seen:

@@ -30,9 +30,9 @@ from moa_serve.client.device import DeviceDrafter
 from moa_serve.client.transport import ResyncError, ServerError, Transport, Unreachable
 from moa_serve.cs import wire
 from moa_serve.drafter.spec import TreeShape, parse_branching
+from moa_serve.engine.session import FeatureStore
 from moa_serve.protocol import DraftRequest
 from moa_serve.sampling import GREEDY, SamplingParams
-from moa_serve.engine.session import FeatureStore
 
 OFFLINE_MODES = ("degrade", "strict")
 LOCAL_ID = "device"  # the local proposer's one session
@@ -58,6 +58,7 @@ class ClientEvent:
     """``verified``: generated tokens [position, position + n) are the target's. ``offline``: the
     drafter alone wrote them (unverified). ``correction``: the offline tokens from ``position`` on
     were wrong: the output is cut there and continues with ``tokens`` (verified)."""
+
     kind: str
     position: int
     tokens: list[int]
@@ -102,27 +103,52 @@ class ClientResult:
 
     def as_dict(self) -> dict:
         n = max(1, self.num_tokens)
-        return {"text": self.text, "token_ids": self.token_ids, "num_tokens": self.num_tokens,
-                "finish_reason": self.finish_reason, "verified_tokens": self.verified_tokens,
-                "offline_tokens": self.offline_tokens, "offline_generated": self.offline_generated,
-                "corrections": self.corrections, "corrected_tokens": self.corrected_tokens,
-                "disconnections": self.disconnections,
-                "first_offline_s": None if self.first_offline_s is None else round(self.first_offline_s, 4),
-                "server_calls": self.server_calls, "retries": self.retries,
-                "resyncs": self.resyncs, "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
-                "bytes_per_token": round((self.bytes_up + self.bytes_down) / n, 1),
-                "calls_per_token": round(self.server_calls / n, 4), "rounds": self.rounds,
-                "tree_rounds": self.tree_rounds,
-                "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
-                "mean_accepted_length": round(self.mean_accepted_length, 4),
-                "elapsed_s": round(self.elapsed_s, 4), "tokens_per_s": round(self.tokens_per_s, 2), "k": self.k}
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "num_tokens": self.num_tokens,
+            "finish_reason": self.finish_reason,
+            "verified_tokens": self.verified_tokens,
+            "offline_tokens": self.offline_tokens,
+            "offline_generated": self.offline_generated,
+            "corrections": self.corrections,
+            "corrected_tokens": self.corrected_tokens,
+            "disconnections": self.disconnections,
+            "first_offline_s": None if self.first_offline_s is None else round(self.first_offline_s, 4),
+            "server_calls": self.server_calls,
+            "retries": self.retries,
+            "resyncs": self.resyncs,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "bytes_per_token": round((self.bytes_up + self.bytes_down) / n, 1),
+            "calls_per_token": round(self.server_calls / n, 4),
+            "rounds": self.rounds,
+            "tree_rounds": self.tree_rounds,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "elapsed_s": round(self.elapsed_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "k": self.k,
+        }
 
 
 class RemoteGenerator:
-    def __init__(self, device: DeviceDrafter, transport: Transport, *, num_speculative_tokens: int = 4,
-                 adaptive_k: bool = True, offline: str = "degrade", feature_codec: str = "float16",
-                 reconnect_backoff_s: float = 0.25, max_backoff_s: float = 4.0, final_reconnects: int = 8,
-                 offline_chunk: int = 4, branching: "TreeShape | str | tuple | None" = None):
+    def __init__(
+        self,
+        device: DeviceDrafter,
+        transport: Transport,
+        *,
+        num_speculative_tokens: int = 4,
+        adaptive_k: bool = True,
+        offline: str = "degrade",
+        feature_codec: str = "float16",
+        reconnect_backoff_s: float = 0.25,
+        max_backoff_s: float = 4.0,
+        final_reconnects: int = 8,
+        offline_chunk: int = 4,
+        branching: "TreeShape | str | tuple | None" = None,
+    ):
         if offline not in OFFLINE_MODES:
             raise ValueError(f"offline must be one of {OFFLINE_MODES}, got {offline!r}")
         if feature_codec not in wire.FEATURE_CODECS:
@@ -158,29 +184,35 @@ class RemoteGenerator:
             if ident.get(part) != ours[part]:
                 raise HandshakeError(
                     f"the server's {part} (fingerprint {ident.get(part)}) is not the device's ({ours[part]}): "
-                    f"the drafter {self.device.name} and its {part} must be the server's target {ident.get('model')!r}")
+                    f"the drafter {self.device.name} and its {part} must be the server's target {ident.get('model')!r}"
+                )
         if self.device.needs_features:
             if ident.get("drafter") is None:
-                raise HandshakeError("the server computes no drafter features (it serves no MoA or EAGLE-style "
-                                     f"drafter); the drafter {self.device.name} needs them")
+                raise HandshakeError(
+                    "the server computes no drafter features (it serves no MoA or EAGLE-style "
+                    f"drafter); the drafter {self.device.name} needs them"
+                )
             if ident["drafter"] != ours["drafter"]:
                 raise HandshakeError(
                     f"the drafter {self.device.name} (fingerprint {ours['drafter']}) is not the server's "
                     f"{ident.get('drafter_kind')} drafter ({ident['drafter']}): the server's verifier computes the "
-                    "features with its own drafter's feature head, so the device must run that same checkpoint")
+                    "features with its own drafter's feature head, so the device must run that same checkpoint"
+                )
         self.identity = ident
         return ident
 
-    def start(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
-              ignore_eos: bool = False) -> "GenerationRun":
+    def start(
+        self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY, ignore_eos: bool = False
+    ) -> "GenerationRun":
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         if not prompt:
             raise ValueError("prompt is empty")
         return GenerationRun(self, self.handshake(), list(prompt), max_new_tokens, sampling, ignore_eos)
 
-    def generate(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
-                 ignore_eos: bool = False) -> ClientResult:
+    def generate(
+        self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY, ignore_eos: bool = False
+    ) -> ClientResult:
         run = self.start(prompt, max_new_tokens, sampling, ignore_eos)
         for _ in run:
             pass
@@ -190,8 +222,15 @@ class RemoteGenerator:
 class GenerationRun:
     """One generation: iterate for its events, then ``result()``."""
 
-    def __init__(self, gen: RemoteGenerator, ident: dict, prompt: list[int], max_new: int,
-                 sampling: SamplingParams, ignore_eos: bool):
+    def __init__(
+        self,
+        gen: RemoteGenerator,
+        ident: dict,
+        prompt: list[int],
+        max_new: int,
+        sampling: SamplingParams,
+        ignore_eos: bool,
+    ):
         self.g, self.t, self.proposer = gen, gen.transport, gen.device.proposer
         # prompt lookup (a hybrid device) drafts only when greedy, online and offline alike (offline,
         # copying the context the target copies keeps the tail on its path longer: README); when
@@ -216,8 +255,17 @@ class GenerationRun:
         self.tree = gen.branching  # the shape the device drafts this round
         if gen.auto_tree is not None:  # starts with chains (an earlier run may have left the tree)
             self.proposer.set_tree(self.tree)
-        self.stats = {"rounds": 0, "tree_rounds": 0, "drafted": 0, "accepted": 0, "offline_generated": 0,
-                      "corrections": 0, "corrected_tokens": 0, "disconnections": 0, "resyncs": 0}
+        self.stats = {
+            "rounds": 0,
+            "tree_rounds": 0,
+            "drafted": 0,
+            "accepted": 0,
+            "offline_generated": 0,
+            "corrections": 0,
+            "corrected_tokens": 0,
+            "disconnections": 0,
+            "resyncs": 0,
+        }
         self.events: list[ClientEvent] = []
         self._offline_at: float | None = None  # when the first offline token was written
         self._calls0, self._retries0 = self.t.calls, self.t.retries
@@ -257,8 +305,10 @@ class GenerationRun:
                     yield from self._online_round()
                 except Unreachable as exc:
                     if self.g.offline == "strict":
-                        raise OfflineError(f"the server became unreachable after {self.generated} verified tokens "
-                                           f"({exc}); --offline degrade would keep writing with the drafter") from exc
+                        raise OfflineError(
+                            f"the server became unreachable after {self.generated} verified tokens "
+                            f"({exc}); --offline degrade would keep writing with the drafter"
+                        ) from exc
                     yield from self._offline()
             self.finish = self.finish or "length"
         finally:
@@ -308,12 +358,12 @@ class GenerationRun:
                 drafts, probs, _ = self._draft(min(self.g.offline_chunk, self.room))
                 for i, tok in enumerate(drafts):
                     if tok in self.stops:
-                        drafts = drafts[:i + 1]
+                        drafts = drafts[: i + 1]
                         break
                 if drafts:
                     self.tail += drafts
                     if probs is not None:
-                        self.tail_probs += list(probs[:len(drafts)])
+                        self.tail_probs += list(probs[: len(drafts)])
                     self.stats["offline_generated"] += len(drafts)
                     if self._offline_at is None:
                         self._offline_at = time.perf_counter()
@@ -345,8 +395,9 @@ class GenerationRun:
         distributions (sampling) and their alternatives (tree drafts)."""
         for _ in range(2):
             start = self.fed_features
-            req = DraftRequest(LOCAL_ID, self.verified + self.tail, k, start, self.features.since(start),
-                               self.sampling, base=0)
+            req = DraftRequest(
+                LOCAL_ID, self.verified + self.tail, k, start, self.features.since(start), self.sampling, base=0
+            )
             r = self.drafting.propose([req])[0]
             if r.needs_features_from is None:
                 self.fed_features = self.features.end
@@ -365,13 +416,14 @@ class GenerationRun:
         return out
 
     def _tail_drafts(self) -> tuple[list[int], torch.Tensor | None]:
-        drafts = self.tail[:self.max_drafts]
-        probs = torch.stack(self.tail_probs[:len(drafts)]) if self.tail_probs and not self.sampling.greedy else None
+        drafts = self.tail[: self.max_drafts]
+        probs = torch.stack(self.tail_probs[: len(drafts)]) if self.tail_probs and not self.sampling.greedy else None
         return drafts, probs
 
     # ------------------------------------------------------------------ the server
-    def _verify(self, drafts: list[int], probs, attempts: int | None = None,
-                alternatives: list[list[int]] | None = None):
+    def _verify(
+        self, drafts: list[int], probs, attempts: int | None = None, alternatives: list[list[int]] | None = None
+    ):
         body = {"round": self.round, "committed_length": len(self.verified), "draft_ids": drafts}
         if alternatives:
             body["alternatives"] = alternatives
@@ -386,11 +438,20 @@ class GenerationRun:
     def _create(self, attempts: int | None = None):
         self.sid, self.round = secrets.token_urlsafe(12), 0  # 16 characters: a short URL per round
         s = self.sampling
-        body = {"session_id": self.sid, "token_ids": self.verified, "max_tokens": self.max_new - self.generated,
-                "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed,
-                "ignore_eos": self.ignore_eos, "fingerprints": self.g.device.fingerprints,
-                "want_features": self.g.device.needs_features, "feature_codec": self.g.feature_codec,
-                "features_from": self.features.end}
+        body = {
+            "session_id": self.sid,
+            "token_ids": self.verified,
+            "max_tokens": self.max_new - self.generated,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "seed": s.seed,
+            "ignore_eos": self.ignore_eos,
+            "fingerprints": self.g.device.fingerprints,
+            "want_features": self.g.device.needs_features,
+            "feature_codec": self.g.feature_codec,
+            "features_from": self.features.end,
+        }
         try:
             return self.t.create(body, attempts)
         except ServerError as exc:
@@ -445,17 +506,30 @@ class GenerationRun:
 
     # ------------------------------------------------------------------ the outcome
     def result(self) -> ClientResult:
-        out = self.verified[self.prompt_len:] + self.tail
+        out = self.verified[self.prompt_len :] + self.tail
         tok = self.g.device.tokenizer
         st = self.stats
         return ClientResult(
-            token_ids=out, text=tok.decode(out, skip_special_tokens=True) if tok is not None else "",
-            finish_reason=self.finish or "incomplete", verified_tokens=self.generated, offline_tokens=len(self.tail),
+            token_ids=out,
+            text=tok.decode(out, skip_special_tokens=True) if tok is not None else "",
+            finish_reason=self.finish or "incomplete",
+            verified_tokens=self.generated,
+            offline_tokens=len(self.tail),
             tree_rounds=st["tree_rounds"],
-            offline_generated=st["offline_generated"], corrections=st["corrections"],
-            corrected_tokens=st["corrected_tokens"], disconnections=st["disconnections"],
-            first_offline_s=None if self._offline_at is None else self._offline_at - self._t0, rounds=st["rounds"],
-            drafted_tokens=st["drafted"], accepted_tokens=st["accepted"], server_calls=self.t.calls - self._calls0,
-            retries=self.t.retries - self._retries0, resyncs=st["resyncs"], bytes_up=self.t.bytes_up - self._up0,
-            bytes_down=self.t.bytes_down - self._down0, elapsed_s=self._t1 - self._t0, k=self.k.snapshot(),
-            events=list(self.events))
+            offline_generated=st["offline_generated"],
+            corrections=st["corrections"],
+            corrected_tokens=st["corrected_tokens"],
+            disconnections=st["disconnections"],
+            first_offline_s=None if self._offline_at is None else self._offline_at - self._t0,
+            rounds=st["rounds"],
+            drafted_tokens=st["drafted"],
+            accepted_tokens=st["accepted"],
+            server_calls=self.t.calls - self._calls0,
+            retries=self.t.retries - self._retries0,
+            resyncs=st["resyncs"],
+            bytes_up=self.t.bytes_up - self._up0,
+            bytes_down=self.t.bytes_down - self._down0,
+            elapsed_s=self._t1 - self._t0,
+            k=self.k.snapshot(),
+            events=list(self.events),
+        )

@@ -67,17 +67,28 @@ class Transport:
     follows the measured round trips). ``api_key``: sent on every call as ``Authorization: Bearer``
     (a server with API keys answers 401 without it, raised as ``ServerError``)."""
 
-    def __init__(self, server: str | None = None, *, http: httpx.Client | None = None, timeout_s: float | None = None,
-                 connect_timeout_s: float = 3.0, attempts: int = 3, backoff_s: float = 0.2,
-                 deadline: CallDeadline | None = None, api_key: str | None = None):
+    def __init__(
+        self,
+        server: str | None = None,
+        *,
+        http: httpx.Client | None = None,
+        timeout_s: float | None = None,
+        connect_timeout_s: float = 3.0,
+        attempts: int = 3,
+        backoff_s: float = 0.2,
+        deadline: CallDeadline | None = None,
+        api_key: str | None = None,
+    ):
         self.deadline = deadline or CallDeadline(fixed_s=timeout_s)
         if http is None:
             if not server:
                 raise ValueError("a server URL (or an httpx client) is needed")
             # (each request carries its own timeout: the call's deadline)
-            http = httpx.Client(base_url=server.rstrip("/"), timeout=httpx.Timeout(self.deadline.cap_s,
-                                                                                   connect=connect_timeout_s),
-                                limits=httpx.Limits(max_keepalive_connections=1, keepalive_expiry=300))
+            http = httpx.Client(
+                base_url=server.rstrip("/"),
+                timeout=httpx.Timeout(self.deadline.cap_s, connect=connect_timeout_s),
+                limits=httpx.Limits(max_keepalive_connections=1, keepalive_expiry=300),
+            )
         for h in DEFAULT_TRIM:
             http.headers.pop(h, None)
         if api_key:
@@ -102,8 +113,9 @@ class Transport:
     def create(self, body: dict, attempts: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
         return self._frame(self._send("POST", "/v1/cs/sessions", body, None, attempts, prefill=True))
 
-    def verify(self, session_id: str, body: dict, tensors: dict[str, torch.Tensor] | None = None,
-               attempts: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    def verify(
+        self, session_id: str, body: dict, tensors: dict[str, torch.Tensor] | None = None, attempts: int | None = None
+    ) -> tuple[dict, dict[str, torch.Tensor]]:
         return self._frame(self._send("POST", f"/v1/cs/sessions/{session_id}/verify", body, tensors, attempts))
 
     def delete(self, session_id: str) -> bool:
@@ -111,8 +123,15 @@ class Transport:
         return resp.status_code == 200
 
     # ------------------------------------------------------------------ plumbing
-    def _send(self, method: str, path: str, body: dict | None = None, tensors: dict | None = None,
-              attempts: int | None = None, prefill: bool = False) -> httpx.Response:
+    def _send(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        tensors: dict | None = None,
+        attempts: int | None = None,
+        prefill: bool = False,
+    ) -> httpx.Response:
         """Attempts the call until it is answered (< 500, not 429) or its deadline rules out
         another attempt. A prefill's round trip is the server's work, not the link's: not measured."""
         content, ctype = _encode(body, tensors)
@@ -136,8 +155,9 @@ class Transport:
             return resp
         if isinstance(last, ServerError):
             raise last
-        raise Unreachable(f"{method} {path}: {type(last).__name__}: {last} "
-                          f"(deadline {deadline_s:.2f} s: {self.deadline.describe()})") from last
+        raise Unreachable(
+            f"{method} {path}: {type(last).__name__}: {last} (deadline {deadline_s:.2f} s: {self.deadline.describe()})"
+        ) from last
 
     def _backoff(self, attempt: int) -> float:
         return self.backoff_s * 2 ** (attempt - 1)
@@ -147,11 +167,13 @@ class Transport:
         timed-out attempt has spent it, a fast failure (refused, reset, lost response) has not."""
         return end - time.perf_counter() - self._backoff(attempt) >= deadline_s / 2
 
-    def _attempt(self, method: str, path: str, content: bytes, ctype: str | None, timeout_s: float,
-                 measure: bool) -> httpx.Response:
+    def _attempt(
+        self, method: str, path: str, content: bytes, ctype: str | None, timeout_s: float, measure: bool
+    ) -> httpx.Response:
         timeout = httpx.Timeout(timeout_s, connect=min(self.connect_timeout_s, timeout_s))
-        req = self.http.build_request(method, path, content=content or None,
-                                      headers={"content-type": ctype} if ctype else None, timeout=timeout)
+        req = self.http.build_request(
+            method, path, content=content or None, headers={"content-type": ctype} if ctype else None, timeout=timeout
+        )
         self.calls += 1
         self.bytes_up += _request_bytes(req, content)
         t0 = time.perf_counter()

@@ -33,10 +33,10 @@ import torch
 from moa_serve.cs.fingerprint import drafter_fingerprint, tokenizer_fingerprint
 from moa_serve.drafter.checkpoint import load_draft_vocab
 from moa_serve.drafter.spec import DrafterSpec
-from moa_serve.sampling import SamplingParams
 from moa_serve.engine.events import QueueFullError, Tracked
-from moa_serve.engine.service import RoundService
+from moa_serve.engine.round_service import RoundService
 from moa_serve.engine.session import Session
+from moa_serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,9 @@ class CSError(Exception):
     """A request the server refuses: HTTP ``status``, ``param`` names the field, ``extra`` is
     added to the error body (a resync's expected length and round)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", **extra):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error", **extra
+    ):
         super().__init__(message)
         self.status, self.param, self.kind, self.extra = status, param, kind, extra
 
@@ -61,13 +62,20 @@ class CSError(Exception):
 
 class Resync(CSError):
     def __init__(self, message: str, expected_length: int, expected_round: int):
-        super().__init__(409, message, "committed_length" if expected_length else "session_id", "resync",
-                         expected_length=expected_length, expected_round=expected_round)
+        super().__init__(
+            409,
+            message,
+            "committed_length" if expected_length else "session_id",
+            "resync",
+            expected_length=expected_length,
+            expected_round=expected_round,
+        )
 
 
 @dataclass
 class ServerIdentity:
     """What the handshake shows a client (``GET /v1/cs``)."""
+
     model: str
     target: str  # fingerprints (moa_serve.cs.fingerprint)
     tokenizer: str
@@ -94,23 +102,39 @@ class ServerIdentity:
         return asdict(self)
 
     @classmethod
-    def build(cls, *, model: str, target_fingerprint: str, tokenizer, drafter: str | None, vocab_size: int,
-              max_model_len: int, stop_token_ids) -> "ServerIdentity":
+    def build(
+        cls,
+        *,
+        model: str,
+        target_fingerprint: str,
+        tokenizer,
+        drafter: str | None,
+        vocab_size: int,
+        max_model_len: int,
+        stop_token_ids,
+    ) -> "ServerIdentity":
         """From what the Router holds (the tokenizer, the drafter's name) and the target's
         fingerprint (computed where the weights are: the verifier)."""
         spec = DrafterSpec.parse(drafter)
         vocab = load_draft_vocab(drafter) if drafter else None
-        return cls(model=model, target=target_fingerprint, tokenizer=tokenizer_fingerprint(tokenizer),
-                   drafter=drafter_fingerprint(drafter) if drafter else None,
-                   drafter_kind=spec.kind, vocab_size=vocab_size,
-                   draft_vocab_size=len(vocab) if vocab is not None else None, max_model_len=max_model_len,
-                   stop_token_ids=sorted(stop_token_ids),
-                   feature_positions="latest" if spec.latest_feature_only else "all")
+        return cls(
+            model=model,
+            target=target_fingerprint,
+            tokenizer=tokenizer_fingerprint(tokenizer),
+            drafter=drafter_fingerprint(drafter) if drafter else None,
+            drafter_kind=spec.kind,
+            vocab_size=vocab_size,
+            draft_vocab_size=len(vocab) if vocab is not None else None,
+            max_model_len=max_model_len,
+            stop_token_ids=sorted(stop_token_ids),
+            feature_positions="latest" if spec.latest_feature_only else "all",
+        )
 
 
 @dataclass
 class Reply:
     """One round's answer."""
+
     round: int
     committed_length: int  # the session's committed tokens after the round
     tokens: list[int]  # accepted drafts, then the target's own token (cut at a stop)
@@ -136,15 +160,30 @@ class _Entry:
 
 
 class ClientSessions:
-    def __init__(self, service: RoundService, identity: ServerIdentity | Callable[[], Awaitable[ServerIdentity]],
-                 *, ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        service: RoundService,
+        identity: ServerIdentity | Callable[[], Awaitable[ServerIdentity]],
+        *,
+        ttl_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.service = service
         self._identity = identity
         self.ttl_s = ttl_s
         self.clock = clock
         self.entries: dict[str, _Entry] = {}
-        self.stats = {"created": 0, "rounds": 0, "replays": 0, "resyncs": 0, "expired": 0, "closed": 0,
-                      "reclaimed": 0, "drafted": 0, "accepted": 0}
+        self.stats = {
+            "created": 0,
+            "rounds": 0,
+            "replays": 0,
+            "resyncs": 0,
+            "expired": 0,
+            "closed": 0,
+            "reclaimed": 0,
+            "drafted": 0,
+            "accepted": 0,
+        }
         self._sweeper: asyncio.Task | None = None
         service.reclaim = self.reclaim  # seats of idle client-server sessions, for sessions waiting for one
 
@@ -156,10 +195,19 @@ class ClientSessions:
         return self._identity
 
     # ------------------------------------------------------------------ create
-    async def create(self, tokens: list[int], *, fingerprints: dict, max_tokens: int,
-                     sampling: SamplingParams, ignore_eos: bool = False, want_features: bool = True,
-                     feature_codec: str = "float16", features_from: int = 0,
-                     session_id: str | None = None) -> tuple[str, Reply]:
+    async def create(
+        self,
+        tokens: list[int],
+        *,
+        fingerprints: dict,
+        max_tokens: int,
+        sampling: SamplingParams,
+        ignore_eos: bool = False,
+        want_features: bool = True,
+        feature_codec: str = "float16",
+        features_from: int = 0,
+        session_id: str | None = None,
+    ) -> tuple[str, Reply]:
         """A new session over ``tokens`` (a prompt, or everything a client committed before a
         resync); answers round 0: the target's next token and the features from ``features_from``
         on. A retry with the same ``session_id`` gets the same answer."""
@@ -171,23 +219,39 @@ class ClientSessions:
                 return session_id, await self._answer(e, (0, len(tokens)))
             raise CSError(409, f"session {session_id} exists and is past its first round", "session_id")
         if want_features and not ident.features:
-            raise CSError(400, "this server computes no drafter features (it serves no MoA or EAGLE-style drafter); "
-                          "set want_features to false (drafters that need no features only)", "want_features")
+            raise CSError(
+                400,
+                "this server computes no drafter features (it serves no MoA or EAGLE-style drafter); "
+                "set want_features to false (drafters that need no features only)",
+                "want_features",
+            )
         self._check_fingerprints(ident, fingerprints, want_features)
         self._check_ids(ident, tokens, "token_ids")
         sid = session_id or uuid.uuid4().hex
         try:
-            session = Session(sid, list(tokens), max_tokens, sampling, 0,
-                              frozenset() if ignore_eos else frozenset(ident.stop_token_ids), ident.max_model_len)
+            session = Session(
+                sid,
+                list(tokens),
+                max_tokens,
+                sampling,
+                0,
+                frozenset() if ignore_eos else frozenset(ident.stop_token_ids),
+                ident.max_model_len,
+            )
         except ValueError as exc:
             raise CSError(400, str(exc), "token_ids") from None
         try:
             tracked = self.service.submit(session, remote=True)
         except QueueFullError as exc:
             raise CSError(429, f"server busy: {exc}; retry later", None, "rate_limit_error") from None
-        e = self.entries[sid] = _Entry(tracked, want_features, feature_codec,
-                                       ident.feature_positions == "latest", min(features_from, len(tokens)),
-                                       touched=self.clock())
+        e = self.entries[sid] = _Entry(
+            tracked,
+            want_features,
+            feature_codec,
+            ident.feature_positions == "latest",
+            min(features_from, len(tokens)),
+            touched=self.clock(),
+        )
         self.stats["created"] += 1
         self._ensure_sweeper()
         return sid, await self._start_round(e, (0, len(tokens)), [], None)
@@ -196,27 +260,44 @@ class ClientSessions:
         for part in ("target", "tokenizer") + (("drafter",) if want_features else ()):
             theirs, ours = fp.get(part), getattr(ident, part)
             if theirs != ours:
-                raise CSError(400, f"fingerprints.{part}: the client's {part} ({theirs}) is not the server's ({ours}); "
-                              f"the device must use the server's {part}", f"fingerprints.{part}", "fingerprint_mismatch")
+                raise CSError(
+                    400,
+                    f"fingerprints.{part}: the client's {part} ({theirs}) is not the server's ({ours}); "
+                    f"the device must use the server's {part}",
+                    f"fingerprints.{part}",
+                    "fingerprint_mismatch",
+                )
 
     @staticmethod
     def _check_ids(ident: ServerIdentity, ids: list[int], param: str) -> None:
         for i, t in enumerate(ids):
             if not 0 <= t < ident.vocab_size:
-                raise CSError(400, f"{param}.{i}: token id {t} is outside the vocabulary [0, {ident.vocab_size})",
-                              f"{param}.{i}")
+                raise CSError(
+                    400, f"{param}.{i}: token id {t} is outside the vocabulary [0, {ident.vocab_size})", f"{param}.{i}"
+                )
 
     # ------------------------------------------------------------------ verify
-    async def verify(self, session_id: str, round: int, committed_length: int, drafts: list[int],
-                     probs: torch.Tensor | None = None, features_from: int | None = None,
-                     alternatives: list[list[int]] | None = None) -> Reply:
+    async def verify(
+        self,
+        session_id: str,
+        round: int,
+        committed_length: int,
+        drafts: list[int],
+        probs: torch.Tensor | None = None,
+        features_from: int | None = None,
+        alternatives: list[list[int]] | None = None,
+    ) -> Reply:
         self._sweep()
         e = self.entries.get(session_id)
         if e is None:
             self.stats["resyncs"] += 1
-            raise Resync(f"unknown session {session_id} (expired, closed, reclaimed for waiting requests or lost "
-                         "by a server restart): "
-                         "create it again with your committed token ids", 0, 0)
+            raise Resync(
+                f"unknown session {session_id} (expired, closed, reclaimed for waiting requests or lost "
+                "by a server restart): "
+                "create it again with your committed token ids",
+                0,
+                0,
+            )
         e.touched = self.clock()
         key = (round, committed_length)
         if e.inflight is not None or key == e.last_key:
@@ -226,12 +307,20 @@ class ClientSessions:
         s = e.tracked.session
         if round != e.round + 1 or committed_length != len(s.tokens):
             self.stats["resyncs"] += 1
-            raise Resync(f"expected round {e.round + 1} at committed length {len(s.tokens)}, got round {round} at "
-                         f"{committed_length}: create the session again with your committed token ids",
-                         len(s.tokens), e.round + 1)
+            raise Resync(
+                f"expected round {e.round + 1} at committed length {len(s.tokens)}, got round {round} at "
+                f"{committed_length}: create the session again with your committed token ids",
+                len(s.tokens),
+                e.round + 1,
+            )
         if s.finished:
-            raise CSError(409, f"the session has finished ({s.finish_reason})", "session_id", "finished",
-                          finish_reason=s.finish_reason)
+            raise CSError(
+                409,
+                f"the session has finished ({s.finish_reason})",
+                "session_id",
+                "finished",
+                finish_reason=s.finish_reason,
+            )
         ident = await self.identity()
         if len(drafts) > ident.max_drafts:
             raise CSError(400, f"draft_ids: at most {ident.max_drafts} drafts per round", "draft_ids")
@@ -243,16 +332,24 @@ class ClientSessions:
         return await self._start_round(e, key, drafts, probs, alternatives)
 
     @classmethod
-    def _check_alternatives(cls, ident: ServerIdentity, s: Session, drafts: list[int],
-                            alternatives: list[list[int]]) -> list[list[int]]:
+    def _check_alternatives(
+        cls, ident: ServerIdentity, s: Session, drafts: list[int], alternatives: list[list[int]]
+    ) -> list[list[int]]:
         if not alternatives:
             return []
         if not s.sampling.greedy:
-            raise CSError(400, "alternatives: tree drafts are verified greedily; this session samples "
-                          "(send a chain of draft_ids)", "alternatives")
+            raise CSError(
+                400,
+                "alternatives: tree drafts are verified greedily; this session samples (send a chain of draft_ids)",
+                "alternatives",
+            )
         if len(alternatives) > len(drafts):
-            raise CSError(400, f"alternatives: {len(alternatives)} depths for {len(drafts)} draft_ids "
-                          "(alternatives[i] are verified beside draft_ids[i])", "alternatives")
+            raise CSError(
+                400,
+                f"alternatives: {len(alternatives)} depths for {len(drafts)} draft_ids "
+                "(alternatives[i] are verified beside draft_ids[i])",
+                "alternatives",
+            )
         if sum(len(a) for a in alternatives) > ident.max_alternatives:
             raise CSError(400, f"alternatives: at most {ident.max_alternatives} per round", "alternatives")
         for i, row in enumerate(alternatives):
@@ -264,20 +361,27 @@ class ClientSessions:
         if s.sampling.greedy or not drafts:
             return None  # greedy acceptance needs no distribution
         if probs is None:
-            raise CSError(400, "draft_probs: sampling with drafts needs the drafter's distribution "
-                          "[len(draft_ids), vocabulary]", "draft_probs")
+            raise CSError(
+                400,
+                "draft_probs: sampling with drafts needs the drafter's distribution [len(draft_ids), vocabulary]",
+                "draft_probs",
+            )
         cols = {ident.vocab_size} | ({ident.draft_vocab_size} if ident.draft_vocab_size else set())
         if probs.dim() != 2 or probs.shape[0] != len(drafts) or probs.shape[1] not in cols:
-            raise CSError(400, f"draft_probs: shape {list(probs.shape)}, expected [{len(drafts)}, one of "
-                          f"{sorted(cols)}]", "draft_probs")
+            raise CSError(
+                400,
+                f"draft_probs: shape {list(probs.shape)}, expected [{len(drafts)}, one of {sorted(cols)}]",
+                "draft_probs",
+            )
         probs = probs.float()
         if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
             raise CSError(400, "draft_probs: probabilities must be finite and non-negative", "draft_probs")
         return probs
 
     # ------------------------------------------------------------------ rounds
-    async def _start_round(self, e: _Entry, key: tuple[int, int], drafts: list[int], probs,
-                           alternatives: list[list[int]] | None = None) -> Reply:
+    async def _start_round(
+        self, e: _Entry, key: tuple[int, int], drafts: list[int], probs, alternatives: list[list[int]] | None = None
+    ) -> Reply:
         e.inflight_key = key
         e.inflight = asyncio.ensure_future(self._round(e, key, drafts, probs, alternatives or []))
         return await self._answer(e, key)
@@ -292,8 +396,9 @@ class ClientSessions:
             return e.last
         raise CSError(409, "that round is neither running nor the last one answered", "round", "conflict")
 
-    async def _round(self, e: _Entry, key: tuple[int, int], drafts: list[int], probs,
-                     alternatives: list[list[int]]) -> Reply:
+    async def _round(
+        self, e: _Entry, key: tuple[int, int], drafts: list[int], probs, alternatives: list[list[int]]
+    ) -> Reply:
         s = e.tracked.session
         accepted_before = s.accepted
         try:
@@ -309,8 +414,9 @@ class ClientSessions:
                 start = max(start, s.num_features - 1)
             feats = s.features.since(start) if e.want_features else None
             e.features_sent = s.num_features
-            reply = Reply(key[0], len(s.tokens), list(ev.tokens), s.accepted - accepted_before, start, feats,
-                          ev.finish_reason)
+            reply = Reply(
+                key[0], len(s.tokens), list(ev.tokens), s.accepted - accepted_before, start, feats, ev.finish_reason
+            )
             e.round, e.last, e.last_key = key[0], reply, key
             self.stats["rounds"] += 1
             self.stats["drafted"] += len(drafts)
@@ -339,8 +445,10 @@ class ClientSessions:
         are dropped as if expired. A client between rounds that comes back gets a resync and
         creates its session again with its committed tokens; one that went away no longer holds
         a seat until its TTL. Returns how many were dropped."""
-        idle = sorted((e for e in self.entries.values() if e.inflight is None and not e.tracked.session.finished),
-                      key=lambda e: e.touched)[:n]
+        idle = sorted(
+            (e for e in self.entries.values() if e.inflight is None and not e.tracked.session.finished),
+            key=lambda e: e.touched,
+        )[:n]
         for e in idle:
             del self.entries[e.tracked.session.id]
             self.service.abort(e.tracked)

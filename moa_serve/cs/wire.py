@@ -53,7 +53,7 @@ def unpack(data: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
     if n > MAX_HEADER or _LEN.size + n > len(data):
         raise WireError(f"frame header length {n} does not fit the {len(data)}-byte body")
     try:
-        header = json.loads(data[_LEN.size:_LEN.size + n])
+        header = json.loads(data[_LEN.size : _LEN.size + n])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WireError(f"frame header is not JSON: {exc}") from None
     if not isinstance(header, dict):
@@ -77,7 +77,7 @@ def unpack(data: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
         size = count * dt.itemsize
         if offset + size > len(data):
             raise WireError(f"tensor {name}: {size} bytes announced, {len(data) - offset} left", name)
-        raw = bytearray(data[offset:offset + size])
+        raw = bytearray(data[offset : offset + size])
         tensors[name] = (torch.frombuffer(raw, dtype=dt) if size else torch.empty(0, dtype=dt)).reshape(shape)
         offset += size
     if offset != len(data):

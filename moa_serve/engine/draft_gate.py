@@ -82,8 +82,12 @@ class VerifyCost:
         c = self.coefficients()
         if c is None:
             return {"calls": self.calls}
-        return {"calls": self.calls, "fixed_ms": round(c[0] * 1e3, 3), "per_forward_ms": round(c[1] * 1e3, 3),
-                "per_row_ms": round(c[2] * 1e3, 3)}
+        return {
+            "calls": self.calls,
+            "fixed_ms": round(c[0] * 1e3, 3),
+            "per_forward_ms": round(c[1] * 1e3, 3),
+            "per_row_ms": round(c[2] * 1e3, 3),
+        }
 
 
 @dataclass
@@ -98,8 +102,9 @@ class AcceptanceStats:
     it were). Estimated per n-gram match length over all sessions, shrunk towards it for each
     session by its own recent outcomes (``weight`` pseudo-trials of the shared estimate)."""
 
-    def __init__(self, prior: float = 0.5, weight: float = 3.0, session_decay: float = 0.8,
-                 global_decay: float = 0.995):
+    def __init__(
+        self, prior: float = 0.5, weight: float = 3.0, session_decay: float = 0.8, global_decay: float = 0.995
+    ):
         self.prior, self.weight = prior, weight
         self.session_decay, self.global_decay = session_decay, global_decay
         self._by_match: dict[int, _Record] = {}
@@ -121,8 +126,10 @@ class AcceptanceStats:
         if drafted <= 0:
             return
         trials = accepted + (accepted < drafted)  # the first rejected draft was judged too
-        for rec, decay in ((self._by_match.setdefault(match, _Record()), self.global_decay),
-                           (self._sessions.setdefault(session_id, _Record()), self.session_decay)):
+        for rec, decay in (
+            (self._by_match.setdefault(match, _Record()), self.global_decay),
+            (self._sessions.setdefault(session_id, _Record()), self.session_decay),
+        ):
             rec.accepted = decay * rec.accepted + accepted
             rec.trials = decay * rec.trials + trials
 
@@ -133,15 +140,18 @@ class AcceptanceStats:
         self._sessions.pop(session_id, None)
 
     def snapshot(self) -> dict:
-        return {str(n): {"alpha": round(self.shared(n), 3), "judged": round(r.trials, 1)}
-                for n, r in sorted(self._by_match.items())}
+        return {
+            str(n): {"alpha": round(self.shared(n), 3), "judged": round(r.trials, 1)}
+            for n, r in sorted(self._by_match.items())
+        }
 
 
 class DraftGate:
     """How many of a session's lookup drafts to verify this round (see the module docstring)."""
 
-    def __init__(self, probe_every: int = 16, cost: VerifyCost | None = None,
-                 acceptance: AcceptanceStats | None = None):
+    def __init__(
+        self, probe_every: int = 16, cost: VerifyCost | None = None, acceptance: AcceptanceStats | None = None
+    ):
         self.probe_every = probe_every
         self.cost = cost or VerifyCost()
         self.acceptance = acceptance or AcceptanceStats()

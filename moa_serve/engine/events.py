@@ -28,6 +28,7 @@ class TokenEvent:
 class RemoteRound:
     """The drafts a remote client proposed for its session's next round, and where the round's
     event goes."""
+
     drafts: DraftResult
     done: asyncio.Future
 
@@ -36,6 +37,7 @@ class RemoteRound:
 class Tracked:
     """A session as a service runs it: its group (None while queued), its event stream, and, for a
     remote (client-server) session, the client's proposal waiting for its round."""
+
     session: Session
     group: Hashable | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)

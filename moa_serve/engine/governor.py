@@ -67,9 +67,17 @@ class _Bucket:
 
 
 class SpeculationGovernor:
-    def __init__(self, probe_every: int = 12, alpha: float = 0.1, max_probe_every: int = 768,
-                 margin: float = 1.1, probe_rounds: int = 8, short_probe_rounds: int = 2,
-                 tau_alpha: float = 0.05, clear_ratio: float = 2.0):
+    def __init__(
+        self,
+        probe_every: int = 12,
+        alpha: float = 0.1,
+        max_probe_every: int = 768,
+        margin: float = 1.1,
+        probe_rounds: int = 8,
+        short_probe_rounds: int = 2,
+        tau_alpha: float = 0.05,
+        clear_ratio: float = 2.0,
+    ):
         if probe_every < 2:
             raise ValueError("probe_every must be >= 2")
         if not 1 <= short_probe_rounds <= probe_rounds:
@@ -216,7 +224,9 @@ class SpeculationGovernor:
         if speculated:
             self._observe_tau(sessions, tokens)
             if draft_s > 0:
-                self._draft_s = draft_s if self._draft_s is None else (1 - self.alpha) * self._draft_s + self.alpha * draft_s
+                self._draft_s = (
+                    draft_s if self._draft_s is None else (1 - self.alpha) * self._draft_s + self.alpha * draft_s
+                )
         b = self._bucket(sessions)
         count = sessions if speculated else tokens  # what the bucket averages besides seconds
         if b.probing and speculated == b.probe_on:
@@ -287,8 +297,12 @@ class SpeculationGovernor:
         ms = lambda v: None if v is None else round(v * 1e3, 2)  # noqa: E731
         out = {}
         for k, b in sorted(self._buckets.items()):
-            out[str(k)] = {"on_ms_per_token": ms(self._on(b)), "off_ms_per_token": ms(b.off), "rounds": b.rounds,
-                           "probes_priced_out": b.skipped}
+            out[str(k)] = {
+                "on_ms_per_token": ms(self._on(b)),
+                "off_ms_per_token": ms(b.off),
+                "rounds": b.rounds,
+                "probes_priced_out": b.skipped,
+            }
         out["tau"] = None if self.tau is None else round(self.tau, 3)
         out["draft_ms"] = ms(self._draft_s)
         return out

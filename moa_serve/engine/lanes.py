@@ -24,7 +24,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from moa_serve.engine.events import TokenEvent, Tracked
 from moa_serve.engine.session import Session
-from moa_serve.verifier.engine_loop import Update
+from moa_serve.protocol import Update
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +79,18 @@ class LaneHub:
         queue = self._links.get(link)
         if queue is None:  # the link closed (its sessions are being aborted)
             return
-        queue.put_nowait((session.id, Update(list(ev.tokens), ev.finish_reason, session.drafted, session.accepted,
-                                             self.replica)))
+        queue.put_nowait(
+            (session.id, Update(list(ev.tokens), ev.finish_reason, session.drafted, session.accepted, self.replica))
+        )
 
 
 class LaneLink:
-    def __init__(self, connect: Callable[[str], AsyncIterator[Batch]],
-                 start: Callable[[Session, str], Awaitable[None]],
-                 cancel: Callable[[str], Awaitable[None]]):
+    def __init__(
+        self,
+        connect: Callable[[str], AsyncIterator[Batch]],
+        start: Callable[[Session, str], Awaitable[None]],
+        cancel: Callable[[str], Awaitable[None]],
+    ):
         self._connect, self._start, self._cancel = connect, start, cancel
         self._link: str | None = None
         self._reader: asyncio.Task | None = None

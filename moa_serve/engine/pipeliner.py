@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Hashable
 
-from moa_serve.engine import rounds
+from moa_serve.engine import round_steps
 from moa_serve.engine.events import Tracked
 from moa_serve.engine.pool_calls import PoolCalls
 from moa_serve.engine.round_stats import ServiceStats
@@ -29,6 +29,7 @@ class Ahead:
     """A verify call sent before the previous one came back: it continues each of its sessions
     from ``bases`` (the committed length the previous call was predicted to leave) and asks for
     ``asked`` tokens each."""
+
     task: asyncio.Future
     bases: dict[str, int]
     asked: dict[str, int]
@@ -44,18 +45,23 @@ class Lookahead:
         """The call sent ahead for group ``g``'s next round, if any."""
         return self._ahead.pop(g, None)
 
-    def possible(self, batch: list[Tracked], drafting: bool, drafts: dict, want: bool | set[str],
-                 queued: bool) -> bool:
+    def possible(self, batch: list[Tracked], drafting: bool, drafts: dict, want: bool | set[str], queued: bool) -> bool:
         """A round whose successor can be predicted: no drafts now and none next (``drafting``:
         whether the next round could draft), no features, no remote client, no prompt still
         prefilling or unknown to the verifier, nobody queued (they would wait one more call)."""
-        return (self.enabled and not drafting and not drafts and not queued
-                and (want is False or (isinstance(want, set) and not want))
-                and not any(t.remote or t.session.prefilling or t.session.verifier_base == 0 or t.session.finished
-                            for t in batch))
+        return (
+            self.enabled
+            and not drafting
+            and not drafts
+            and not queued
+            and (want is False or (isinstance(want, set) and not want))
+            and not any(
+                t.remote or t.session.prefilling or t.session.verifier_base == 0 or t.session.finished for t in batch
+            )
+        )
 
     def send(self, g: Hashable, sessions: list[Session], bases: dict[str, int]) -> None:
-        reqs, asked = rounds.lookahead_requests(sessions, bases, self.decode_steps)
+        reqs, asked = round_steps.lookahead_requests(sessions, bases, self.decode_steps)
         if not reqs:
             return
         self.stats.lookahead_calls += 1
@@ -71,8 +77,9 @@ class Lookahead:
                 if t.session.id in ahead.bases:
                     t.session.verifier_base = 0
 
-    async def results(self, g: Hashable, live: list[Tracked], ahead: Ahead, active: list[Tracked]
-                      ) -> tuple[dict[str, Session], dict[str, VerifyResult]] | None:
+    async def results(
+        self, g: Hashable, live: list[Tracked], ahead: Ahead, active: list[Tracked]
+    ) -> tuple[dict[str, Session], dict[str, VerifyResult]] | None:
         """The results of the call sent ahead for the sessions that hold exactly what it assumed
         (by id: session, result); the others (a stop token before the end of the previous call)
         resend whole. None when the call failed (its sessions resync)."""
@@ -84,7 +91,7 @@ class Lookahead:
             self.stats.lookahead_failures += 1
             log.warning("lookahead verify call failed (%s: %s); its sessions resync", type(exc).__name__, exc)
             self.drop(g, active)
-            rounds.verify_failed([t.session for t in live])
+            round_steps.verify_failed([t.session for t in live])
             return None
         by_id = {t.session.id: t.session for t in live if len(t.session.tokens) == ahead.bases[t.session.id]}
         for t in live:

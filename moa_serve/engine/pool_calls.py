@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Hashable
 
-from moa_serve.engine import rounds
+from moa_serve.engine import round_steps
 from moa_serve.engine.round_stats import Observer, RoundProfile, ServiceStats
 from moa_serve.engine.session import Session
 from moa_serve.protocol import DraftRequest, DraftResult, VerifyRequest, VerifyResult
@@ -40,6 +40,7 @@ async def within(seconds: float, aw):
 @dataclass(frozen=True)
 class CallLimits:
     """Time limits and retry bounds of the pool calls."""
+
     verify_retries: int = 5
     retry_backoff_s: float = 0.5
     max_backoff_s: float = 8.0
@@ -49,12 +50,21 @@ class CallLimits:
     release_attempts: int = 5
 
     def backoff(self, attempt: int) -> float:
-        return min(self.max_backoff_s, self.retry_backoff_s * 2 ** attempt)
+        return min(self.max_backoff_s, self.retry_backoff_s * 2**attempt)
 
 
 class PoolCalls:
-    def __init__(self, verify: VerifyFn, draft: DraftFn | None, release: ReleaseFn, limits: CallLimits,
-                 groups: list[Hashable], stats: ServiceStats, observer: Observer, cut: CutFn | None = None):
+    def __init__(
+        self,
+        verify: VerifyFn,
+        draft: DraftFn | None,
+        release: ReleaseFn,
+        limits: CallLimits,
+        groups: list[Hashable],
+        stats: ServiceStats,
+        observer: Observer,
+        cut: CutFn | None = None,
+    ):
         self.verify_fn, self.draft_fn, self.release_fn, self.cut_fn = verify, draft, release, cut
         self._cuts: set[asyncio.Task] = set()
         self.limits, self.stats, self.observer = limits, stats, observer
@@ -62,8 +72,9 @@ class PoolCalls:
         self._release_backoff: dict[Hashable, tuple[int, float]] = {}  # group -> (failures in a row, retry at)
 
     # ------------------------------------------------------------------ draft
-    async def draft(self, g: Hashable, by_id: dict[str, Session], reqs: list[DraftRequest],
-                    profile: RoundProfile) -> dict[str, DraftResult]:
+    async def draft(
+        self, g: Hashable, by_id: dict[str, Session], reqs: list[DraftRequest], profile: RoundProfile
+    ) -> dict[str, DraftResult]:
         """The drafter pool's usable drafts by session id; any failure or timeout degrades the
         round to plain target decoding (and the drafter gets everything again next time)."""
         try:
@@ -74,52 +85,69 @@ class PoolCalls:
             self.stats.draft_fallbacks += 1
             self.observer.fallback(type(exc).__name__)
             log.warning("drafter unavailable (%s): group %s verifies without drafts", type(exc).__name__, g)
-            rounds.drafts_failed(by_id, reqs)
+            round_steps.drafts_failed(by_id, reqs)
             return {}
         res = [r for r in res if r.session_id in by_id]
         self.stats.drafter_resyncs += sum(r.needs_features_from is not None for r in res)
         n_resync = sum(r.resync for r in res)
         self.stats.resyncs += n_resync
         profile.resyncs += n_resync
-        return rounds.drafts_delivered(by_id, reqs, res)
+        return round_steps.drafts_delivered(by_id, reqs, res)
 
     # ------------------------------------------------------------------ verify
-    async def verify_round(self, g: Hashable, by_id: dict[str, Session], sessions: list[Session],
-                           drafts: dict[str, DraftResult], profile: RoundProfile,
-                           want: bool | set[str] = True, steps: int = 1) -> dict[str, VerifyResult]:
+    async def verify_round(
+        self,
+        g: Hashable,
+        by_id: dict[str, Session],
+        sessions: list[Session],
+        drafts: dict[str, DraftResult],
+        profile: RoundProfile,
+        want: bool | set[str] = True,
+        steps: int = 1,
+    ) -> dict[str, VerifyResult]:
         """One verify call for the round; sessions the replica could not place (``resync``) go
         once more, whole, in a follow-up call of the same round."""
-        results = rounds.by_session(by_id, await self.verify(g, sessions, drafts, want, steps))
-        again = rounds.resynced(by_id, results)
+        results = round_steps.by_session(by_id, await self.verify(g, sessions, drafts, want, steps))
+        again = round_steps.resynced(by_id, results)
         if again:
             self.stats.resyncs += len(again)
             profile.resyncs += len(again)
             more = await self.verify(g, again, drafts, want, steps)
-            results.update(rounds.by_session({s.id: s for s in again}, more))
+            results.update(round_steps.by_session({s.id: s for s in again}, more))
         return results
 
-    async def verify(self, g: Hashable, sessions: list[Session], drafts: dict[str, DraftResult],
-                     want: bool | set[str] = True, steps: int = 1) -> list[VerifyResult]:
+    async def verify(
+        self,
+        g: Hashable,
+        sessions: list[Session],
+        drafts: dict[str, DraftResult],
+        want: bool | set[str] = True,
+        steps: int = 1,
+    ) -> list[VerifyResult]:
         """A verify call with a timeout and bounded retries (exponential backoff). A failed or timed
         out attempt may have reached a replica that is gone: the retry sends whole token lists. A
         ``ValueError`` means the request itself is wrong: retrying cannot help."""
         for attempt in range(self.limits.verify_retries + 1):
-            reqs = rounds.verify_requests(sessions, drafts, want, steps)
+            reqs = round_steps.verify_requests(sessions, drafts, want, steps)
             try:
                 return await within(self.limits.verify_timeout_s, self.verify_fn(g, reqs))
             except asyncio.CancelledError:
                 raise
             except ValueError:
-                rounds.verify_failed(sessions)
+                round_steps.verify_failed(sessions)
                 raise
             except Exception as exc:
-                rounds.verify_failed(sessions)
+                round_steps.verify_failed(sessions)
                 if attempt == self.limits.verify_retries:
                     raise
                 self.stats.verify_retries += 1
                 self.observer.fallback("verify_retry")
-                log.warning("verify failed (%s: %s); retrying with whole token lists (attempt %d)",
-                            type(exc).__name__, exc, attempt + 1)
+                log.warning(
+                    "verify failed (%s: %s); retrying with whole token lists (attempt %d)",
+                    type(exc).__name__,
+                    exc,
+                    attempt + 1,
+                )
                 await asyncio.sleep(self.limits.backoff(attempt))
         raise AssertionError("unreachable")
 

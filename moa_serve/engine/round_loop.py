@@ -2,15 +2,15 @@
 one call per pool. The one round loop of the project: the cluster's Router, the in-process engine
 (``moa generate`` / ``moa bench``) and client-server sessions all run their rounds here.
 
-The pure pieces (requests as token deltas, commit, resync) are in ``rounds``; the pool calls
+The pure pieces (requests as token deltas, commit, resync) are in ``round_steps``; the pool calls
 with their limits and retries in ``pool_calls``; pipelined draft-free rounds in ``pipeliner``;
-which sessions ask for features in ``features``. This module decides, round by round, how many
+which sessions ask for features in ``feature_policy``. This module decides, round by round, how many
 drafts each session may verify (the token budget's cap, the governor, the draft gate), who
 drafts (prompt lookup here, the drafter pool, or a remote client's device), how many decode steps
 the call takes, and streams what was committed.
 
 Speculation never loses at scale: a round's verify width is bounded by the token budget
-(``rounds.speculation_cap``), so K shrinks as the batch grows and turns off when verification
+(``round_steps.speculation_cap``), so K shrinks as the batch grows and turns off when verification
 stops being nearly free; each session's adaptive K still applies below that cap. Within it, a
 drafter pool's drafts are governed round by round (``governor``); prompt-lookup drafts session by
 session and token by token (``draft_gate``), whether or not the governor lets the pool draft (a
@@ -23,10 +23,10 @@ import time
 from typing import Callable, Hashable
 
 from moa_serve.drafter.lookup import LookupTable
-from moa_serve.engine import rounds
+from moa_serve.engine import round_steps
 from moa_serve.engine.draft_gate import DraftGate
 from moa_serve.engine.events import TokenEvent, Tracked
-from moa_serve.engine.features import FeaturePolicy
+from moa_serve.engine.feature_policy import FeaturePolicy
 from moa_serve.engine.governor import SpeculationGovernor
 from moa_serve.engine.options import RoundOptions
 from moa_serve.engine.pipeliner import Ahead, Lookahead
@@ -37,14 +37,24 @@ from moa_serve.protocol import DraftResult, VerifyResult
 
 
 class RoundLoop:
-    def __init__(self, options: RoundOptions, calls: PoolCalls, features: FeaturePolicy, lookup: LookupTable | None,
-                 groups: list[Hashable], stats: ServiceStats, observer: Observer, queued: Callable[[], bool]):
+    def __init__(
+        self,
+        options: RoundOptions,
+        calls: PoolCalls,
+        features: FeaturePolicy,
+        lookup: LookupTable | None,
+        groups: list[Hashable],
+        stats: ServiceStats,
+        observer: Observer,
+        queued: Callable[[], bool],
+    ):
         self.options, self.calls, self.features, self.lookup = options, calls, features, lookup
         self.stats, self.observer, self.queued = stats, observer, queued
         self.lookahead = Lookahead(calls, stats, options.lookahead, options.decode_steps)
         drafter_pool = calls.draft_fn is not None
-        self.governors = ({g: SpeculationGovernor() for g in groups}
-                          if options.speculation_governor and drafter_pool else {})
+        self.governors = (
+            {g: SpeculationGovernor() for g in groups} if options.speculation_governor and drafter_pool else {}
+        )
         self.gates = {g: DraftGate() for g in groups} if options.speculation_governor and lookup is not None else {}
         # groups whose verify call in flight decodes several steps and was not cut short yet
         self._multi_step_in_flight: set[Hashable] = set()
@@ -60,24 +70,25 @@ class RoundLoop:
         t0 = time.perf_counter()
         by_id = {t.session.id: t.session for t in batch}
         sessions = list(by_id.values())
-        lookup_cap = rounds.speculation_cap(self.options.speculation_token_budget, len(sessions))
+        lookup_cap = round_steps.speculation_cap(self.options.speculation_token_budget, len(sessions))
         cap = self.cap(g, len(sessions), lookup_cap)
         profile = RoundProfile(g, len(batch), speculation_cap=cap, release_s=release_s)
         remote = {t.session.id: t.pending.drafts for t in batch if t.remote and t.pending.drafts.drafts}
         matches: dict[str, int] = {}  # lookup-drafted sessions -> length of the n-gram they continue
         local = [t.session for t in batch if not t.remote]
-        drafts = await self._drafts(g, by_id, local, cap, lookup_cap, profile,
-                                    self._decode_steps(batch, set(), False), matches)
+        drafts = await self._drafts(
+            g, by_id, local, cap, lookup_cap, profile, self._decode_steps(batch, set(), False), matches
+        )
         pooled = set(drafts) - set(matches)  # drafted by the drafter pool
         drafts.update(remote)  # drafted on the clients' devices
-        rounds.trim_alternatives(drafts, len(sessions), self.options.speculation_token_budget)
+        round_steps.trim_alternatives(drafts, len(sessions), self.options.speculation_token_budget)
         want = self._features_wanted(g, batch, cap, lookup_cap)
         steps = self._decode_steps(batch, pooled, want)
         t1 = time.perf_counter()
         if self.lookahead.possible(batch, self._drafting(cap, lookup_cap), drafts, want, self.queued()):
             call = asyncio.ensure_future(self.calls.verify_round(g, by_id, sessions, drafts, profile, want, steps))
             await asyncio.sleep(0)  # this round's call goes out first
-            bases = {s.id: len(s.tokens) + rounds.step_budget(s, len(s.tokens), steps)[0] for s in sessions}
+            bases = {s.id: len(s.tokens) + round_steps.step_budget(s, len(s.tokens), steps)[0] for s in sessions}
             self.lookahead.send(g, sessions, bases)
             try:
                 results = await call
@@ -94,7 +105,7 @@ class RoundLoop:
         t2 = time.perf_counter()
         self._note_reprefills(by_id, results, drafts, profile)
         self._observe_gate(g, results, drafts, matches, t2 - t1, profile)
-        self._publish(batch, rounds.commit(by_id, results, drafts), profile)
+        self._publish(batch, round_steps.commit(by_id, results, drafts), profile)
         t3 = time.perf_counter()
         profile.draft_s, profile.verify_s, profile.commit_s = t1 - t0, t2 - t1, t3 - t2
         profile.round_s = t3 - t0 + release_s
@@ -108,7 +119,7 @@ class RoundLoop:
 
     def cap(self, g: Hashable, n: int, budget_cap: int | None) -> int | None:
         """Most drafter-pool drafts per session in a round of ``n`` sessions: the token budget's
-        cap (``budget_cap``, ``rounds.speculation_cap``), 0 while the group's governor has
+        cap (``budget_cap``, ``round_steps.speculation_cap``), 0 while the group's governor has
         speculation off (asking it counts a round; a round the budget leaves no drafts is not
         asked)."""
         governor = self.governors.get(g)
@@ -120,28 +131,40 @@ class RoundLoop:
         """Whether a round with these caps could draft (a drafter pool or prompt lookup)."""
         return (cap != 0 and self.calls.draft_fn is not None) or (lookup_cap != 0 and self.lookup is not None)
 
-    async def _ahead_round(self, g: Hashable, batch: list[Tracked], active: list[Tracked], ahead: Ahead,
-                           release_s: float) -> None:
+    async def _ahead_round(
+        self, g: Hashable, batch: list[Tracked], active: list[Tracked], ahead: Ahead, release_s: float
+    ) -> None:
         """Takes the results of the call sent ahead. If the round may look ahead again (its sessions
         are the call's, still decoding), the next call goes out before this one's results are
         awaited. A session's result is used only if it holds exactly what the call assumed."""
         t0 = time.perf_counter()
         live = [t for t in batch if t.session.id in ahead.bases and not t.session.finished]
         profile = RoundProfile(g, len(live), speculation_cap=0, release_s=release_s)
-        lookup_cap = rounds.speculation_cap(self.options.speculation_token_budget, len(batch))
+        lookup_cap = round_steps.speculation_cap(self.options.speculation_token_budget, len(batch))
         cap = self.cap(g, len(batch), lookup_cap)
-        if (len(live) == len(batch) and all(t.session.id in ahead.asked for t in live)
-                and self.lookahead.possible(batch, self._drafting(cap, lookup_cap), {},
-                                            self._features_wanted(g, batch, cap, lookup_cap), self.queued())):
-            self.lookahead.send(g, [t.session for t in live],
-                                {t.session.id: ahead.bases[t.session.id] + ahead.asked[t.session.id] for t in live})
+        if (
+            len(live) == len(batch)
+            and all(t.session.id in ahead.asked for t in live)
+            and self.lookahead.possible(
+                batch,
+                self._drafting(cap, lookup_cap),
+                {},
+                self._features_wanted(g, batch, cap, lookup_cap),
+                self.queued(),
+            )
+        ):
+            self.lookahead.send(
+                g,
+                [t.session for t in live],
+                {t.session.id: ahead.bases[t.session.id] + ahead.asked[t.session.id] for t in live},
+            )
         got = await self.lookahead.results(g, live, ahead, active)
         if got is None:
             return
         by_id, results = got
         t1 = time.perf_counter()
         used = [t for t in live if t.session.id in by_id]
-        self._publish(used, rounds.commit(by_id, results, {}), profile)
+        self._publish(used, round_steps.commit(by_id, results, {}), profile)
         if not used:  # every session of the call ended meanwhile: not a round
             return
         t2 = time.perf_counter()
@@ -170,22 +193,32 @@ class RoundLoop:
             self.gates[g].release(session_id)
 
     # ------------------------------------------------------------------ drafts
-    async def _drafts(self, g, by_id: dict[str, Session], sessions: list[Session], cap: int | None,
-                      lookup_cap: int | None, profile: RoundProfile, steps: int,
-                      matches: dict[str, int]) -> dict[str, DraftResult]:
+    async def _drafts(
+        self,
+        g,
+        by_id: dict[str, Session],
+        sessions: list[Session],
+        cap: int | None,
+        lookup_cap: int | None,
+        profile: RoundProfile,
+        steps: int,
+        matches: dict[str, int],
+    ) -> dict[str, DraftResult]:
         """Prompt-lookup drafts (up to ``lookup_cap`` each), then the drafter pool's (up to ``cap``)
         for the sessions lookup left."""
         local = self._lookup_drafts(g, sessions, lookup_cap, steps, matches)
         if self.calls.draft_fn is None or cap == 0:
             return local
-        reqs = rounds.draft_requests([s for s in sessions if s.id not in local], cap,
-                                     current_features=self.features.drafts_need_current_features)
+        reqs = round_steps.draft_requests(
+            [s for s in sessions if s.id not in local], cap, current_features=self.features.drafts_need_current_features
+        )
         if not reqs:
             return local
         return {**await self.calls.draft(g, by_id, reqs, profile), **local}
 
-    def _lookup_drafts(self, g: Hashable, sessions: list[Session], cap: int | None, steps: int,
-                       matches: dict[str, int]) -> dict[str, DraftResult]:
+    def _lookup_drafts(
+        self, g: Hashable, sessions: list[Session], cap: int | None, steps: int, matches: dict[str, int]
+    ) -> dict[str, DraftResult]:
         """Prompt-lookup drafts (one-hot: no probabilities) for the sessions whose last tokens
         occurred before, as many of each as the group's draft gate finds worth verifying in a
         round of this size (``matches`` gets the n-gram length each continues)."""
@@ -199,14 +232,21 @@ class RoundLoop:
             if k > 0:
                 drafts, match = self.lookup.draft_match(s.id, s.tokens, k, keep)
                 if gate is not None:
-                    drafts = drafts[:gate.keep(s.id, match, len(drafts), bar)]
+                    drafts = drafts[: gate.keep(s.id, match, len(drafts), bar)]
                 if drafts:
                     out[s.id] = DraftResult(s.id, drafts)
                     matches[s.id] = match
         return out
 
-    def _observe_gate(self, g: Hashable, results: dict[str, VerifyResult], drafts: dict[str, DraftResult],
-                      matches: dict[str, int], verify_s: float, profile: RoundProfile) -> None:
+    def _observe_gate(
+        self,
+        g: Hashable,
+        results: dict[str, VerifyResult],
+        drafts: dict[str, DraftResult],
+        matches: dict[str, int],
+        verify_s: float,
+        profile: RoundProfile,
+    ) -> None:
         """Teaches the group's draft gate what the verify call cost (forwards, rows) and how the
         lookup drafts fared."""
         gate = self.gates.get(g)
@@ -226,18 +266,24 @@ class RoundLoop:
     def _decode_steps(self, batch: list[Tracked], pooled: set[str], want: bool | set[str]) -> int:
         """Multi-step decoding for small batches with nobody waiting. Sessions with drafts that
         need no features (prompt lookup) take part too: after their drafts are verified they go
-        on decoding in the same call (``rounds.verify_requests``); a drafter pool's drafts
+        on decoding in the same call (``round_steps.verify_requests``); a drafter pool's drafts
         (``pooled``: the sessions it drafted) with features to keep up keep the whole round to
         single steps."""
         o = self.options
         feature_drafts = bool(pooled) and (want is True or (isinstance(want, set) and not want.isdisjoint(pooled)))
-        if (o.decode_steps == 1 or feature_drafts or self.queued() or len(batch) > o.multi_step_max_sessions
-                or any(t.remote or t.session.prefilling or t.session.verifier_base == 0 for t in batch)):
+        if (
+            o.decode_steps == 1
+            or feature_drafts
+            or self.queued()
+            or len(batch) > o.multi_step_max_sessions
+            or any(t.remote or t.session.prefilling or t.session.verifier_base == 0 for t in batch)
+        ):
             return 1
         return o.decode_steps
 
-    def _features_wanted(self, g: Hashable, batch: list[Tracked], cap: int | None,
-                         budget_cap: int | None) -> bool | set[str]:
+    def _features_wanted(
+        self, g: Hashable, batch: list[Tracked], cap: int | None, budget_cap: int | None
+    ) -> bool | set[str]:
         """Whether (or for which sessions) this round's verify asks for drafter features; the next
         round is taken to hold this round's sessions (``budget_cap``: the token budget's cap)."""
         n = len(batch)
@@ -250,8 +296,13 @@ class RoundLoop:
         return self.features.wanted(remote, cap, next_round_drafts)
 
     # ------------------------------------------------------------------ after the call
-    def _note_reprefills(self, by_id: dict[str, Session], results: dict[str, VerifyResult],
-                         drafts: dict[str, DraftResult], profile: RoundProfile) -> None:
+    def _note_reprefills(
+        self,
+        by_id: dict[str, Session],
+        results: dict[str, VerifyResult],
+        drafts: dict[str, DraftResult],
+        profile: RoundProfile,
+    ) -> None:
         for sid, r in results.items():
             d = drafts.get(sid)
             # multi-step decoding computes one more position per extra token of the target's own
@@ -261,7 +312,7 @@ class RoundLoop:
                 if by_id[sid].rounds > 0 and r.tokens:
                     self.stats.reprefills += 1
 
-    def _publish(self, batch: list[Tracked], committed: list[rounds.Committed], profile: RoundProfile) -> None:
+    def _publish(self, batch: list[Tracked], committed: list[round_steps.Committed], profile: RoundProfile) -> None:
         """Streams each session's new tokens (matched by id) and counts the round's work."""
         tracked = {t.session.id: t for t in batch}
         for c in committed:

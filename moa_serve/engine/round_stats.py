@@ -11,6 +11,7 @@ from typing import Hashable
 class RoundProfile:
     """What one round did and where its wall time went (router-side view: ``verify_s`` and
     ``draft_s`` include the calls' transport and (de)serialisation)."""
+
     group: Hashable
     sessions: int
     drafted_sessions: int = 0  # sessions that verified drafts this round

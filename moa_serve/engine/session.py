@@ -54,8 +54,8 @@ class FeatureStore:
         if i < 0:
             self._starts, self._chunks, self.end = [], [], 0
             return
-        del self._starts[i + 1:], self._chunks[i + 1:]
-        self._chunks[i] = self._chunks[i][:n - self._starts[i]]
+        del self._starts[i + 1 :], self._chunks[i + 1 :]
+        self._chunks[i] = self._chunks[i][: n - self._starts[i]]
         if len(self._chunks[i]) == 0:
             del self._starts[i], self._chunks[i]
         self.end = n
@@ -65,7 +65,7 @@ class FeatureStore:
         if pos >= self.end:
             return None
         i = max(0, bisect.bisect_right(self._starts, pos) - 1)
-        parts = [self._chunks[i][pos - self._starts[i]:]] + self._chunks[i + 1:]
+        parts = [self._chunks[i][pos - self._starts[i] :]] + self._chunks[i + 1 :]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -98,8 +98,10 @@ class Session:
         if not self.prompt:
             raise ValueError("prompt is empty")
         if len(self.prompt) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(self.prompt)} tokens; the context holds {self.max_model_len} "
-                             "(prompt + at least one new token)")
+            raise ValueError(
+                f"prompt has {len(self.prompt)} tokens; the context holds {self.max_model_len} "
+                "(prompt + at least one new token)"
+            )
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         if self.num_speculative_tokens < 0:
@@ -110,14 +112,21 @@ class Session:
         """A fresh session that goes on where this one stands: its committed tokens are the
         prompt, and it may generate what this one still may, with the same sampling (seeded
         generators depend only on the absolute position), stops and speculation settings."""
-        return Session(session_id, list(self.tokens), self.max_new_tokens - len(self.generated), self.sampling,
-                       self.num_speculative_tokens, self.stop_token_ids, self.max_model_len,
-                       drafter_needs_features=self.drafter_needs_features,
-                       adaptive_speculation=self.adaptive_speculation)
+        return Session(
+            session_id,
+            list(self.tokens),
+            self.max_new_tokens - len(self.generated),
+            self.sampling,
+            self.num_speculative_tokens,
+            self.stop_token_ids,
+            self.max_model_len,
+            drafter_needs_features=self.drafter_needs_features,
+            adaptive_speculation=self.adaptive_speculation,
+        )
 
     @property
     def generated(self) -> list[int]:
-        return self.tokens[len(self.prompt):]
+        return self.tokens[len(self.prompt) :]
 
     @property
     def finished(self) -> bool:
@@ -163,8 +172,9 @@ class Session:
         if feats is None or len(feats) == 0:
             return True
         if not self.features.add(start, feats):
-            log.warning("session %s: features from %d arrived but we hold only %d; dropped",
-                        self.id, start, self.num_features)
+            log.warning(
+                "session %s: features from %d arrived but we hold only %d; dropped", self.id, start, self.num_features
+            )
             return False
         # recomputed positions (a re-prefill) go to the drafter again
         self.features_sent = min(self.features_sent, start)
@@ -201,5 +211,9 @@ class Session:
         return kept
 
     def stats(self) -> dict:
-        return {"rounds": self.rounds, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
-                "mean_accepted_length": round(self.mean_accepted_length, 4)}
+        return {
+            "rounds": self.rounds,
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+        }

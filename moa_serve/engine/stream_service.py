@@ -5,7 +5,7 @@ With ``backend: torch`` the Router batches the draft/verify rounds of all users 
 (continuous batching; one batched drafter-pool call per engine step, ``StepDrafting``), so here a
 session is one streaming call to a verifier replica, opened by ``open_stream(session)`` with the
 session's committed tokens as the prompt, whose
-updates (``verifier.engine_loop.Update``) are committed to the session and become its
+updates (``protocol.Update``) are committed to the session and become its
 ``TokenEvent``s. The interface is the one ``app.frontend`` uses of ``RoundService``: ``submit``,
 ``stream``, ``abort``, ``stats``, ``queue_depth``, ``active_sessions``.
 
@@ -25,8 +25,15 @@ import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from moa_serve.engine.events import (QueueFullError, TokenEvent, Tracked, error_reason, last_line, mark_aborted,
-                                     stream_events)
+from moa_serve.engine.events import (
+    QueueFullError,
+    TokenEvent,
+    Tracked,
+    error_reason,
+    last_line,
+    mark_aborted,
+    stream_events,
+)
 from moa_serve.engine.session import Session
 
 log = logging.getLogger(__name__)
@@ -60,8 +67,16 @@ class StreamStats:
 
 
 class StreamService:
-    def __init__(self, open_stream: OpenStream, *, max_sessions: int = 32, max_queued: int = 64,
-                 stream_retries: int = 3, retry_backoff_s: float = 1.0, max_backoff_s: float = 8.0):
+    def __init__(
+        self,
+        open_stream: OpenStream,
+        *,
+        max_sessions: int = 32,
+        max_queued: int = 64,
+        stream_retries: int = 3,
+        retry_backoff_s: float = 1.0,
+        max_backoff_s: float = 8.0,
+    ):
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
         self._open = open_stream
@@ -128,9 +143,14 @@ class StreamService:
                     if s.finished or attempt == self.stream_retries:
                         raise
                     self.stats.stream_retries += 1
-                    log.warning("session %s: stream lost (%s: %s); resuming from its %d committed tokens",
-                                s.id, type(exc).__name__, exc, len(s.tokens))
-                    await asyncio.sleep(min(self.max_backoff_s, self.retry_backoff_s * 2 ** attempt))
+                    log.warning(
+                        "session %s: stream lost (%s: %s); resuming from its %d committed tokens",
+                        s.id,
+                        type(exc).__name__,
+                        exc,
+                        len(s.tokens),
+                    )
+                    await asyncio.sleep(min(self.max_backoff_s, self.retry_backoff_s * 2**attempt))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - errors this session only
@@ -180,4 +200,3 @@ class StreamService:
                     await aclose()
                 except Exception:  # noqa: BLE001
                     log.debug("closing the stream of %s failed", s.id, exc_info=True)
-

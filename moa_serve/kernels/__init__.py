@@ -119,12 +119,57 @@ def library() -> ctypes.CDLL | None:
                 lib.moa_int8_vnni(int(_vnni_wanted()))
                 lib.moa_q4_1_rows.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr]
                 lib.moa_q8_0_rows.argtypes = [ptr, ptr, i64, ptr, i64, ptr]
-                lib.moa_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr,
-                                              ctypes.c_float, ptr, i64, i32]
+                lib.moa_attention.argtypes = [
+                    ptr,
+                    i64,
+                    i64,
+                    i64,
+                    i64,
+                    ptr,
+                    ptr,
+                    i64,
+                    i64,
+                    i64,
+                    ptr,
+                    ptr,
+                    ptr,
+                    ctypes.c_float,
+                    ptr,
+                    i64,
+                    i32,
+                ]
                 lib.moa_attention_bf16.argtypes = lib.moa_attention.argtypes
-                lib.moa_decoder_layers.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, i64, i64, i64, i64,
-                                                   ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
-                for f in (lib.moa_packed_matmul, lib.moa_q4_1_rows, lib.moa_q8_0_rows, lib.moa_attention, lib.moa_attention_bf16, lib.moa_decoder_layers):
+                lib.moa_decoder_layers.argtypes = [
+                    ptr,
+                    i64,
+                    i64,
+                    i64,
+                    ptr,
+                    ctypes.c_float,
+                    i64,
+                    i64,
+                    i64,
+                    i64,
+                    ptr,
+                    ptr,
+                    ptr,
+                    ptr,
+                    ptr,
+                    i64,
+                    i64,
+                    i64,
+                    i64,
+                    i32,
+                    i32,
+                ]
+                for f in (
+                    lib.moa_packed_matmul,
+                    lib.moa_q4_1_rows,
+                    lib.moa_q8_0_rows,
+                    lib.moa_attention,
+                    lib.moa_attention_bf16,
+                    lib.moa_decoder_layers,
+                ):
                     f.restype = None
                 _lib = lib
         if _lib is None:
@@ -187,8 +232,15 @@ def kind_id(kind: str, products: str = "float32") -> int:
     return KIND_IDS[kind] + PRODUCTS[products]
 
 
-def packed_matmul(kind: str, products: str, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor | None,
-                  m: torch.Tensor | None, n: int | None = None) -> torch.Tensor:
+def packed_matmul(
+    kind: str,
+    products: str,
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    d: torch.Tensor | None,
+    m: torch.Tensor | None,
+    n: int | None = None,
+) -> torch.Tensor:
     """x [M, K] float32 @ W.T for W [N, K] packed as ``kind``: ``q4_1`` (qs uint8 [N, K/2], d/m float32
     [N, K/32]), ``q8_0`` (qs int8 [N, K], d float32 [N, K/32]) or ``bf16`` (qs: the bfloat16 bits,
     contiguous 16-bit [N, K]); K a multiple of 32. ``products``: ``float32``; ``bfloat16`` (x and W
@@ -206,14 +258,24 @@ def packed_matmul(kind: str, products: str, x: torch.Tensor, qs: torch.Tensor, d
         raise ValueError(f"bf16 matmul: W must be contiguous 16-bit [N, {k}] with K a multiple of 32")
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
-    lib.moa_packed_matmul(kind_id(kind, products), _ptr(x), rows, k, _ptr(qs),
-                          0 if d is None else _ptr(d), 0 if m is None else _ptr(m), n, _ptr(y),
-                          torch.get_num_threads())
+    lib.moa_packed_matmul(
+        kind_id(kind, products),
+        _ptr(x),
+        rows,
+        k,
+        _ptr(qs),
+        0 if d is None else _ptr(d),
+        0 if m is None else _ptr(m),
+        n,
+        _ptr(y),
+        torch.get_num_threads(),
+    )
     return y
 
 
-def dequantize_rows(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-                    ids: torch.Tensor) -> torch.Tensor:
+def dequantize_rows(
+    kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, ids: torch.Tensor
+) -> torch.Tensor:
     """Rows ``ids`` of a packed matrix as float32 [len(ids), K] (through the same de-quantization
     the matmul uses)."""
     lib = library()
@@ -237,8 +299,14 @@ def _store_at(store_at: torch.Tensor | None, positions: torch.Tensor) -> tuple[t
     return store_at, _ptr(store_at)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              positions: torch.Tensor, store_at: torch.Tensor | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    store_at: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention of packed new tokens over one layer of a slot KV cache, batch-invariant:
     q [n, H, hd]; k/v [slots, KVH, max_len, hd] float32 or bfloat16 (a view of the cache, strided
     is fine as long as the last dim is contiguous); token i attends to keys 0..positions[i] of
@@ -252,7 +320,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     n, heads, hd = q.shape
     kv_heads, max_len = k.shape[1], k.shape[2]
     if hd % 8 or hd > 256 or k.stride(-1) != 1 or k.stride() != v.stride() or k.dtype != v.dtype:
-        raise ValueError("attention kernel: head_dim must be a multiple of 8 up to 256, K/V alike and contiguous per row")
+        raise ValueError(
+            "attention kernel: head_dim must be a multiple of 8 up to 256, K/V alike and contiguous per row"
+        )
     if k.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"attention kernel: float32 or bfloat16 K/V; got {k.dtype}")
     dtype = q.dtype
@@ -263,18 +333,48 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     store_at, at_ptr = _store_at(store_at, positions)
     out = torch.empty_like(q)
     ss, hs, ps, _ = k.stride()
-    kernel(_ptr(q), n, heads, kv_heads, hd, _ptr(k), _ptr(v), ss, hs, ps, _ptr(slots), _ptr(positions), at_ptr,
-           hd ** -0.5, _ptr(out), max_len, torch.get_num_threads())
+    kernel(
+        _ptr(q),
+        n,
+        heads,
+        kv_heads,
+        hd,
+        _ptr(k),
+        _ptr(v),
+        ss,
+        hs,
+        ps,
+        _ptr(slots),
+        _ptr(positions),
+        at_ptr,
+        hd**-0.5,
+        _ptr(out),
+        max_len,
+        torch.get_num_threads(),
+    )
     return out.to(dtype)
 
 
 LAYER_PARAMS = 24  # int64 slots per layer in moa_decoder_layers' parameter block (qmatmul.c, LP_SIZE)
 
 
-def decoder_layers(x: torch.Tensor, params: torch.Tensor, eps: float, heads: int, kv_heads: int, head_dim: int,
-                   intermediate: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                   positions: torch.Tensor, cache_strides: tuple[int, int, int], max_len: int,
-                   kv_bf16: bool = False, store_at: torch.Tensor | None = None) -> torch.Tensor:
+def decoder_layers(
+    x: torch.Tensor,
+    params: torch.Tensor,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    cache_strides: tuple[int, int, int],
+    max_len: int,
+    kv_bf16: bool = False,
+    store_at: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Runs ``params.shape[0]`` fused float32 decoder layers over x [n, hidden] (in place; see
     ``moa_decoder_layers`` in qmatmul.c): cos/sin [n, head_dim], slots/positions [n] int64, the
     layers' K/V caches named in ``params`` with element strides (slot, head, position), float32 or
@@ -282,14 +382,38 @@ def decoder_layers(x: torch.Tensor, params: torch.Tensor, eps: float, heads: int
     _on_cpu(x, params, cos, sin, slots, positions, store_at)
     lib = library()
     n, hidden = x.shape
-    if not (x.dtype == cos.dtype == sin.dtype == torch.float32 and x.is_contiguous() and cos.is_contiguous()
-            and sin.is_contiguous()):
+    if not (
+        x.dtype == cos.dtype == sin.dtype == torch.float32
+        and x.is_contiguous()
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    ):
         raise ValueError("decoder_layers: x, cos and sin must be contiguous float32")
     slots = slots.to(torch.int64).contiguous()
     positions = positions.to(torch.int64).contiguous()
     store_at, at_ptr = _store_at(store_at, positions)
     ss, hs, ps = cache_strides
-    lib.moa_decoder_layers(_ptr(x), n, hidden, params.shape[0], _ptr(params), eps, heads, kv_heads, head_dim,
-                           intermediate, _ptr(cos), _ptr(sin), _ptr(slots), _ptr(positions), at_ptr, ss, hs, ps, max_len,
-                           int(kv_bf16), torch.get_num_threads())
+    lib.moa_decoder_layers(
+        _ptr(x),
+        n,
+        hidden,
+        params.shape[0],
+        _ptr(params),
+        eps,
+        heads,
+        kv_heads,
+        head_dim,
+        intermediate,
+        _ptr(cos),
+        _ptr(sin),
+        _ptr(slots),
+        _ptr(positions),
+        at_ptr,
+        ss,
+        hs,
+        ps,
+        max_len,
+        int(kv_bf16),
+        torch.get_num_threads(),
+    )
     return x

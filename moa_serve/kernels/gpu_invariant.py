@@ -2,9 +2,9 @@
 
 Why: cuBLAS picks a GEMM kernel by the shape of the call, so a row computed alone and the same row
 computed beside 63 others can differ in the last bits of bfloat16, and greedy speculative output
-then stops being the target's own (the GPU check's invariance probe, ``tools/gpu/README.md``). Speculative decoding verifies a session's
-drafts in whatever batch the round holds, so every op the verify forward runs must be invariant
-to the rows beside it.
+then stops being the target's own (the GPU check's invariance probe, ``tools/gpu/README.md``).
+Speculative decoding verifies a session's drafts in whatever batch the round holds, so every op the
+verify forward runs must be invariant to the rows beside it.
 
 * :func:`matmul` — ``x @ w.T`` (+ bias) with ONE tile configuration per weight shape, chosen from
   (N, K) only, never from the number of rows M: every output element is the same sequence of
@@ -66,9 +66,30 @@ def unavailable_reason(device: torch.device | str) -> str:
 if triton is not None:
 
     @triton.jit
-    def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, K_SPLIT, sxm, sxk, swn, swk, sym, syn,
-                       HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _matmul_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        part_ptr,
+        M,
+        N,
+        K,
+        K_SPLIT,
+        sxm,
+        sxk,
+        swn,
+        swk,
+        sym,
+        syn,
+        HAS_BIAS: tl.constexpr,
+        WIDEN: tl.constexpr,
+        IEEE: tl.constexpr,
+        PARTIAL: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """One (BLOCK_M x BLOCK_N) tile over the K range [pid_s * K_SPLIT, +K_SPLIT): written to
         y (PARTIAL false: the whole K) or, in float32, to split pid_s of the partials [S, M, N]."""
         pid_m = tl.program_id(0)
@@ -81,10 +102,12 @@ if triton is not None:
         k_hi = tl.minimum(K, k_lo + K_SPLIT)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk,
-                        mask=(rm[:, None] < M) & (rk[None, :] < k_hi), other=0.0)
-            b = tl.load(w_ptr + rn[None, :] * swn + rk[:, None] * swk,
-                        mask=(rn[None, :] < N) & (rk[:, None] < k_hi), other=0.0)
+            a = tl.load(
+                x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & (rk[None, :] < k_hi), other=0.0
+            )
+            b = tl.load(
+                w_ptr + rn[None, :] * swn + rk[:, None] * swk, mask=(rn[None, :] < N) & (rk[:, None] < k_hi), other=0.0
+            )
             if WIDEN:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -127,9 +150,27 @@ if triton is not None:
         tl.store(y_ptr + row * sy + cols, (w * y).to(y_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
-    def _slot_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, pos_ptr, at_ptr,
-                               sqn, sqh, sks, skh, skp, son, soh, scale, GROUPS,
-                               HEAD_DIM: tl.constexpr, GROUPS_P2: tl.constexpr, BLOCK: tl.constexpr):
+    def _slot_attention_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        o_ptr,
+        slots_ptr,
+        pos_ptr,
+        at_ptr,
+        sqn,
+        sqh,
+        sks,
+        skh,
+        skp,
+        son,
+        soh,
+        scale,
+        GROUPS,
+        HEAD_DIM: tl.constexpr,
+        GROUPS_P2: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         tok = tl.program_id(0)
         kvh = tl.program_id(1)
         slot = tl.load(slots_ptr + tok)
@@ -162,14 +203,37 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vb[None, :, :], axis=1)
             m = m_new
         out = acc / denom[:, None]
-        tl.store(o_ptr + tok * son + heads[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=gmask[:, None])
+        tl.store(
+            o_ptr + tok * son + heads[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty), mask=gmask[:, None]
+        )
 
     @triton.jit
-    def _chunk_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, slots_ptr, pos_ptr, at_ptr,
-                                sqn, sqh, sks, skh, skp, scale, GROUPS, KV_HEADS, NC,
-                                HEAD_DIM: tl.constexpr, GROUPS_P2: tl.constexpr, BLOCK: tl.constexpr,
-                                CHUNK: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
+    def _chunk_attention_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        m_ptr,
+        l_ptr,
+        acc_ptr,
+        slots_ptr,
+        pos_ptr,
+        at_ptr,
+        sqn,
+        sqh,
+        sks,
+        skh,
+        skp,
+        scale,
+        GROUPS,
+        KV_HEADS,
+        NC,
+        HEAD_DIM: tl.constexpr,
+        GROUPS_P2: tl.constexpr,
+        BLOCK: tl.constexpr,
+        CHUNK: tl.constexpr,
+        WIDEN: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         """Keys [c * CHUNK, (c + 1) * CHUNK) of one (token, KV head): the running max, the sum of
         exponentials and the unnormalised output of its query heads, written to the scratch rows
         of chunk c (nothing for a chunk past the token's position). Scores and outputs as tensor-core
@@ -224,8 +288,21 @@ if triton is not None:
         tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
 
     @triton.jit
-    def _chunk_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, pos_ptr, son, soh, GROUPS, KV_HEADS, NC,
-                              HEAD_DIM: tl.constexpr, GROUPS_P2: tl.constexpr, CHUNK: tl.constexpr):
+    def _chunk_combine_kernel(
+        m_ptr,
+        l_ptr,
+        acc_ptr,
+        o_ptr,
+        pos_ptr,
+        son,
+        soh,
+        GROUPS,
+        KV_HEADS,
+        NC,
+        HEAD_DIM: tl.constexpr,
+        GROUPS_P2: tl.constexpr,
+        CHUNK: tl.constexpr,
+    ):
         """A (token, KV head)'s chunks merged in chunk order: the output of its query heads."""
         tok = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -249,8 +326,9 @@ if triton is not None:
             m = m_new
         out = acc / denom[:, None]
         heads = kvh * GROUPS + g
-        tl.store(o_ptr + tok * son + heads[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=gmask[:, None])
+        tl.store(
+            o_ptr + tok * son + heads[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty), mask=gmask[:, None]
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +336,7 @@ class Tiles:
     """How :func:`matmul` cuts a weight of N rows and K columns: output tiles of block_m x block_n,
     K in blocks of block_k, and K split into ``split`` ranges summed in a fixed order (enough
     programs in flight for a few decode rows on a narrow weight)."""
+
     block_m: int
     block_n: int
     block_k: int
@@ -289,8 +368,9 @@ def tile_config(n: int, k: int, itemsize: int = 2, programs: int = 128) -> Tiles
     return Tiles(128, block_n, block_k, split, num_warps=8, num_stages=3 if itemsize <= 2 else 2)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tiles: Tiles | None = None) -> torch.Tensor:
+def matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: Tiles | None = None
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, batch-invariant: x [..., K], weight [N, K] -> [..., N] in x's
     dtype. ``tiles``: instead of :func:`tile_config` (the GPU check's tile sweep)."""
     k = x.shape[-1]
@@ -305,17 +385,47 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         partial = split > 1
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if partial else out
         grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)
-        _matmul_kernel[grid](flat, weight, bias if bias is not None else weight, out, part, m, n, k, k_split,
-                             flat.stride(0), flat.stride(1), weight.stride(0), weight.stride(1),
-                             out.stride(0), out.stride(1), HAS_BIAS=bias is not None and not partial,
-                             WIDEN=_WIDEN, IEEE=x.dtype == torch.float32 or _WIDEN, PARTIAL=partial,
-                             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                             num_warps=t.num_warps, num_stages=t.num_stages)
+        _matmul_kernel[grid](
+            flat,
+            weight,
+            bias if bias is not None else weight,
+            out,
+            part,
+            m,
+            n,
+            k,
+            k_split,
+            flat.stride(0),
+            flat.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HAS_BIAS=bias is not None and not partial,
+            WIDEN=_WIDEN,
+            IEEE=x.dtype == torch.float32 or _WIDEN,
+            PARTIAL=partial,
+            BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n,
+            BLOCK_K=t.block_k,
+            num_warps=t.num_warps,
+            num_stages=t.num_stages,
+        )
         if partial:
             block = 1024
             _split_sum_kernel[(triton.cdiv(m * n, block),)](
-                part, bias if bias is not None else weight, out, m, n, split, out.stride(0), out.stride(1),
-                HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+                part,
+                bias if bias is not None else weight,
+                out,
+                m,
+                n,
+                split,
+                out.stride(0),
+                out.stride(1),
+                HAS_BIAS=bias is not None,
+                BLOCK=block,
+                num_warps=4,
+            )
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -329,13 +439,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(flat.shape, dtype=x.dtype, device=x.device)
     if flat.shape[0]:
         block = triton.next_power_of_2(h)
-        _rms_norm_kernel[(flat.shape[0],)](flat, weight, out, h, flat.stride(0), out.stride(0), eps,
-                                           BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        _rms_norm_kernel[(flat.shape[0],)](
+            flat,
+            weight,
+            out,
+            h,
+            flat.stride(0),
+            out.stride(0),
+            eps,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+        )
     return out.reshape(x.shape)
 
 
-def _attention_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                      store_at: torch.Tensor | None, min_head_dim: int):
+def _attention_inputs(
+    name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    store_at: torch.Tensor | None,
+    min_head_dim: int,
+):
     """The checked arguments of the attention kernels: (tokens, head_dim, KV heads, query heads per
     KV head, q with unit last stride, store_at defaulting to positions). Raises ValueError for a
     head_dim that is not a power of two of at least ``min_head_dim`` or K/V rows laid out apart."""
@@ -348,8 +474,14 @@ def _attention_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return n, hd, kv_heads, heads // kv_heads, q, positions if store_at is None else store_at
 
 
-def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                   positions: torch.Tensor, store_at: torch.Tensor | None = None) -> torch.Tensor:
+def slot_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    store_at: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The contract of ``moa_serve.kernels.attention`` on the GPU: q [n, H, hd]; k/v one cache layer
     [slots, KVH, max_len, hd] (rows contiguous); token i attends to keys 0..positions[i]-1 of slot
     slots[i] and to its own key at ``store_at[i]`` (default: positions[i]). Returns [n, H, hd] in
@@ -358,9 +490,27 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: tor
     out = torch.empty_like(q)
     if n:
         _slot_attention_kernel[(n, kv_heads)](
-            q, k, v, out, slots, positions, store_at, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            k.stride(2), out.stride(0), out.stride(1), hd ** -0.5, groups, HEAD_DIM=hd,
-            GROUPS_P2=triton.next_power_of_2(groups), BLOCK=32, num_warps=4)
+            q,
+            k,
+            v,
+            out,
+            slots,
+            positions,
+            store_at,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            out.stride(0),
+            out.stride(1),
+            hd**-0.5,
+            groups,
+            HEAD_DIM=hd,
+            GROUPS_P2=triton.next_power_of_2(groups),
+            BLOCK=32,
+            num_warps=4,
+        )
     return out
 
 
@@ -371,15 +521,22 @@ def attention_chunk(cache_len: int) -> int:
     return max(256, triton.next_power_of_2(triton.cdiv(cache_len, 32)))
 
 
-def chunked_slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                           positions: torch.Tensor, store_at: torch.Tensor | None = None) -> torch.Tensor:
+def chunked_slot_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    store_at: torch.Tensor | None = None,
+) -> torch.Tensor:
     """:func:`slot_attention`'s contract, a token's keys split into fixed chunks
     (:func:`attention_chunk`) that run side by side, then merged in chunk order by a second
     kernel (flash-decoding with a split that depends on the cache, never on the batch): one decode
     row at a long context keeps many programs busy where :func:`slot_attention` runs one per KV
     head. Query heads of a KV head are one tensor-core product (padded to 16 rows)."""
-    n, hd, kv_heads, groups, q, store_at = _attention_inputs("chunked_slot_attention", q, k, v, positions,
-                                                             store_at, 16)  # tl.dot: 16 columns or more
+    n, hd, kv_heads, groups, q, store_at = _attention_inputs(
+        "chunked_slot_attention", q, k, v, positions, store_at, 16
+    )  # tl.dot: 16 columns or more
     cache_len = k.shape[2]
     out = torch.empty_like(q)
     if n:
@@ -390,10 +547,46 @@ def chunked_slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
         acc = torch.empty(m.shape[0], hd, dtype=torch.float32, device=q.device)
         gp2 = max(16, triton.next_power_of_2(groups))  # tl.dot takes 16 rows or more
         _chunk_attention_kernel[(n, kv_heads, nc)](
-            q, k, v, m, denom, acc, slots, positions, store_at, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), k.stride(2), hd ** -0.5, groups, kv_heads, nc, HEAD_DIM=hd, GROUPS_P2=gp2,
-            BLOCK=64, CHUNK=chunk, WIDEN=_WIDEN, IEEE=q.dtype == torch.float32 or _WIDEN, num_warps=4)
+            q,
+            k,
+            v,
+            m,
+            denom,
+            acc,
+            slots,
+            positions,
+            store_at,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            hd**-0.5,
+            groups,
+            kv_heads,
+            nc,
+            HEAD_DIM=hd,
+            GROUPS_P2=gp2,
+            BLOCK=64,
+            CHUNK=chunk,
+            WIDEN=_WIDEN,
+            IEEE=q.dtype == torch.float32 or _WIDEN,
+            num_warps=4,
+        )
         _chunk_combine_kernel[(n, kv_heads)](
-            m, denom, acc, out, positions, out.stride(0), out.stride(1), groups, kv_heads, nc,
-            HEAD_DIM=hd, GROUPS_P2=triton.next_power_of_2(groups), CHUNK=chunk, num_warps=4)
+            m,
+            denom,
+            acc,
+            out,
+            positions,
+            out.stride(0),
+            out.stride(1),
+            groups,
+            kv_heads,
+            nc,
+            HEAD_DIM=hd,
+            GROUPS_P2=triton.next_power_of_2(groups),
+            CHUNK=chunk,
+            num_warps=4,
+        )
     return out

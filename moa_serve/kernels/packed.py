@@ -30,9 +30,15 @@ BLOCK = 32
 _BYTES_PER_BLOCK = {"Q4_1": 20, "Q8_0": 34}
 
 # GGUF tensor name -> Hugging Face module path (llama family)
-_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
 
 def hf_module_name(gguf_name: str) -> str | None:
@@ -50,6 +56,7 @@ class PackedMatrix:
     and W to bfloat16 and sums their products in float32 (matmul precision ``medium``; AVX512-BF16
     CPUs); ``int8`` rounds x to 8-bit blocks and multiplies the weights' integers (precision ``low``;
     Q4_1 / Q8_0 only)."""
+
     kind: str
     qs: torch.Tensor
     d: torch.Tensor | None
@@ -97,8 +104,13 @@ class PackedMatrix:
         if len(kinds) != 1:
             raise ValueError(f"cannot stack packed matrices of kinds {sorted(kinds)}")
         join = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-        return PackedMatrix(parts[0].kind, torch.cat([p.qs for p in parts]), join([p.d for p in parts]),
-                            join([p.m for p in parts]), parts[0].products)
+        return PackedMatrix(
+            parts[0].kind,
+            torch.cat([p.qs for p in parts]),
+            join([p.d for p in parts]),
+            join([p.m for p in parts]),
+            parts[0].products,
+        )
 
     def dequantize(self) -> torch.Tensor:
         """W as float32 [N, K]."""
@@ -275,16 +287,26 @@ def pack_target(model: nn.Module, path: Path, matmul_precision: str = "highest")
     model.fused_stack = FusedStack.build(model)
     if kept:
         log.warning("kept float32 for %d matrices: %s", len(kept), ", ".join(kept[:5]))
-    return {"packed": packed, "kept": kept, "bytes": nbytes, "dense_bytes": dense_bytes, "fused": fused,
-            "fused_layers": model.fused_stack is not None, "matmul_precision": precision}
+    return {
+        "packed": packed,
+        "kept": kept,
+        "bytes": nbytes,
+        "dense_bytes": dense_bytes,
+        "fused": fused,
+        "fused_layers": model.fused_stack is not None,
+        "matmul_precision": precision,
+    }
 
 
 def _linear_layers(module: nn.Module):
     """(parent, attribute, dotted name, layer) of every ``nn.Linear`` in ``module``, listed before
     any is swapped."""
-    return [(parent, attr, f"{parent_name}.{attr}" if parent_name else attr, child)
-            for parent_name, parent in list(module.named_modules())
-            for attr, child in list(parent.named_children()) if isinstance(child, nn.Linear)]
+    return [
+        (parent, attr, f"{parent_name}.{attr}" if parent_name else attr, child)
+        for parent_name, parent in list(module.named_modules())
+        for attr, child in list(parent.named_children())
+        if isinstance(child, nn.Linear)
+    ]
 
 
 def _swap_for_bf16(parent: nn.Module, attr: str, layer: nn.Linear, bits: torch.Tensor) -> int:
@@ -354,15 +376,17 @@ def _share_fused_storage(model: nn.Module) -> None:
     """Points the q/k/v and gate/up layers of a bf16 model at row slices of their fused matrix
     (same values), so the model holds those weights once, not twice."""
     for layer in model.model.layers:
-        for fused, parts in ((layer.self_attn.qkv, ("q_proj", "k_proj", "v_proj")),
-                             (layer.mlp.gate_up, ("gate_proj", "up_proj"))):
+        for fused, parts in (
+            (layer.self_attn.qkv, ("q_proj", "k_proj", "v_proj")),
+            (layer.mlp.gate_up, ("gate_proj", "up_proj")),
+        ):
             if fused is None or fused.packed.kind != "bf16":
                 continue
             owner = layer.self_attn if parts[0] == "q_proj" else layer.mlp
             start = 0
             for attr in parts:
                 part = getattr(owner, attr)
-                rows = fused.packed.qs[start:start + part.out_features]
+                rows = fused.packed.qs[start : start + part.out_features]
                 part.packed = PackedMatrix("bf16", rows, None, None)
                 part._dense = rows.view(torch.bfloat16)
                 start += part.out_features
@@ -378,8 +402,12 @@ def packed_lm_head(lm_head: nn.Module, path: Path | None, rows: torch.Tensor | N
     else:
         weight = lm_head.weight
         gguf_path = gguf_file(path) if path is not None else None
-        if (gguf_path is None or weight.dtype != torch.float32 or weight.device.type != "cpu"
-                or kernels.library() is None):
+        if (
+            gguf_path is None
+            or weight.dtype != torch.float32
+            or weight.device.type != "cpu"
+            or kernels.library() is None
+        ):
             return None
         import gguf
 
@@ -466,8 +494,13 @@ class FusedStack:
                 for m in mats:
                     pm = m.packed
                     qs, d, m = pm.operands()
-                    row += [kernels.kind_id(pm.kind, pm.products), qs.data_ptr(), d.data_ptr() if d is not None else 0,
-                            m.data_ptr() if m is not None else 0, pm.shape[0]]
+                    row += [
+                        kernels.kind_id(pm.kind, pm.products),
+                        qs.data_ptr(),
+                        d.data_ptr() if d is not None else 0,
+                        m.data_ptr() if m is not None else 0,
+                        pm.shape[0],
+                    ]
                 row += [cache.k[i].data_ptr(), cache.v[i].data_ptr()]
                 rows.append(row)
             params = self._params[key] = torch.tensor(rows, dtype=torch.int64)
@@ -475,16 +508,43 @@ class FusedStack:
         return params
 
     def usable(self, x: torch.Tensor, cache) -> bool:
-        return (x.dtype == torch.float32 and x.device.type == "cpu" and cache.k.dtype in (torch.float32, torch.bfloat16)
-                and cache.v.dtype == cache.k.dtype and cache.k.is_contiguous() and cache.v.is_contiguous())
+        return (
+            x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and cache.k.dtype in (torch.float32, torch.bfloat16)
+            and cache.v.dtype == cache.k.dtype
+            and cache.k.is_contiguous()
+            and cache.v.is_contiguous()
+        )
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, slots: torch.Tensor,
-                 positions: torch.Tensor, store_at: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        store_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x [n, hidden] through every layer (K/V of the n tokens written to ``cache`` at
         ``slots``/``positions``, or ``store_at``: see ``kernels.attention``); cos/sin [n, head_dim]."""
         a = self.shape
         _, ss, hs, ps, _ = cache.k.stride()
-        return kernels.decoder_layers(x.contiguous(), self._params_for(cache), a.rms_norm_eps, a.num_heads,
-                                      a.num_kv_heads, a.head_dim, a.intermediate_size, cos.contiguous(),
-                                      sin.contiguous(), slots, positions, (ss, hs, ps), cache.k.shape[3],
-                                      kv_bf16=cache.k.dtype == torch.bfloat16, store_at=store_at)
+        return kernels.decoder_layers(
+            x.contiguous(),
+            self._params_for(cache),
+            a.rms_norm_eps,
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            a.intermediate_size,
+            cos.contiguous(),
+            sin.contiguous(),
+            slots,
+            positions,
+            (ss, hs, ps),
+            cache.k.shape[3],
+            kv_bf16=cache.k.dtype == torch.bfloat16,
+            store_at=store_at,
+        )

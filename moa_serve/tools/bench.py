@@ -24,14 +24,20 @@ from moa_serve.cli_args import DEFAULT_DRAFTER, add_model_args
 from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.drafter.spec import DrafterSpec, parse_branchings
 from moa_serve.drafter.training.data import default_system_prompt, prompt_ids
-from moa_serve.engine.engine import SpeculativeEngine
+from moa_serve.engine.local import SpeculativeEngine
 from moa_serve.kernels.packed import pack_target
-from moa_serve.model_files import (load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path,
-                                   stop_token_ids)
+from moa_serve.model_files import (
+    load_state_dict,
+    load_tokenizer,
+    parse_dtype,
+    read_config,
+    resolve_model_path,
+    stop_token_ids,
+)
 from moa_serve.sampling import SamplingParams
 from moa_serve.target_model import TargetModel
 from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
-from moa_serve.verifier.vllm_engine import VllmEngine, VllmOptions
+from moa_serve.verifier.vllm.engine import VllmEngine, VllmOptions
 
 DEFAULT_QUESTIONS = "../shared/data/specbench/question.jsonl"
 
@@ -66,8 +72,8 @@ def drafter_labels(drafters: list[str]) -> dict[str, str]:
     for d in drafters:
         spec = DrafterSpec.parse(d)
         lookup, ckpt = spec.lookup, spec.checkpoint
-        prefix[d] = d[:len(d) - len(ckpt)] if lookup and ckpt else ""
-    parts = {d: Path(d[len(prefix[d]):]).parts or (d,) for d in drafters}
+        prefix[d] = d[: len(d) - len(ckpt)] if lookup and ckpt else ""
+    parts = {d: Path(d[len(prefix[d]) :]).parts or (d,) for d in drafters}
     if len(parts) < len(drafters):
         raise ValueError(f"--drafter: a drafter is given twice ({','.join(drafters)})")
     suffix = lambda d, n: prefix[d] + "/".join(parts[d][-n:])  # noqa: E731
@@ -87,8 +93,10 @@ def _build_vllm_engines(args):
         raise ValueError("--branching (tree drafts) runs on the torch backend only")
     drafters = [d for d in (args.drafter or "none").split(",") if d and d.lower() != "none"]
     if any(DrafterSpec.parse(d).outputs for d in drafters):
-        raise ValueError("--drafter: '+outputs' (the target's earlier replies) runs on the torch backend only; "
-                         "with --backend vllm use 'lookup' (vLLM's n-gram proposer)")
+        raise ValueError(
+            "--drafter: '+outputs' (the target's earlier replies) runs on the torch backend only; "
+            "with --backend vllm use 'lookup' (vLLM's n-gram proposer)"
+        )
     common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=1)
     vanilla = VllmEngine(args.target, None, VllmOptions(**common))
     methods = [_Method("vanilla", vanilla, 0)]
@@ -98,8 +106,13 @@ def _build_vllm_engines(args):
     for d in drafters:
         for k in ks:
             drafter = None if d == "lookup" else d
-            engine = VllmEngine(args.target, drafter, VllmOptions(ngram=d == "lookup", num_speculative_tokens=k, **common),
-                                features=load_feature_source(drafter), proposer_factory=load_proposer)
+            engine = VllmEngine(
+                args.target,
+                drafter,
+                VllmOptions(ngram=d == "lookup", num_speculative_tokens=k, **common),
+                features=load_feature_source(drafter),
+                proposer_factory=load_proposer,
+            )
             methods.append(_Method(f"{'vllm-ngram' if d == 'lookup' else labels[d]}@k{k}", engine, k))
     return vanilla.tokenizer, methods
 
@@ -117,8 +130,10 @@ def _build_engines(args):
     tok = load_tokenizer(path)
     stops = stop_token_ids(path, tok)
     options = RunnerOptions(kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
-    mk = lambda fh: TorchTargetRunner(str(path), dt, args.device, 1, args.max_model_len, fh, model=tm,  # noqa: E731
-                                      options=options)
+
+    def mk(fh):
+        return TorchTargetRunner(str(path), dt, args.device, 1, args.max_model_len, fh, model=tm, options=options)
+
     methods = [_Method("vanilla", SpeculativeEngine(mk(None), None, tok, stops, 1), 0)]
     drafters = [d for d in (args.drafter or "none").split(",") if d and d.lower() != "none"]
     ks = [int(k) for k in str(args.num_speculative_tokens).split(",")]
@@ -128,8 +143,15 @@ def _build_engines(args):
         for k in ks:
             for shape in shapes:
                 verifier = mk(load_feature_source(d))
-                proposer = load_proposer(d, target=args.target, dtype=dt, device=args.device, max_sessions=1,
-                                         max_model_len=verifier.max_model_len, target_model=tm)
+                proposer = load_proposer(
+                    d,
+                    target=args.target,
+                    dtype=dt,
+                    device=args.device,
+                    max_sessions=1,
+                    max_model_len=verifier.max_model_len,
+                    target_model=tm,
+                )
                 if shape and not getattr(proposer, "branches", False):
                     continue  # prompt lookup alone drafts chains only
                 if shape:
@@ -143,12 +165,17 @@ def _summ(turns: list[dict], vanilla: list[dict] | None) -> dict:
     tokens = sum(t["tokens"] for t in turns)
     rounds = sum(t["rounds"] for t in turns)
     elapsed = sum(t["elapsed_s"] for t in turns)
-    out = {"turns": len(turns), "tokens": tokens, "rounds": rounds, "elapsed_s": round(elapsed, 3),
-           "mean_accepted_length": round(tokens / rounds, 4) if rounds else 0.0,
-           "tokens_per_s": round(tokens / elapsed, 3) if elapsed else 0.0,
-           # where a round's time goes: the drafter's K steps vs the target's verify (+ features)
-           "draft_ms_per_round": round(1000 * sum(t.get("draft_s", 0.0) for t in turns) / rounds, 2) if rounds else 0.0,
-           "verify_ms_per_round": round(1000 * sum(t.get("verify_s", 0.0) for t in turns) / rounds, 2) if rounds else 0.0}
+    out = {
+        "turns": len(turns),
+        "tokens": tokens,
+        "rounds": rounds,
+        "elapsed_s": round(elapsed, 3),
+        "mean_accepted_length": round(tokens / rounds, 4) if rounds else 0.0,
+        "tokens_per_s": round(tokens / elapsed, 3) if elapsed else 0.0,
+        # where a round's time goes: the drafter's K steps vs the target's verify (+ features)
+        "draft_ms_per_round": round(1000 * sum(t.get("draft_s", 0.0) for t in turns) / rounds, 2) if rounds else 0.0,
+        "verify_ms_per_round": round(1000 * sum(t.get("verify_s", 0.0) for t in turns) / rounds, 2) if rounds else 0.0,
+    }
     if vanilla is not None:
         vt = sum(t["tokens"] for t in vanilla) / max(1e-9, sum(t["elapsed_s"] for t in vanilla))
         out["speedup"] = round(out["tokens_per_s"] / vt, 4) if vt else 0.0
@@ -181,16 +208,25 @@ def run_bench(args) -> dict:
             ref = None
             for m in methods:
                 msgs = history[m.name] + [{"role": "user", "content": turn}]
-                prompt = prompt_ids(tok, msgs)[-(args.max_model_len - args.max_new_tokens - 1):]
+                prompt = prompt_ids(tok, msgs)[-(args.max_model_len - args.max_new_tokens - 1) :]
                 before = dict(m.engine.timings)
                 res = m.engine.generate([prompt], args.max_new_tokens, sampling, max(1, m.k))[0]
                 spent = {k: m.engine.timings[k] - before[k] for k in before}
                 if m.name == "vanilla":
                     ref = res.token_ids
                 identical = (res.token_ids == ref) if greedy and m.name != "vanilla" else None
-                m.per_turn.append({"question_id": q.get("question_id"), "category": q.get("category", "all"),
-                                   "turn": ti, "tokens": res.num_tokens, "rounds": res.rounds,
-                                   "elapsed_s": res.elapsed_s, "identical": identical, **spent})
+                m.per_turn.append(
+                    {
+                        "question_id": q.get("question_id"),
+                        "category": q.get("category", "all"),
+                        "turn": ti,
+                        "tokens": res.num_tokens,
+                        "rounds": res.rounds,
+                        "elapsed_s": res.elapsed_s,
+                        "identical": identical,
+                        **spent,
+                    }
+                )
                 text = tok.decode(res.token_ids, skip_special_tokens=True)
                 history[m.name] = msgs + [{"role": "assistant", "content": text}]
                 bar.update(1)
@@ -208,8 +244,12 @@ def _write(args, methods, questions, partial: bool) -> dict:
         ref = van.per_turn if m is not van else None
         entry = {"method": m.name, "num_speculative_tokens": m.k, **_summ(m.per_turn, ref)}
         entry["per_category"] = {
-            c: _summ([t for t in m.per_turn if t["category"] == c],
-                     [t for t in ref if t["category"] == c] if ref is not None else None) for c in cats}
+            c: _summ(
+                [t for t in m.per_turn if t["category"] == c],
+                [t for t in ref if t["category"] == c] if ref is not None else None,
+            )
+            for c in cats
+        }
         runs.append(entry)
     main = runs[1] if len(runs) > 1 else runs[0]
     result = {
@@ -221,17 +261,29 @@ def _write(args, methods, questions, partial: bool) -> dict:
         "per_category": main["per_category"],
         "method": main["method"],
         "runs": runs,
-        "config": {"target": args.target, "drafter": args.drafter, "questions": args.questions,
-                   "num_questions": len(questions), "limit": args.limit, "per_category": args.per_category,
-                   "max_new_tokens": args.max_new_tokens, "num_speculative_tokens": str(args.num_speculative_tokens),
-                   "branching": str(getattr(args, "branching", "") or ""),
-                   "temperature": args.temperature, "dtype": args.dtype, "device": args.device,
-                   "system_prompt": getattr(args, "system_prompt", "none"),
-                   "backend": getattr(args, "backend", "torch"),
-                   "threads": args.threads, "packed_weights": getattr(args, "packed_weights", "auto"),
-                   "matmul_precision": getattr(args, "matmul_precision", "highest"),
-                   "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                   "questions_done": len({t["question_id"] for t in van.per_turn}), "partial": partial},
+        "config": {
+            "target": args.target,
+            "drafter": args.drafter,
+            "questions": args.questions,
+            "num_questions": len(questions),
+            "limit": args.limit,
+            "per_category": args.per_category,
+            "max_new_tokens": args.max_new_tokens,
+            "num_speculative_tokens": str(args.num_speculative_tokens),
+            "branching": str(getattr(args, "branching", "") or ""),
+            "temperature": args.temperature,
+            "dtype": args.dtype,
+            "device": args.device,
+            "system_prompt": getattr(args, "system_prompt", "none"),
+            "backend": getattr(args, "backend", "torch"),
+            "threads": args.threads,
+            "packed_weights": getattr(args, "packed_weights", "auto"),
+            "matmul_precision": getattr(args, "matmul_precision", "highest"),
+            "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "questions_done": len({t["question_id"] for t in van.per_turn}),
+            "partial": partial,
+        },
         "per_turn": {m.name: m.per_turn for m in methods},
     }
     out = Path(args.out)
@@ -247,23 +299,35 @@ def markdown(result: dict) -> str:
     runs = result["runs"]
     cats = list(runs[0]["per_category"])
     cfg = result["config"]
-    lines = [f"Target `{cfg['target']}`, {cfg['questions_done']} of {cfg['num_questions']} questions, max {cfg['max_new_tokens']} new tokens, "
-             f"temperature {cfg['temperature']}, {cfg['dtype']} on {cfg['device']}, "
-             f"backend {cfg.get('backend', 'torch')}.", "",
-             "| method | K | τ | tok/s | speed-up | greedy identical | draft / verify ms per round |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"Target `{cfg['target']}`, {cfg['questions_done']} of {cfg['num_questions']} questions, "
+        f"max {cfg['max_new_tokens']} new tokens, "
+        f"temperature {cfg['temperature']}, {cfg['dtype']} on {cfg['device']}, "
+        f"backend {cfg.get('backend', 'torch')}.",
+        "",
+        "| method | K | τ | tok/s | speed-up | greedy identical | draft / verify ms per round |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in runs:
         ident = r.get("greedy_identical_fraction")
-        lines.append(f"| {r['method']} | {r['num_speculative_tokens']} | {r['mean_accepted_length']:.2f} | "
-                     f"{r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f}× | "
-                     f"{'–' if ident is None else f'{ident:.2f}'} | "
-                     f"{r.get('draft_ms_per_round', 0):.1f} / {r.get('verify_ms_per_round', 0):.1f} |")
-    lines += ["", "τ / speed-up per category:", "",
-              "| category | " + " | ".join(r["method"] for r in runs[1:]) + " |",
-              "| --- |" + " ---: |" * (len(runs) - 1)]
+        lines.append(
+            f"| {r['method']} | {r['num_speculative_tokens']} | {r['mean_accepted_length']:.2f} | "
+            f"{r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f}× | "
+            f"{'–' if ident is None else f'{ident:.2f}'} | "
+            f"{r.get('draft_ms_per_round', 0):.1f} / {r.get('verify_ms_per_round', 0):.1f} |"
+        )
+    lines += [
+        "",
+        "τ / speed-up per category:",
+        "",
+        "| category | " + " | ".join(r["method"] for r in runs[1:]) + " |",
+        "| --- |" + " ---: |" * (len(runs) - 1),
+    ]
     for c in cats:
-        cells = [f"{r['per_category'][c]['mean_accepted_length']:.2f} / {r['per_category'][c].get('speedup', 1):.2f}×"
-                 for r in runs[1:]]
+        cells = [
+            f"{r['per_category'][c]['mean_accepted_length']:.2f} / {r['per_category'][c].get('speedup', 1):.2f}×"
+            for r in runs[1:]
+        ]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -297,6 +361,7 @@ def plot(result: dict, path: Path) -> None:
 
 def printing_command(run, table):
     """A benchmark's subcommand: runs it, prints its Markdown table and where the results went."""
+
     def cmd(args) -> int:
         print(table(run(args)))
         print(f"wrote {args.out}")
@@ -312,25 +377,39 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="Spec-Bench: vanilla vs speculative decoding (τ, tokens/s, speed-up, identity)")
     # --target, --dtype, --device, --max-model-len, --packed-weights, --matmul-precision, --kv-cache-dtype
     add_model_args(p, drafter=False)
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER,
-                   help="drafter checkpoint folder (or packaged name); comma-separated for several; 'none' = vanilla only")
+    p.add_argument(
+        "--drafter",
+        default=DEFAULT_DRAFTER,
+        help="drafter checkpoint folder (or packaged name); comma-separated for several; 'none' = vanilla only",
+    )
     p.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench-format JSONL")
     p.add_argument("--limit", type=int, default=0, help="at most N questions (0 = all)")
     p.add_argument("--per-category", type=int, default=0, help="at most N questions per category (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-speculative-tokens", "-k", default="5", help="K, or a comma-separated list")
-    p.add_argument("--branching", default="",
-                   help="tree drafts (greedy, torch backend): candidates per draft depth, e.g. 4-2-2 (the top 4 at "
-                        "the first depth, the top 2 at the next two, verified as leaves beside the drafted chain); "
-                        "8-3-2@0.05: only candidates the drafter rates at least 0.05 (dynamic); comma-separated for "
-                        "several ('chain' = none)")
-    p.add_argument("--system-prompt", choices=["none", "default"], default="none",
-                   help="none: prompts without a system prompt (the paper's evaluation); default: with the "
-                        "system prompt the chat template inserts, as a served chat request gets it")
+    p.add_argument(
+        "--branching",
+        default="",
+        help="tree drafts (greedy, torch backend): candidates per draft depth, e.g. 4-2-2 (the top 4 at "
+        "the first depth, the top 2 at the next two, verified as leaves beside the drafted chain); "
+        "8-3-2@0.05: only candidates the drafter rates at least 0.05 (dynamic); comma-separated for "
+        "several ('chain' = none)",
+    )
+    p.add_argument(
+        "--system-prompt",
+        choices=["none", "default"],
+        default="none",
+        help="none: prompts without a system prompt (the paper's evaluation); default: with the "
+        "system prompt the chat template inserts, as a served chat request gets it",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=["torch", "vllm"], default="torch",
-                   help="vllm: the target in stock vLLM (one engine per method; 'lookup' = vLLM's n-gram proposer)")
+    p.add_argument(
+        "--backend",
+        choices=["torch", "vllm"],
+        default="torch",
+        help="vllm: the target in stock vLLM (one engine per method; 'lookup' = vLLM's n-gram proposer)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--out", default="results.json")
     p.set_defaults(func=cmd_bench)

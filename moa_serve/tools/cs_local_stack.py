@@ -13,17 +13,26 @@ from moa_serve.app import state
 from moa_serve.app.frontend import Frontend
 from moa_serve.cs.fingerprint import model_fingerprint
 from moa_serve.cs.sessions import ClientSessions, ServerIdentity
-from moa_serve.engine.features import AlwaysFeatures, FeaturePolicy
+from moa_serve.engine.feature_policy import AlwaysFeatures, FeaturePolicy
 from moa_serve.engine.options import RoundOptions
-from moa_serve.engine.service import RoundService
+from moa_serve.engine.round_service import RoundService
 
 
 class LocalStack:
     """One "Router replica" over ``runner``: a new one knows no session (a server restart).
     ``on_verify(requests)`` runs before every verify call (tests record or alter them)."""
 
-    def __init__(self, runner, tokenizer, stop_token_ids, *, model_name: str, drafter: str | None,
-                 ttl_s: float = 300.0, on_verify: Callable[[list], None] | None = None):
+    def __init__(
+        self,
+        runner,
+        tokenizer,
+        stop_token_ids,
+        *,
+        model_name: str,
+        drafter: str | None,
+        ttl_s: float = 300.0,
+        on_verify: Callable[[list], None] | None = None,
+    ):
         self.runner = runner
 
         async def verify(group, reqs):
@@ -35,16 +44,32 @@ class LocalStack:
             for i in ids:
                 runner.release(i)
 
-        self.service = RoundService(verify, None, release, RoundOptions(speculation_governor=False),
-                                    features=AlwaysFeatures() if drafter is not None else FeaturePolicy())
+        self.service = RoundService(
+            verify,
+            None,
+            release,
+            RoundOptions(speculation_governor=False),
+            features=AlwaysFeatures() if drafter is not None else FeaturePolicy(),
+        )
         self.identity = ServerIdentity.build(
-            model=model_name, target_fingerprint=model_fingerprint(runner.model), tokenizer=tokenizer,
-            drafter=drafter, vocab_size=runner.arch.vocab_size, max_model_len=runner.max_model_len,
-            stop_token_ids=stop_token_ids)
+            model=model_name,
+            target_fingerprint=model_fingerprint(runner.model),
+            tokenizer=tokenizer,
+            drafter=drafter,
+            vocab_size=runner.arch.vocab_size,
+            max_model_len=runner.max_model_len,
+            stop_token_ids=stop_token_ids,
+        )
         self.cs = ClientSessions(self.service, self.identity, ttl_s=ttl_s)
-        self.frontend = Frontend(self.service, tokenizer, max_model_len=runner.max_model_len,
-                                 stop_token_ids=stop_token_ids, num_speculative_tokens=4, speculative=False,
-                                 model_name=model_name)
+        self.frontend = Frontend(
+            self.service,
+            tokenizer,
+            max_model_len=runner.max_model_len,
+            stop_token_ids=stop_token_ids,
+            num_speculative_tokens=4,
+            speculative=False,
+            model_name=model_name,
+        )
 
     def install(self) -> "LocalStack":
         """Makes this stack the one the app's routes use."""
@@ -72,8 +97,9 @@ class UvicornThread:
 
         self.port = free_port(*ports)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="off"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

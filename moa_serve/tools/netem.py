@@ -80,8 +80,11 @@ class Profile:
         return None if self.bandwidth_mbit is None else self.bandwidth_mbit * 1e6 / 8
 
     def describe(self) -> str:
-        delay = (f"N({self.delay_mean_ms:g}, {self.delay_std_ms:g}) ms" if self.delay_std_ms
-                 else f"{self.delay_mean_ms:g} ms")
+        delay = (
+            f"N({self.delay_mean_ms:g}, {self.delay_std_ms:g}) ms"
+            if self.delay_std_ms
+            else f"{self.delay_mean_ms:g} ms"
+        )
         bw = "unlimited" if self.bandwidth_mbit is None else f"{self.bandwidth_mbit:g} Mbit/s"
         return f"{self.name}: delay {delay} each way, {bw}, loss {self.loss:.2%}"
 
@@ -117,8 +120,10 @@ class NetemStats:
     cuts: int = 0
 
     def summary(self) -> str:
-        return (f"netem: {self.connections} connections, {self.bytes_up} B up, {self.bytes_down} B down, "
-                f"{self.stalls} stalls in {self.segments} segments ({self.stall_s:.2f} s), {self.cuts} cuts")
+        return (
+            f"netem: {self.connections} connections, {self.bytes_up} B up, {self.bytes_down} B down, "
+            f"{self.stalls} stalls in {self.segments} segments ({self.stall_s:.2f} s), {self.cuts} cuts"
+        )
 
 
 def link_seed(seed: int, connection: int, direction: str) -> str:
@@ -171,8 +176,9 @@ class Link:
         return at
 
 
-def delay_schedule(profile: Profile | str, seed: int, connection: int = 0, direction: str = "up",
-                   n: int = 10) -> list[float]:
+def delay_schedule(
+    profile: Profile | str, seed: int, connection: int = 0, direction: str = "up", n: int = 10
+) -> list[float]:
     """The first ``n`` delays (seconds) that connection ``connection``'s ``direction`` link will draw."""
     link = Link(get_profile(profile), link_seed(seed, connection, direction))
     return [link.draw_delay() for _ in range(n)]
@@ -212,8 +218,15 @@ class NetemProxy:
     use :func:`netem_proxy`, which runs one in a background thread.
     """
 
-    def __init__(self, profile: Profile | str, upstream: tuple[str, int], listen: tuple[str, int] = ("127.0.0.1", 0),
-                 seed: int = 0, cut_after: float | None = None, cut_mode: CutMode = "blackhole") -> None:
+    def __init__(
+        self,
+        profile: Profile | str,
+        upstream: tuple[str, int],
+        listen: tuple[str, int] = ("127.0.0.1", 0),
+        seed: int = 0,
+        cut_after: float | None = None,
+        cut_mode: CutMode = "blackhole",
+    ) -> None:
         if cut_mode not in CUT_MODES:
             raise ValueError(f"cut_mode must be one of {', '.join(CUT_MODES)}, got {cut_mode!r}")
         if cut_after is not None and cut_after < 0:
@@ -317,8 +330,10 @@ class NetemProxy:
             reset = False
             try:
                 async with asyncio.TaskGroup() as tg:
-                    for reader, writer, link, direction in ((client_reader, conn.upstream, conn.up, "up"),
-                                                            (upstream_reader, conn.client, conn.down, "down")):
+                    for reader, writer, link, direction in (
+                        (client_reader, conn.upstream, conn.up, "up"),
+                        (upstream_reader, conn.client, conn.down, "down"),
+                    ):
                         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(QUEUE_CHUNKS)
                         tg.create_task(self._receive(reader, link, queue))
                         tg.create_task(self._deliver(queue, writer, direction))
@@ -334,8 +349,9 @@ class NetemProxy:
         finally:
             self._conns.discard(conn)
 
-    async def _receive(self, reader: asyncio.StreamReader, link: Link,
-                       queue: asyncio.Queue[tuple[float, bytes]]) -> None:
+    async def _receive(
+        self, reader: asyncio.StreamReader, link: Link, queue: asyncio.Queue[tuple[float, bytes]]
+    ) -> None:
         loop = asyncio.get_running_loop()
         while True:
             data = await reader.read(CHUNK_BYTES)
@@ -343,8 +359,9 @@ class NetemProxy:
             if not data:  # EOF travels the link like data
                 return
 
-    async def _deliver(self, queue: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter,
-                       direction: str) -> None:
+    async def _deliver(
+        self, queue: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter, direction: str
+    ) -> None:
         loop = asyncio.get_running_loop()
         while True:
             at, data = await queue.get()
@@ -426,9 +443,14 @@ class NetemThread:
 
 
 @contextlib.contextmanager
-def netem_proxy(profile: Profile | str, upstream: tuple[str, int], seed: int = 0,
-                listen: tuple[str, int] = ("127.0.0.1", 0), cut_after: float | None = None,
-                cut_mode: CutMode = "blackhole") -> Iterator[NetemThread]:
+def netem_proxy(
+    profile: Profile | str,
+    upstream: tuple[str, int],
+    seed: int = 0,
+    listen: tuple[str, int] = ("127.0.0.1", 0),
+    cut_after: float | None = None,
+    cut_mode: CutMode = "blackhole",
+) -> Iterator[NetemThread]:
     """Run a :class:`NetemProxy` in a background thread for the ``with`` block."""
     handle = NetemThread(NetemProxy(profile, upstream, listen, seed, cut_after, cut_mode))
     handle.start()
@@ -439,6 +461,7 @@ def netem_proxy(profile: Profile | str, upstream: tuple[str, int], seed: int = 0
 
 
 # --- command line -------------------------------------------------------------------------------
+
 
 def _address(text: str, listen: bool) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
@@ -468,22 +491,50 @@ def _seconds(text: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", required=True, choices=list(PROFILES),
-                   help="; ".join(prof.describe() for prof in PROFILES.values()).replace("%", "%%"))
-    p.add_argument("--listen", required=True, type=_listen_address, metavar="HOST:PORT",
-                   help="where clients connect (port 0: any free port, printed at start)")
-    p.add_argument("--upstream", required=True, type=_upstream_address, metavar="HOST:PORT",
-                   help="the server traffic is forwarded to")
+    p.add_argument(
+        "--profile",
+        required=True,
+        choices=list(PROFILES),
+        help="; ".join(prof.describe() for prof in PROFILES.values()).replace("%", "%%"),
+    )
+    p.add_argument(
+        "--listen",
+        required=True,
+        type=_listen_address,
+        metavar="HOST:PORT",
+        help="where clients connect (port 0: any free port, printed at start)",
+    )
+    p.add_argument(
+        "--upstream",
+        required=True,
+        type=_upstream_address,
+        metavar="HOST:PORT",
+        help="the server traffic is forwarded to",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the delay and drop draws (reproducible runs)")
-    p.add_argument("--cut-after", type=_seconds, metavar="SECONDS",
-                   help="cut the link this many seconds after the first connection is accepted")
-    p.add_argument("--cut-mode", choices=CUT_MODES, default="blackhole",
-                   help="blackhole: stop forwarding, clients time out; reset: RST every connection, refuse new ones")
+    p.add_argument(
+        "--cut-after",
+        type=_seconds,
+        metavar="SECONDS",
+        help="cut the link this many seconds after the first connection is accepted",
+    )
+    p.add_argument(
+        "--cut-mode",
+        choices=CUT_MODES,
+        default="blackhole",
+        help="blackhole: stop forwarding, clients time out; reset: RST every connection, refuse new ones",
+    )
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    proxy = NetemProxy(args.profile, upstream=args.upstream, listen=args.listen, seed=args.seed,
-                       cut_after=args.cut_after, cut_mode=args.cut_mode)
+    proxy = NetemProxy(
+        args.profile,
+        upstream=args.upstream,
+        listen=args.listen,
+        seed=args.seed,
+        cut_after=args.cut_after,
+        cut_mode=args.cut_mode,
+    )
     try:
         host, port = await proxy.start()
     except OSError as exc:
@@ -494,8 +545,11 @@ async def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     cut = "" if args.cut_after is None else f", cut ({args.cut_mode}) {args.cut_after:g} s after the first connection"
-    print(f"netem {proxy.profile.describe()}; listening on {host}:{port} -> {args.upstream[0]}:{args.upstream[1]}"
-          f" (seed {args.seed}{cut}); Ctrl-C to stop", flush=True)
+    print(
+        f"netem {proxy.profile.describe()}; listening on {host}:{port} -> {args.upstream[0]}:{args.upstream[1]}"
+        f" (seed {args.seed}{cut}); Ctrl-C to stop",
+        flush=True,
+    )
     await stop.wait()
     await proxy.stop()
     print(proxy.stats.summary(), file=sys.stderr, flush=True)

@@ -43,8 +43,8 @@ from pathlib import Path
 
 from moa_serve.drafter.outputs import pack_replies
 from moa_serve.drafter.training.data import default_system_prompt, load_conversations, prompt_ids, read_rows
-from moa_serve.engine.engine import SpeculativeEngine
-from moa_serve.verifier.vllm_engine import VllmEngine, VllmOptions, release_process_state
+from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.verifier.vllm.engine import VllmEngine, VllmOptions, release_process_state
 
 
 def _prompt_key(message: dict) -> str:
@@ -57,8 +57,7 @@ def _first_user(messages: list[dict]) -> dict:
 
 def answered_prompts(self_dir: Path) -> set[str]:
     """The first user messages of the conversations already regenerated into ``self_dir``."""
-    return {_prompt_key(_first_user(row["messages"])) for p in sorted(self_dir.glob("*.jsonl"))
-            for row in read_rows(p)}
+    return {_prompt_key(_first_user(row["messages"])) for p in sorted(self_dir.glob("*.jsonl")) for row in read_rows(p)}
 
 
 def gets_system_prompt(message: dict, share: float) -> bool:
@@ -133,19 +132,22 @@ def unpack(path: str, data_dir: str, out: str) -> Path:
             rows = sources[e["file"]]
             conv = rows[e["row"]]["messages"] if e["row"] < len(rows) else None
             if conv is None or _digest(_first_user(conv)) != e["prompt_sha"]:
-                raise ValueError(f"{path} line {line_no}: row {e['row']} of {e['file']} no longer holds the "
-                                 "prompt that was answered (the corpus changed)")
+                raise ValueError(
+                    f"{path} line {line_no}: row {e['row']} of {e['file']} no longer holds the "
+                    "prompt that was answered (the corpus changed)"
+                )
             replies = pack_replies(e)
-            users = [m for m in conv if m["role"] == "user"][:len(replies)]
+            users = [m for m in conv if m["role"] == "user"][: len(replies)]
             if len(users) < len(replies):
-                raise ValueError(f"{path} line {line_no}: {len(replies)} replies for {len(users)} user turns "
-                                 f"in row {e['row']} of {e['file']}")
+                raise ValueError(
+                    f"{path} line {line_no}: {len(replies)} replies for {len(users)} user turns "
+                    f"in row {e['row']} of {e['file']}"
+                )
             system = [{"role": "system", "content": e["system"]}] if "system" in e else []
             regenerated = [m for u, r in zip(users, replies) for m in (u, {"role": "assistant", "content": r})]
             source = {"file": e["file"], "row": e["row"]}
             f_self.write(json.dumps({"messages": system + regenerated, "source": source}) + "\n")
-            f_orig.write(json.dumps({"messages": system + _dataset_turns(conv, len(replies)),
-                                     "source": source}) + "\n")
+            f_orig.write(json.dumps({"messages": system + _dataset_turns(conv, len(replies)), "source": source}) + "\n")
     return root
 
 
@@ -178,10 +180,21 @@ def answer(engine, convs: list[list[dict]], max_new_tokens: int) -> tuple[list[l
     return heads, tokens
 
 
-def regenerate(target: str, data_dir: str, out: str, per_file: int, max_new_tokens: int = 256,
-               batch: int = 16, dtype: str = "bfloat16", device: str = "cpu", seed: int = 0,
-               limit: int = 0, backend: str = "torch", all_turns: bool = False,
-               system_prompt_share: float = 0.0) -> Path:
+def regenerate(
+    target: str,
+    data_dir: str,
+    out: str,
+    per_file: int,
+    max_new_tokens: int = 256,
+    batch: int = 16,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    seed: int = 0,
+    limit: int = 0,
+    backend: str = "torch",
+    all_turns: bool = False,
+    system_prompt_share: float = 0.0,
+) -> Path:
     from tqdm import tqdm
 
     if per_file < 1 or max_new_tokens < 1 or batch < 1 or limit < 0:
@@ -190,15 +203,26 @@ def regenerate(target: str, data_dir: str, out: str, per_file: int, max_new_toke
         raise ValueError(f"system_prompt_share must be in [0, 1], got {system_prompt_share}")
     root = Path(out)
     done = answered_prompts(root / "self")
-    convs = [(c if all_turns else _dataset_turns(c, 1), src)
-             for c, src in load_conversations(data_dir, per_file, seed, with_source=True)]
+    convs = [
+        (c if all_turns else _dataset_turns(c, 1), src)
+        for c, src in load_conversations(data_dir, per_file, seed, with_source=True)
+    ]
     todo = [(c, src) for c, src in convs if _prompt_key(_first_user(c)) not in done]
     already = len(convs) - len(todo)
     if limit:
         todo = todo[:limit]
-    print(json.dumps({"event": "regenerate", "sampled": len(convs), "already_answered": already,
-                      "to_answer": len(todo), "user_turns": sum(m["role"] == "user" for c, _ in todo for m in c)}),
-          flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "regenerate",
+                "sampled": len(convs),
+                "already_answered": already,
+                "to_answer": len(todo),
+                "user_turns": sum(m["role"] == "user" for c, _ in todo for m in c),
+            }
+        ),
+        flush=True,
+    )
     if not todo:
         return root
     engine = _engine(backend, target, dtype, device, batch)
@@ -209,13 +233,22 @@ def regenerate(target: str, data_dir: str, out: str, per_file: int, max_new_toke
         self_path, orig_path = _new_shard(root)
         chunk_size = batch * 4  # continuous batching inside a chunk; the chunk bounds lost work on interrupt
         tokens, t0 = 0, time.perf_counter()
-        with self_path.open("w") as f_self, orig_path.open("w") as f_orig, \
-                tqdm(total=len(todo), desc="regenerate", unit="conv") as bar:
+        with (
+            self_path.open("w") as f_self,
+            orig_path.open("w") as f_orig,
+            tqdm(total=len(todo), desc="regenerate", unit="conv") as bar,
+        ):
             for i in range(0, len(todo), chunk_size):
-                part = todo[i:i + chunk_size]
-                chunk = [([{"role": "system", "content": system}] if system is not None
-                          and gets_system_prompt(_first_user(c), system_prompt_share) else []) + c
-                         for c, _ in part]
+                part = todo[i : i + chunk_size]
+                chunk = [
+                    (
+                        [{"role": "system", "content": system}]
+                        if system is not None and gets_system_prompt(_first_user(c), system_prompt_share)
+                        else []
+                    )
+                    + c
+                    for c, _ in part
+                ]
                 replies, n = answer(engine, chunk, max_new_tokens)
                 for c, r, (_, src) in zip(chunk, replies, part):
                     f_self.write(json.dumps({"messages": r, "source": src}) + "\n")
@@ -229,8 +262,18 @@ def regenerate(target: str, data_dir: str, out: str, per_file: int, max_new_toke
         if backend == "vllm":
             engine.close()
     wall = time.perf_counter() - t0
-    print(json.dumps({"event": "done", "answered": len(todo), "tokens": tokens, "wall_s": round(wall, 1),
-                      "tokens_per_s": round(tokens / wall, 1)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "done",
+                "answered": len(todo),
+                "tokens": tokens,
+                "wall_s": round(wall, 1),
+                "tokens_per_s": round(tokens / wall, 1),
+            }
+        ),
+        flush=True,
+    )
     return root
 
 
@@ -243,19 +286,38 @@ def register(sub) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--backend", choices=["torch", "vllm"], default="torch",
-                   help="the engine that writes the replies: ours, or stock vLLM (pip install -e '.[vllm]')")
-    p.add_argument("--all-turns", action="store_true",
-                   help="answer every user turn of multi-turn conversations (default: the first turn only)")
-    p.add_argument("--system-prompt-share", type=float, default=0.0, metavar="F",
-                   help="render this share of the conversations (by prompt hash) with the chat template's "
-                        "default system prompt, as served (default 0: none, the paper's recipe)")
+    p.add_argument(
+        "--backend",
+        choices=["torch", "vllm"],
+        default="torch",
+        help="the engine that writes the replies: ours, or stock vLLM (pip install -e '.[vllm]')",
+    )
+    p.add_argument(
+        "--all-turns",
+        action="store_true",
+        help="answer every user turn of multi-turn conversations (default: the first turn only)",
+    )
+    p.add_argument(
+        "--system-prompt-share",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="render this share of the conversations (by prompt hash) with the chat template's "
+        "default system prompt, as served (default 0: none, the paper's recipe)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit", type=int, default=0,
-                   help="answer at most this many prompts not yet in --out (0: all); a later run goes on")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=0,
+        help="answer at most this many prompts not yet in --out (0: all); a later run goes on",
+    )
     p.add_argument("--out", required=True)
-    p.add_argument("--pack", metavar="FILE", help="instead: store --out's regenerated replies compactly (gzip; "
-                   "sources + replies, no corpus text)")
+    p.add_argument(
+        "--pack",
+        metavar="FILE",
+        help="instead: store --out's regenerated replies compactly (gzip; sources + replies, no corpus text)",
+    )
     p.add_argument("--unpack", metavar="FILE", help="instead: rebuild --out from a pack and --data-dir")
     p.set_defaults(func=_cmd)
 
@@ -268,8 +330,23 @@ def _cmd(a) -> int:
     elif a.unpack:
         print(unpack(a.unpack, a.data_dir, a.out))
     else:
-        print(regenerate(a.target, a.data_dir, a.out, a.per_file, a.max_new_tokens, a.batch, a.dtype, a.device,
-                         a.seed, a.limit, a.backend, a.all_turns, a.system_prompt_share))
+        print(
+            regenerate(
+                a.target,
+                a.data_dir,
+                a.out,
+                a.per_file,
+                a.max_new_tokens,
+                a.batch,
+                a.dtype,
+                a.device,
+                a.seed,
+                a.limit,
+                a.backend,
+                a.all_turns,
+                a.system_prompt_share,
+            )
+        )
         if a.backend == "vllm":
             release_process_state()
     return 0

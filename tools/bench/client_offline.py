@@ -23,16 +23,22 @@ from moa_serve.app.http import create_app
 from moa_serve.cli_args import DEFAULT_DRAFTER, DEFAULT_TARGET, prompt_tokens
 from moa_serve.client import DeviceDrafter, RemoteGenerator, Transport
 from moa_serve.client.generate import AUTO
-from moa_serve.tools.cs_local_stack import UvicornThread
-from moa_serve.tools.cs_bench import server_stack
 from moa_serve.drafter.spec import DrafterSpec
-from moa_serve.engine.engine import SpeculativeEngine
-from moa_serve.sampling import GREEDY
+from moa_serve.engine.local import SpeculativeEngine
 from moa_serve.kernels.packed import pack_target
-from moa_serve.model_files import (load_state_dict, load_tokenizer, parse_dtype, read_config, resolve_model_path,
-                                   stop_token_ids)
-from moa_serve.tools.netem import netem_proxy
+from moa_serve.model_files import (
+    load_state_dict,
+    load_tokenizer,
+    parse_dtype,
+    read_config,
+    resolve_model_path,
+    stop_token_ids,
+)
+from moa_serve.sampling import GREEDY
 from moa_serve.target_model import TargetModel
+from moa_serve.tools.cs_bench import server_stack
+from moa_serve.tools.cs_local_stack import UvicornThread
+from moa_serve.tools.netem import netem_proxy
 from moa_serve.verifier.torch_runner import TorchTargetRunner
 
 PORTS = (8400, 8500)
@@ -48,8 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cut-mode", choices=["blackhole", "reset"], default="blackhole")
     p.add_argument("--cut-after", type=float, default=4.0, help="seconds after the handshake")
     p.add_argument("--restore-after", type=float, default=20.0, help="seconds after the cut (0: never)")
-    p.add_argument("--stop-at-offline", action="store_true",
-                   help="stop at the first offline token (a link that never comes back)")
+    p.add_argument(
+        "--stop-at-offline", action="store_true", help="stop at the first offline token (a link that never comes back)"
+    )
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--ignore-eos", action="store_true", help="write all --max-new-tokens")
@@ -67,10 +74,23 @@ class Server:
         pack_target(self.tm, path)
         self.tok = load_tokenizer(path)
         stops = stop_token_ids(path, self.tok)
-        self.plain = SpeculativeEngine(TorchTargetRunner(str(path), dt, "cpu", 1, args.max_model_len, None,
-                                                         model=self.tm), None, self.tok, stops, 1)
-        server_stack(path, self.tm, dt, self.tok, stops, DrafterSpec.parse(args.drafter).checkpoint, args.max_model_len,
-                     args.target).install()
+        self.plain = SpeculativeEngine(
+            TorchTargetRunner(str(path), dt, "cpu", 1, args.max_model_len, None, model=self.tm),
+            None,
+            self.tok,
+            stops,
+            1,
+        )
+        server_stack(
+            path,
+            self.tm,
+            dt,
+            self.tok,
+            stops,
+            DrafterSpec.parse(args.drafter).checkpoint,
+            args.max_model_len,
+            args.target,
+        ).install()
         self.http = UvicornThread(create_app(), PORTS)
 
     def stop(self) -> None:
@@ -142,16 +162,27 @@ def measure(args, server: Server) -> dict:
             t.close()
     res = run.result()
     cut = outage.cut_at
-    return {"profile": args.profile, "cut_mode": args.cut_mode, "cut_after_s": args.cut_after,
-            "restore_after_s": args.restore_after or None, "cut": cut is not None,
-            "cut_to_first_offline_token_s": round(off - cut, 3) if cut is not None and off is not None else None,
-            "num_tokens": res.num_tokens, "requested_tokens": args.max_new_tokens,
-            "finish_reason": res.finish_reason, "verified_tokens": res.verified_tokens,
-            "offline_generated": res.offline_generated, "unverified_tail": res.offline_tokens,
-            "corrections": res.corrections, "corrected_tokens": res.corrected_tokens,
-            "disconnections": res.disconnections, "server_calls": res.server_calls, "retries": res.retries,
-            "identical_to_target": res.token_ids == list(ref[:len(res.token_ids)]),
-            "elapsed_s": round(res.elapsed_s, 2)}
+    return {
+        "profile": args.profile,
+        "cut_mode": args.cut_mode,
+        "cut_after_s": args.cut_after,
+        "restore_after_s": args.restore_after or None,
+        "cut": cut is not None,
+        "cut_to_first_offline_token_s": round(off - cut, 3) if cut is not None and off is not None else None,
+        "num_tokens": res.num_tokens,
+        "requested_tokens": args.max_new_tokens,
+        "finish_reason": res.finish_reason,
+        "verified_tokens": res.verified_tokens,
+        "offline_generated": res.offline_generated,
+        "unverified_tail": res.offline_tokens,
+        "corrections": res.corrections,
+        "corrected_tokens": res.corrected_tokens,
+        "disconnections": res.disconnections,
+        "server_calls": res.server_calls,
+        "retries": res.retries,
+        "identical_to_target": res.token_ids == list(ref[: len(res.token_ids)]),
+        "elapsed_s": round(res.elapsed_s, 2),
+    }
 
 
 def main(argv=None) -> int:

@@ -22,21 +22,34 @@ import time
 
 import httpx
 
-PROMPTS = ["Tell me a story about a lighthouse keeper.", "Explain how a bicycle stays upright.",
-           "Write a letter to a friend about autumn.", "Describe a busy market in the morning."]
+PROMPTS = [
+    "Tell me a story about a lighthouse keeper.",
+    "Explain how a bicycle stays upright.",
+    "Write a letter to a friend about autumn.",
+    "Describe a busy market in the morning.",
+]
 
 
 async def chat(client: httpx.AsyncClient, prompt: str, max_tokens: int, stream: bool) -> dict:
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream}
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     t0 = time.perf_counter()
     try:
         if not stream:
             r = await client.post("/v1/chat/completions", json=body)
             ok = r.status_code == 200
             out = r.json() if ok else {}
-            return {"status": r.status_code, "text": out["choices"][0]["message"]["content"] if ok else None,
-                    "tokens": out.get("usage", {}).get("completion_tokens"), "s": time.perf_counter() - t0}
+            return {
+                "status": r.status_code,
+                "text": out["choices"][0]["message"]["content"] if ok else None,
+                "tokens": out.get("usage", {}).get("completion_tokens"),
+                "s": time.perf_counter() - t0,
+            }
         pieces, done, status = [], False, None
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             status = r.status_code
@@ -48,8 +61,11 @@ async def chat(client: httpx.AsyncClient, prompt: str, max_tokens: int, stream: 
                     if "error" in ev:
                         break
                     pieces += [c["delta"].get("content", "") for c in ev["choices"]]
-        return {"status": status if done else f"{status}, stream broken", "text": "".join(pieces) if done else None,
-                "s": time.perf_counter() - t0}
+        return {
+            "status": status if done else f"{status}, stream broken",
+            "text": "".join(pieces) if done else None,
+            "s": time.perf_counter() - t0,
+        }
     except httpx.HTTPError as exc:
         return {"status": type(exc).__name__, "text": None, "s": time.perf_counter() - t0}
 
@@ -85,8 +101,9 @@ async def kill_busy_router(after_s: float, serve_pid: int) -> int:
     return pid
 
 
-async def run(url: str, n: int, max_tokens: int, stream: bool, kill_after: float | None,
-              serve_pid: int = 0) -> list[dict]:
+async def run(
+    url: str, n: int, max_tokens: int, stream: bool, kill_after: float | None, serve_pid: int = 0
+) -> list[dict]:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         calls = [asyncio.create_task(chat(client, PROMPTS[i % len(PROMPTS)], max_tokens, stream)) for i in range(n)]
         if kill_after is not None:
@@ -121,7 +138,9 @@ def main() -> None:
     killed = asyncio.run(run(args.url, args.requests, args.max_tokens, args.stream, args.kill_after, args.serve_pid))
     again = serving_again_s(args.url)
     result = {
-        "requests": args.requests, "max_tokens": args.max_tokens, "stream": args.stream,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "stream": args.stream,
         "kill_after_s": args.kill_after,
         "completed": sum(k["text"] is not None for k in killed),
         "identical": sum(k["text"] is not None and k["text"] == r["text"] for k, r in zip(killed, ref)),

@@ -58,10 +58,13 @@ def main(argv: list[str] | None = None) -> None:
     matrices = {t.name: PackedMatrix.from_gguf(t) for t in reader.tensors if t.name in MATRICES}
     precisions = [prec for prec in PRECISION_PRODUCTS if prec != "medium" or kernels.bf16_dot_available()]
     rows = [int(r) for r in args.rows.split(",")]
-    lines = [f"Milliseconds per matmul (median), {args.threads} threads, {platform.processor() or platform.machine()}, "
-             f"{date.today()}; {Path(path).name}.", "",
-             "| matrix | N x K | rows of x | " + " | ".join(precisions) + " | low vs highest |",
-             "| --- | --- | ---: | " + " | ".join("---:" for _ in precisions) + " | ---: |"]
+    lines = [
+        f"Milliseconds per matmul (median), {args.threads} threads, {platform.processor() or platform.machine()}, "
+        f"{date.today()}; {Path(path).name}.",
+        "",
+        "| matrix | N x K | rows of x | " + " | ".join(precisions) + " | low vs highest |",
+        "| --- | --- | ---: | " + " | ".join("---:" for _ in precisions) + " | ---: |",
+    ]
     print("\n".join(lines), flush=True)
     for name, pm in matrices.items():
         n, k = pm.shape
@@ -69,8 +72,11 @@ def main(argv: list[str] | None = None) -> None:
         for m in rows:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             ms = {prec: time_call(lambda v=v: v.matmul_t(x)) for prec, v in variants.items()}
-            line = (f"| {name} ({pm.kind}) | {n} x {k} | {m} | " + " | ".join(f"{ms[prec]:.3f}" for prec in precisions)
-                    + f" | {ms['highest'] / ms['low']:.2f}x |")
+            line = (
+                f"| {name} ({pm.kind}) | {n} x {k} | {m} | "
+                + " | ".join(f"{ms[prec]:.3f}" for prec in precisions)
+                + f" | {ms['highest'] / ms['low']:.2f}x |"
+            )
             lines.append(line)
             print(line, flush=True)
     if args.out:

@@ -44,8 +44,10 @@ class Caller:
 
     async def measure(self, calls: int, gap_s: float) -> dict:
         out = {"gap_ms": round(gap_s * 1e3, 1)}
-        for name, handle, kwargs in (("call_rtt_ms", self.plain, {}),
-                                     ("call_rtt_affinity_ms", self.affine, {"group": "g/0"})):
+        for name, handle, kwargs in (
+            ("call_rtt_ms", self.plain, {}),
+            ("call_rtt_affinity_ms", self.affine, {"group": "g/0"}),
+        ):
             for _ in range(10):  # warm the handle
                 await handle.ping.remote(0, **kwargs)
             times = []

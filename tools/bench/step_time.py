@@ -17,14 +17,16 @@ import time
 
 import torch
 
-from moa_serve.engine.engine import SpeculativeEngine
+from moa_serve.engine.local import SpeculativeEngine
 from moa_serve.model_files import resolve_model_path
 from moa_serve.protocol import VerifyRequest
 
 
 def measure(path: str, precision: str, prompt_len: int, steps: int, reps: int, seed: int = 0) -> tuple[float, float]:
     """(median prefill seconds, median decode-step seconds) of a float32 GGUF target at ``precision``."""
-    runner = SpeculativeEngine.load(path, None, "float32", matmul_precision=precision, kv_cache_dtype="bfloat16").verifier
+    runner = SpeculativeEngine.load(
+        path, None, "float32", matmul_precision=precision, kv_cache_dtype="bfloat16"
+    ).verifier
     g = torch.Generator().manual_seed(seed)
     prefill, step = [], []
     for rep in range(reps + 1):
@@ -54,12 +56,17 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = str(resolve_model_path(args.target))
-    print(f"| matmul precision | prefill {args.prompt_len} tokens (ms) | prefill tok/s | decode step (ms) | decode tok/s |")
+    print(
+        f"| matmul precision | prefill {args.prompt_len} tokens (ms) | prefill tok/s "
+        "| decode step (ms) | decode tok/s |"
+    )
     print("| --- | ---: | ---: | ---: | ---: |")
     for precision in args.precisions.split(","):
         pre, step = measure(path, precision, args.prompt_len, args.steps, args.reps)
-        print(f"| {precision} | {1e3 * pre:.1f} | {args.prompt_len / pre:.0f} | {1e3 * step:.2f} | {1 / step:.1f} |",
-              flush=True)
+        print(
+            f"| {precision} | {1e3 * pre:.1f} | {args.prompt_len / pre:.0f} | {1e3 * step:.2f} | {1 / step:.1f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,7 @@ def served_config(config: Path, out: Path, dtype: str, port: int, **args) -> tup
         for key, value in changed.items():
             app_args[key] = {**app_args.get(key, {}), **value} if isinstance(value, dict) else value
     dst = out / f"serve-config-{dtype}.yaml"
-    dst.write_text(f"# {config} with {changed}, port {port}\n" + yaml.safe_dump(cfg, sort_keys=False),
-                   encoding="utf-8")
+    dst.write_text(f"# {config} with {changed}, port {port}\n" + yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
     path.unlink()
     return dst, url
 
@@ -92,16 +91,19 @@ def schemathesis_toml(path: Path, max_response_time: float) -> Path:
     except ``positive_data_acceptance`` for exactly ``STATEFUL_BODIES``. In the file, not on the
     command line: a check named there (``--checks all``) overrides what an operation's section says."""
     ids = ", ".join(f'"{op}"' for op in STATEFUL_BODIES)
-    path.write_text("[checks]\nenabled = true\n"
-                    f"max_response_time = {max_response_time}\n\n"
-                    "# the stateful phase follows the schema's own links; links inferred from responses stay off:\n"
-                    "# schemathesis reads every string of a JSON response as a possible URL, and generated text\n"
-                    "# such as 'http://[...]' stops its run with an internal ValueError (urlsplit), not a finding\n"
-                    "[phases.stateful.inference]\nalgorithms = []\n\n"
-                    "# schema-valid bodies the server may refuse (a binary frame; fingerprints, vocabulary, round):\n"
-                    "# tools/cluster/fuzz_served.py says why\n"
-                    f"[[operations]]\ninclude-operation-id = [{ids}]\n"
-                    "checks.positive_data_acceptance.enabled = false\n", encoding="utf-8")
+    path.write_text(
+        "[checks]\nenabled = true\n"
+        f"max_response_time = {max_response_time}\n\n"
+        "# the stateful phase follows the schema's own links; links inferred from responses stay off:\n"
+        "# schemathesis reads every string of a JSON response as a possible URL, and generated text\n"
+        "# such as 'http://[...]' stops its run with an internal ValueError (urlsplit), not a finding\n"
+        "[phases.stateful.inference]\nalgorithms = []\n\n"
+        "# schema-valid bodies the server may refuse (a binary frame; fingerprints, vocabulary, round):\n"
+        "# tools/cluster/fuzz_served.py says why\n"
+        f"[[operations]]\ninclude-operation-id = [{ids}]\n"
+        "checks.positive_data_acceptance.enabled = false\n",
+        encoding="utf-8",
+    )
     return path
 
 
@@ -111,8 +113,17 @@ def schemathesis_version() -> str:
     return SCHEMATHESIS_VERSION
 
 
-def fuzz(url: str, out: Path, label: str, *, seed: int, max_time: float, workers: int = 1,
-         request_timeout: float = 120.0, phases: str | None = None) -> dict:
+def fuzz(
+    url: str,
+    out: Path,
+    label: str,
+    *,
+    seed: int,
+    max_time: float,
+    workers: int = 1,
+    request_timeout: float = 120.0,
+    phases: str | None = None,
+) -> dict:
     """One schemathesis run, every check; its output in ``out/<label>.txt``, its report in
     ``out/<label>-report.json``. Returns the summary (``summarize``). ``max_response_time`` (one of
     the checks) is held to ``request_timeout``: a generation to the end of the context is a
@@ -122,13 +133,35 @@ def fuzz(url: str, out: Path, label: str, *, seed: int, max_time: float, workers
     exe = shutil.which("schemathesis") or str(Path(sys.executable).with_name("schemathesis"))
     report = out / f"{label}-report.json"
     toml = schemathesis_toml(out / f"{label}-schemathesis.toml", request_timeout)
-    cmd = [exe, "--config-file", str(toml), "run", f"{url}/openapi.json", "--seed", str(seed),
-           "--max-time", str(int(max_time)), "--workers", str(workers), "--request-timeout", str(request_timeout),
-           "--no-color", "--report", "json", "--report-json-path", str(report)] + \
-        (["--phases", phases] if phases else [])
+    cmd = [
+        exe,
+        "--config-file",
+        str(toml),
+        "run",
+        f"{url}/openapi.json",
+        "--seed",
+        str(seed),
+        "--max-time",
+        str(int(max_time)),
+        "--workers",
+        str(workers),
+        "--request-timeout",
+        str(request_timeout),
+        "--no-color",
+        "--report",
+        "json",
+        "--report-json-path",
+        str(report),
+    ] + (["--phases", phases] if phases else [])
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out,  # its cache
-                          env={**os.environ, "NO_COLOR": "1", "COLUMNS": "120"})
+    proc = subprocess.run(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=out,  # its cache
+        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "120"},
+    )
     wall = time.monotonic() - t0
     (out / f"{label}.txt").write_text(proc.stdout, encoding="utf-8")
     shown = [Path(cmd[0]).name] + [Path(c).name if c.startswith(str(out)) else c for c in cmd[1:]]
@@ -140,18 +173,28 @@ def summarize(report: dict, exit_code: int, wall_s: float, command: str) -> dict
     by_type: dict[str, int] = {}
     for f in report["failures"]:
         by_type[f["type"]] = by_type.get(f["type"], 0) + f["count"]
-    return {"schemathesis": report["schemathesis_version"], "command": command, "seed": report["seed"],
-            "exit_code": exit_code, "wall_s": round(wall_s, 1), "running_time_s": round(report["running_time"], 1),
-            "stop_reason": report["stop_reason"], "operations_tested": (report["operations"] or {}).get("tested"),
-            "operations_total": (report["operations"] or {}).get("total"),
-            "phases": {k: v["status"] for k, v in (report["phases"] or {}).items()},
-            "cases": report["test_cases"]["generated"], "cases_with_failures": report["test_cases"]["with_failures"],
-            "server_errors": sum(n for t, n in by_type.items() if t in SERVER_ERRORS),
-            "undocumented_statuses": by_type.get(UNDOCUMENTED_STATUS, 0),
-            "conformance_failures": sum(n for t, n in by_type.items() if t not in SERVER_ERRORS | SLOW),
-            "slow_responses": sum(n for t, n in by_type.items() if t in SLOW),
-            "failures_by_type": by_type, "failures": report["failures"],
-            "errors": sum(e["count"] for e in report["errors"]), "error_titles": [e["title"] for e in report["errors"]]}
+    return {
+        "schemathesis": report["schemathesis_version"],
+        "command": command,
+        "seed": report["seed"],
+        "exit_code": exit_code,
+        "wall_s": round(wall_s, 1),
+        "running_time_s": round(report["running_time"], 1),
+        "stop_reason": report["stop_reason"],
+        "operations_tested": (report["operations"] or {}).get("tested"),
+        "operations_total": (report["operations"] or {}).get("total"),
+        "phases": {k: v["status"] for k, v in (report["phases"] or {}).items()},
+        "cases": report["test_cases"]["generated"],
+        "cases_with_failures": report["test_cases"]["with_failures"],
+        "server_errors": sum(n for t, n in by_type.items() if t in SERVER_ERRORS),
+        "undocumented_statuses": by_type.get(UNDOCUMENTED_STATUS, 0),
+        "conformance_failures": sum(n for t, n in by_type.items() if t not in SERVER_ERRORS | SLOW),
+        "slow_responses": sum(n for t, n in by_type.items() if t in SLOW),
+        "failures_by_type": by_type,
+        "failures": report["failures"],
+        "errors": sum(e["count"] for e in report["errors"]),
+        "error_titles": [e["title"] for e in report["errors"]],
+    }
 
 
 def health(url: str) -> dict:
@@ -163,10 +206,14 @@ def health(url: str) -> dict:
         gen = c.post("/v1/generate", json={"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
         generate_s = time.monotonic() - t0
         stats = c.get("/v1/stats")
-        return {"healthz": c.get("/healthz").status_code, "readyz": c.get("/readyz").status_code,
-                "generate": gen.status_code, "generate_s": round(generate_s, 2),
-                "generated_tokens": len(gen.json().get("token_ids", [])) if gen.status_code == 200 else 0,
-                "client_server": stats.json().get("client_server") if stats.status_code == 200 else None}
+        return {
+            "healthz": c.get("/healthz").status_code,
+            "readyz": c.get("/readyz").status_code,
+            "generate": gen.status_code,
+            "generate_s": round(generate_s, 2),
+            "generated_tokens": len(gen.json().get("token_ids", [])) if gen.status_code == 200 else 0,
+            "client_server": stats.json().get("client_server") if stats.status_code == 200 else None,
+        }
 
 
 def machine() -> dict:
@@ -177,8 +224,11 @@ def machine() -> dict:
         fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
         fields = {k.strip(): v.strip() for k, v in fields.items()}
         flags = set(fields.get("Flags", "").split())
-        info = {"model": fields.get("Model name"), "cpus": fields.get("CPU(s)"),
-                "flags": {f: f in flags for f in CPU_FLAGS}}
+        info = {
+            "model": fields.get("Model name"),
+            "cpus": fields.get("CPU(s)"),
+            "flags": {f: f in flags for f in CPU_FLAGS},
+        }
     except (OSError, subprocess.CalledProcessError):
         pass
     try:
@@ -193,8 +243,12 @@ def machine() -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="a serve run config")
-    p.add_argument("--dtype", action="append", choices=["float32", "bfloat16"],
-                   help="args.dtype of the served config, one run each (repeatable; default float32)")
+    p.add_argument(
+        "--dtype",
+        action="append",
+        choices=["float32", "bfloat16"],
+        help="args.dtype of the served config, one run each (repeatable; default float32)",
+    )
     p.add_argument("--max-time", type=float, default=300.0, help="seconds of fuzzing per run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=1, help="schemathesis' concurrent workers")
@@ -206,15 +260,27 @@ def main(argv: list[str] | None = None) -> int:
         with serving(args.config, args.out, dtype, args.port) as url:
             summary = fuzz(url, args.out, dtype, seed=args.seed, max_time=args.max_time, workers=args.workers)
             summary["health_after"] = health(url)
-        summary.update(config=str(args.config.resolve().relative_to(REPO)) if args.config.resolve().is_relative_to(REPO)
-                       else str(args.config), dtype=dtype, machine=machine(),
-                       high_throughput_mode=os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1")
+        summary.update(
+            config=str(args.config.resolve().relative_to(REPO))
+            if args.config.resolve().is_relative_to(REPO)
+            else str(args.config),
+            dtype=dtype,
+            machine=machine(),
+            high_throughput_mode=os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1",
+        )
         (args.out / f"{dtype}.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        print(json.dumps({k: summary[k] for k in ("dtype", "cases", "server_errors", "conformance_failures",
-                                                  "errors", "health_after")}))
+        print(
+            json.dumps(
+                {
+                    k: summary[k]
+                    for k in ("dtype", "cases", "server_errors", "conformance_failures", "errors", "health_after")
+                }
+            )
+        )
         h = summary["health_after"]
-        failed |= bool(summary["failures"] or summary["errors"]
-                       or (h["healthz"], h["readyz"], h["generate"]) != (200, 200, 200))
+        failed |= bool(
+            summary["failures"] or summary["errors"] or (h["healthz"], h["readyz"], h["generate"]) != (200, 200, 200)
+        )
     return 1 if failed else 0
 
 

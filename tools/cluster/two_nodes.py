@@ -41,8 +41,14 @@ import httpx
 
 from moa_serve.deployments.config import AppConfig
 
-PROMPTS = ["Once upon a time", "The little dog", "Lily went to the park and", "One day, a boy named Tim",
-           "The sun was", "Sam had a red ball. He"]
+PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily went to the park and",
+    "One day, a boy named Tim",
+    "The sun was",
+    "Sam had a red ball. He",
+]
 HEAD_RESOURCES = {"router_node": 1, "drafter_node": 1, "verifier_node": 1}
 NODE_B_RESOURCES = {"verifier_node": 1}
 
@@ -68,7 +74,10 @@ def app_args(target: str, drafter: str | None, dtype: str, max_tokens: int) -> d
     gateway = {"gateway": ingress} if "gateway" in AppConfig.model_fields else {}  # an HTTP ingress before the Router
     return {
         **gateway,
-        "target": target, "drafter": drafter, "dtype": dtype, "num_speculative_tokens": 3,
+        "target": target,
+        "drafter": drafter,
+        "dtype": dtype,
+        "num_speculative_tokens": 3,
         "max_model_len": max(256, 4 * max_tokens),
         "router": {**ingress, "max_sessions_per_round": 16, "session_groups": 1},
         "verifier_pool": {**pool, "ray_actor_options": {"num_cpus": 0.5, "resources": {"verifier_node": 1}}},
@@ -119,8 +128,9 @@ def hold_head_slot(head_id: str):
         def ready(self) -> bool:
             return True
 
-    holder = Placeholder.options(resources={"verifier_node": 1},
-                                 scheduling_strategy=NodeAffinitySchedulingStrategy(head_id, soft=False)).remote()
+    holder = Placeholder.options(
+        resources={"verifier_node": 1}, scheduling_strategy=NodeAffinitySchedulingStrategy(head_id, soft=False)
+    ).remote()
     ray.get(holder.ready.remote(), timeout=120)
     return holder
 
@@ -144,6 +154,7 @@ class Request:
 @dataclass
 class Load:
     """Closed-loop users sending ``POST /v1/generate`` until ``stop`` is set."""
+
     url: str
     users: int
     max_tokens: int
@@ -182,8 +193,9 @@ def start_cluster(cpus: float):
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": cpus, "resources": HEAD_RESOURCES, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": cpus, "resources": HEAD_RESOURCES, "include_dashboard": False}
+    )
     ray.init(address=cluster.address, log_to_driver=False)
     head_id = ray.get_runtime_context().get_node_id()
     return cluster, head_id
@@ -199,8 +211,12 @@ def serve_app(args, port: int, head_id: str, add_node_b):
     holder = hold_head_slot(head_id)
     node_b = add_node_b()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(app_args(args.target, args.drafter, args.dtype, args.max_tokens)), name="moa",
-              route_prefix="/", blocking=False)
+    serve.run(
+        build_app(app_args(args.target, args.drafter, args.dtype, args.max_tokens)),
+        name="moa",
+        route_prefix="/",
+        blocking=False,
+    )
     wait_ready(f"http://127.0.0.1:{port}", args.ready_timeout)
     ray.kill(holder)  # the head's spare verifier slot: where the verifier goes when node B dies
     return node_b
@@ -252,8 +268,16 @@ async def experiment(args, url: str, cluster, node_b, head_id: str) -> dict:
     return out
 
 
-def results(requests: list[Request], in_flight: list[Request], t_kill: float, kill_s: float,
-            rescheduled_s: float | None, before: dict, after: dict, stats: dict) -> dict:
+def results(
+    requests: list[Request],
+    in_flight: list[Request],
+    t_kill: float,
+    kill_s: float,
+    rescheduled_s: float | None,
+    before: dict,
+    after: dict,
+    stats: dict,
+) -> dict:
     reference: dict[str, str] = {}
     for r in sorted((r for r in requests if r.ok), key=lambda r: r.t_end):
         reference.setdefault(r.prompt, r.text)
@@ -262,8 +286,11 @@ def results(requests: list[Request], in_flight: list[Request], t_kill: float, ki
     first_after = min((r.t_end for r in after_kill), default=None)
     back = t_kill + rescheduled_s if rescheduled_s is not None else float("inf")
     return {
-        "requests": len(requests), "completed": len(ok), "failed": len(requests) - len(ok),
-        "in_flight_at_kill": len(in_flight), "in_flight_completed": sum(r.ok for r in in_flight),
+        "requests": len(requests),
+        "completed": len(ok),
+        "failed": len(requests) - len(ok),
+        "in_flight_at_kill": len(in_flight),
+        "in_flight_completed": sum(r.ok for r in in_flight),
         "in_flight_failed": sum(not r.ok for r in in_flight),
         "completed_after_kill": len(after_kill),
         "completed_before_verifier_back": sum(r.t_end <= back for r in after_kill),
@@ -271,10 +298,12 @@ def results(requests: list[Request], in_flight: list[Request], t_kill: float, ki
         "node_kill_s": round(kill_s, 2),
         "verifier_rescheduled_s": None if rescheduled_s is None else round(rescheduled_s, 2),
         "first_completion_after_kill_s": None if first_after is None else round(first_after - t_kill, 2),
-        "replicas_before": before, "replicas_after": after,
+        "replicas_before": before,
+        "replicas_after": after,
         # the Router's counters: verify calls retried, sessions a verifier replica re-prefilled from
         # the committed tokens, replicas that lacked a session's token base
-        "verify_retries": stats.get("verify_retries"), "reprefills": stats.get("reprefills"),
+        "verify_retries": stats.get("verify_retries"),
+        "reprefills": stats.get("reprefills"),
         "resyncs": stats.get("resyncs"),
         "errors": sorted({r.error for r in requests if r.error})[:10],
     }
@@ -288,8 +317,9 @@ def run(args) -> dict:
     port = free_port()
     cluster, head_id = start_cluster(args.cpus)
     try:
-        node_b = serve_app(args, port, head_id, lambda: cluster.add_node(
-            num_cpus=args.cpus, resources=NODE_B_RESOURCES))
+        node_b = serve_app(
+            args, port, head_id, lambda: cluster.add_node(num_cpus=args.cpus, resources=NODE_B_RESOURCES)
+        )
         placed = replica_nodes(head_id)
         log(f"ready; replicas: {placed}")
         if placed.get("VerifierPool") != ["node-b"]:
@@ -306,8 +336,11 @@ def run(args) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.cluster.two_nodes", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    p.add_argument("--drafter", default="smollm2-135m-instruct-moa",
-                   help="a trained checkpoint, so that the drafter pool is deployed ('none': no drafter pool)")
+    p.add_argument(
+        "--drafter",
+        default="smollm2-135m-instruct-moa",
+        help="a trained checkpoint, so that the drafter pool is deployed ('none': no drafter pool)",
+    )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--users", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -330,10 +363,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["RAY_TMPDIR"] = str(tmp)
     try:
         t0 = time.time()
-        result = {"command": " ".join(["python -m tools.cluster.two_nodes", *(argv or sys.argv[1:])]),
-                  "users": args.users, "max_tokens": args.max_tokens, "duration_s": args.duration,
-                  "kill_at_s": args.kill_at, "target": args.target, "drafter": args.drafter,
-                  **run(args), "wall_s": None}
+        result = {
+            "command": " ".join(["python -m tools.cluster.two_nodes", *(argv or sys.argv[1:])]),
+            "users": args.users,
+            "max_tokens": args.max_tokens,
+            "duration_s": args.duration,
+            "kill_at_s": args.kill_at,
+            "target": args.target,
+            "drafter": args.drafter,
+            **run(args),
+            "wall_s": None,
+        }
         result["wall_s"] = round(time.time() - t0, 1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

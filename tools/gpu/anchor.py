@@ -30,8 +30,16 @@ def decode_step(target, batch: int, context: int):
     layers = []
     for layer in target.model.layers:
         qkv, gate_up = _fused(layer)
-        layers.append((layer.input_layernorm.weight, qkv, layer.self_attn.o_proj.weight,
-                       layer.post_attention_layernorm.weight, gate_up, layer.mlp.down_proj.weight))
+        layers.append(
+            (
+                layer.input_layernorm.weight,
+                qkv,
+                layer.self_attn.o_proj.weight,
+                layer.post_attention_layernorm.weight,
+                gate_up,
+                layer.mlp.down_proj.weight,
+            )
+        )
     g = torch.Generator(device=dev).manual_seed(0)
     keys = torch.randn(len(layers), batch, kv_heads, context, hd, device=dev, dtype=dt, generator=g)
     values = torch.randn(len(layers), batch, kv_heads, context, hd, device=dev, dtype=dt, generator=g)
@@ -52,6 +60,7 @@ def decode_step(target, batch: int, context: int):
             gate, up = F.linear(F.rms_norm(x, (hidden,), n2, eps), gate_up).chunk(2, -1)
             x = x + F.linear(F.silu(gate) * up, down)
         return F.linear(F.rms_norm(x, (hidden,), target.model.norm.weight, eps), target.lm_head.weight).argmax(-1)
+
     return step
 
 

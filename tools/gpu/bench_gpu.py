@@ -61,8 +61,9 @@ def _import_project() -> None:
     for name, folder in dirs.items():
         if name == "moa_serve" or name in sys.modules:
             continue
-        spec = importlib.util.spec_from_file_location(name, ROOT / folder / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / folder)])
+        spec = importlib.util.spec_from_file_location(
+            name, ROOT / folder / "__init__.py", submodule_search_locations=[str(ROOT / folder)]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -78,44 +79,98 @@ from moa_serve.deployments import fit  # noqa: E402
 from moa_serve.deployments.config import AppConfig  # noqa: E402
 from moa_serve.drafter.checkpoint import init_drafter  # noqa: E402
 from moa_serve.drafter.config import DrafterConfig  # noqa: E402
-from moa_serve.drafter.features import MoAFeatures  # noqa: E402
+from moa_serve.drafter.feature_sources import MoAFeatures  # noqa: E402
 from moa_serve.drafter.model import MoADrafter, TargetParts  # noqa: E402
 from moa_serve.drafter.proposer import MoAProposer  # noqa: E402
-from moa_serve.protocol import DraftRequest  # noqa: E402
-from moa_serve.engine.engine import SpeculativeEngine  # noqa: E402
+from moa_serve.engine.local import SpeculativeEngine  # noqa: E402
+from moa_serve.kernels import gpu_invariant  # noqa: E402
 from moa_serve.kv_cache import PackedBatch  # noqa: E402
-from moa_serve.layers import RMSNorm, Rotary  # noqa: E402
-from moa_serve.protocol import VerifyRequest  # noqa: E402
+from moa_serve.layers import RMSNorm, Rotary, use_matmul  # noqa: E402
+from moa_serve.protocol import DraftRequest, VerifyRequest  # noqa: E402
 from moa_serve.target_model import TargetArch, TargetModel, rotary_for  # noqa: E402
+from moa_serve.verifier.static_forward import StaticForward  # noqa: E402
 from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner  # noqa: E402
 from tools.gpu.anchor import anchor_row  # noqa: E402
 from tools.gpu.replay import ReplayProposer, corruption_for  # noqa: E402
-from moa_serve.kernels import gpu_invariant  # noqa: E402
-from moa_serve.layers import use_matmul  # noqa: E402
-from moa_serve.verifier.static_forward import StaticForward  # noqa: E402
 
-GiB = 2 ** 30
+GiB = 2**30
 
-LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, rms_norm_eps=1e-5,
-                 rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False)
-TOY_LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=192, rms_norm_eps=1e-5, rope_theta=500000.0,
-                 max_position_embeddings=2048, tie_word_embeddings=False)
+LLAMA3_8B = dict(
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+)
+TOY_LLAMA = dict(
+    model_type="llama",
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
 
 STORY_PROMPTS = [
-    "Once upon a time", "The little dog", "Lily went to the park and", "One day, a boy named Tim",
-    "The sun was", "Sam had a red ball. He", "There was a big tree", "Mom said", "The cat and the bird",
-    "A girl found a shiny", "Tom was sad because", "They played all day", "The fish swam", "Ben wanted to",
-    "It was a rainy day", "The princess",
+    "Once upon a time",
+    "The little dog",
+    "Lily went to the park and",
+    "One day, a boy named Tim",
+    "The sun was",
+    "Sam had a red ball. He",
+    "There was a big tree",
+    "Mom said",
+    "The cat and the bird",
+    "A girl found a shiny",
+    "Tom was sad because",
+    "They played all day",
+    "The fish swam",
+    "Ben wanted to",
+    "It was a rainy day",
+    "The princess",
 ]
 
-FULL = dict(verify_b=[1, 8, 32, 128], verify_t=[1, 2, 4, 6, 8], draft_k=[1, 2, 3, 4, 5, 7], context=512,
-            e2e_b=[1, 8, 32, 64], e2e_tau=[1.5, 2.5, 3.5, 4.5], e2e_k=[2, 4, 7], e2e_prompt=32, e2e_new=64,
-            correct_new=48, correct_one=4, reps=5, invariance_b=[1, 2, 8, 16, 64])
-TOY = dict(verify_b=[1, 4], verify_t=[1, 4], draft_k=[1, 4], context=48,
-           e2e_b=[1, 4], e2e_tau=[1.5, 3.5], e2e_k=[4], e2e_prompt=8, e2e_new=12,
-           correct_new=16, correct_one=2, reps=2, invariance_b=[1, 4, 16])
+FULL = dict(
+    verify_b=[1, 8, 32, 128],
+    verify_t=[1, 2, 4, 6, 8],
+    draft_k=[1, 2, 3, 4, 5, 7],
+    context=512,
+    e2e_b=[1, 8, 32, 64],
+    e2e_tau=[1.5, 2.5, 3.5, 4.5],
+    e2e_k=[2, 4, 7],
+    e2e_prompt=32,
+    e2e_new=64,
+    correct_new=48,
+    correct_one=4,
+    reps=5,
+    invariance_b=[1, 2, 8, 16, 64],
+)
+TOY = dict(
+    verify_b=[1, 4],
+    verify_t=[1, 4],
+    draft_k=[1, 4],
+    context=48,
+    e2e_b=[1, 4],
+    e2e_tau=[1.5, 3.5],
+    e2e_k=[4],
+    e2e_prompt=8,
+    e2e_new=12,
+    correct_new=16,
+    correct_one=2,
+    reps=2,
+    invariance_b=[1, 4, 16],
+)
 
 
 # ---------------------------------------------------------------------------------- plumbing
@@ -205,16 +260,25 @@ def host_profile(fn, device: torch.device, calls: int, top: int = 25) -> list[di
     prof.disable()
     stats = pstats.Stats(prof).stats
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [{"function": f"{Path(f).name}:{line}({name})", "calls": round(nc / calls, 1), "own_ms": round(tt / calls * 1e3, 3),
-             "cumulative_ms": round(ct / calls * 1e3, 3)} for (f, line, name), (cc, nc, tt, ct, _) in rows]
+    return [
+        {
+            "function": f"{Path(f).name}:{line}({name})",
+            "calls": round(nc / calls, 1),
+            "own_ms": round(tt / calls * 1e3, 3),
+            "cumulative_ms": round(ct / calls * 1e3, 3),
+        }
+        for (f, line, name), (cc, nc, tt, ct, _) in rows
+    ]
 
 
 def memory(device: torch.device) -> dict:
     if device.type != "cuda":
         return {}
-    return {"allocated_gib": round(torch.cuda.memory_allocated(device) / GiB, 3),
-            "peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / GiB, 3),
-            "peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / GiB, 3)}
+    return {
+        "allocated_gib": round(torch.cuda.memory_allocated(device) / GiB, 3),
+        "peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / GiB, 3),
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / GiB, 3),
+    }
 
 
 def free(device: torch.device) -> None:
@@ -293,8 +357,14 @@ def compare(got: list[list[int]], want: list[list[int]]) -> dict:
 def env_section(run: Run) -> None:
     sec = run.section("env")
     d = run.device
-    sec.update(python=platform.python_version(), torch=torch.__version__, device=str(d),
-               cuda=torch.version.cuda, toy=run.toy, threads=torch.get_num_threads())
+    sec.update(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        device=str(d),
+        cuda=torch.version.cuda,
+        toy=run.toy,
+        threads=torch.get_num_threads(),
+    )
     try:
         import transformers
 
@@ -303,16 +373,22 @@ def env_section(run: Run) -> None:
         pass
     if d.type == "cuda":
         p = torch.cuda.get_device_properties(d)
-        sec.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / GiB, 1), capability=f"{p.major}.{p.minor}",
-                   flash_sdp=torch.backends.cuda.flash_sdp_enabled(),
-                   mem_efficient_sdp=torch.backends.cuda.mem_efficient_sdp_enabled(),
-                   tf32_matmul=torch.backends.cuda.matmul.allow_tf32)
+        sec.update(
+            gpu=p.name,
+            gpu_memory_gib=round(p.total_memory / GiB, 1),
+            capability=f"{p.major}.{p.minor}",
+            flash_sdp=torch.backends.cuda.flash_sdp_enabled(),
+            mem_efficient_sdp=torch.backends.cuda.mem_efficient_sdp_enabled(),
+            tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
+        )
     sec["status"] = "done"
 
 
 def stories_path() -> Path:
-    for cand in (ROOT / "tools" / "gpu" / "models" / "stories260k",
-                 Path(os.environ.get("MOA_MODEL_DIR", "/nonexistent")) / "stories260k"):
+    for cand in (
+        ROOT / "tools" / "gpu" / "models" / "stories260k",
+        Path(os.environ.get("MOA_MODEL_DIR", "/nonexistent")) / "stories260k",
+    ):
         if (cand / "config.json").is_file():
             return cand
     raise FileNotFoundError("stories260k not found: run tools/gpu/prepare.sh (or set MOA_MODEL_DIR)")
@@ -330,8 +406,9 @@ def correctness_section(run: Run, dtypes: list[str]) -> None:
                 sec[dtype] = {"skipped": "out of time"}
                 continue
             t = time.monotonic()
-            spec = SpeculativeEngine.load(str(path), str(drafter), dtype, str(run.device), max_sessions=16,
-                                          max_model_len=256)
+            spec = SpeculativeEngine.load(
+                str(path), str(drafter), dtype, str(run.device), max_sessions=16, max_model_len=256
+            )
             plain = SpeculativeEngine(spec.verifier, None, spec.tokenizer, spec.stop_ids, max_batch=16)
             prompts = [spec.tokenizer.encode(p) for p in STORY_PROMPTS]
             ref16 = [o.token_ids for o in plain.generate(prompts, n_new, ignore_eos=True)]
@@ -352,12 +429,14 @@ def correctness_section(run: Run, dtypes: list[str]) -> None:
                 "replay_1_vs_plain_1": compare([o.token_ids for o in rep1], ref1),
                 "tau_moa_random": round(sum(o.mean_accepted_length for o in moa16) / len(moa16), 3),
                 "tau_replay": round(sum(o.mean_accepted_length for o in rep16) / len(rep16), 3),
-                "new_tokens": n_new, "seconds": round(time.monotonic() - t, 2),
+                "new_tokens": n_new,
+                "seconds": round(time.monotonic() - t, 2),
             }
             run.save()
             if dtype == "bfloat16":
-                run.results["sections"].setdefault("invariance", {})["stories260k_bf16"] = \
-                    invariance_probe(spec.verifier, run.sizes["invariance_b"], run.device)
+                run.results["sections"].setdefault("invariance", {})["stories260k_bf16"] = invariance_probe(
+                    spec.verifier, run.sizes["invariance_b"], run.device
+                )
             del spec, plain, noisy
             free(run.device)
     sec["status"] = "done"
@@ -384,8 +463,10 @@ def _session_invariance(fn, sizes: list[int], slots: int, width: int, argmax: bo
             continue
         part = fn(m)
         r = m * width
-        out[str(m)] = {"bitwise": bool(torch.equal(part, full[:r])),
-                       "max_abs_diff": (part.float() - full[:r].float()).abs().max().item()}
+        out[str(m)] = {
+            "bitwise": bool(torch.equal(part, full[:r])),
+            "max_abs_diff": (part.float() - full[:r].float()).abs().max().item(),
+        }
         if argmax:
             out[str(m)]["argmax_equal"] = bool(torch.equal(part.argmax(-1), full[:r].argmax(-1)))
     return out
@@ -402,8 +483,9 @@ def invariance_probe(runner: TorchTargetRunner, sizes: list[int], device: torch.
     layer = model.model.layers[0]
     x = torch.randn(big, arch.hidden_size, generator=g).to(device, dtype)
     res = {"dtype": str(dtype).removeprefix("torch."), "rows": sizes, "batch": big}
-    res["linear_down_proj"] = _row_invariance(layer.mlp.down_proj, torch.randn(
-        big, arch.intermediate_size, generator=g).to(device, dtype), sizes)
+    res["linear_down_proj"] = _row_invariance(
+        layer.mlp.down_proj, torch.randn(big, arch.intermediate_size, generator=g).to(device, dtype), sizes
+    )
     res["linear_q_proj"] = _row_invariance(layer.self_attn.q_proj, x, sizes)
     res["lm_head"] = _row_invariance(model.lm_head, x, sizes)
     res["rmsnorm"] = _row_invariance(layer.input_layernorm, x, sizes)
@@ -420,16 +502,17 @@ def invariance_probe(runner: TorchTargetRunner, sizes: list[int], device: torch.
 
         def attn(n, q=q, kv=kv, width=width):
             batch = PackedBatch(cache, list(range(n)), [32] * n, [width] * n, device, kernel=kernel)
-            return batch.attention(0)(q[:n * width], kv[:n * width], kv[:n * width])
+            return batch.attention(0)(q[: n * width], kv[: n * width], kv[: n * width])
 
         res[f"attention_{width}_token"] = _session_invariance(attn, sizes, slots, width)
         tokens = torch.randint(0, arch.vocab_size, (slots * width,), generator=g).to(device)
 
         def forward(n, tokens=tokens, width=width):
             batch = PackedBatch(cache, list(range(n)), [32] * n, [width] * n, device, kernel=kernel)
-            return model.lm_head(model.forward_packed(tokens[:n * width], batch))
+            return model.lm_head(model.forward_packed(tokens[: n * width], batch))
+
         res[f"forward_logits_{width}_token"] = _session_invariance(forward, sizes, slots, width, argmax=True)
-    del cache
+    cache = None  # frees the cache (the closures above hold the name, not the tensor)
     breaking = [op for op, v in res.items() if isinstance(v, dict) and any(not r["bitwise"] for r in v.values())]
     res["not_batch_invariant"] = breaking
     return res
@@ -483,8 +566,9 @@ def _prefill(runner: TorchTargetRunner, sec: dict, ids: list[str], prompts: list
     sec["prefill"] = {"sessions": len(ids), "tokens_each": len(prompts[0]), "s": round(time.monotonic() - t, 2)}
 
 
-def _verify_rows(run: Run, sec: dict, runner: TorchTargetRunner, target: TargetModel, ids: list[str],
-                 g: random.Random, vocab: int) -> None:
+def _verify_rows(
+    run: Run, sec: dict, runner: TorchTargetRunner, target: TargetModel, ids: list[str], g: random.Random, vocab: int
+) -> None:
     """Verify latency for B sessions x K+1 tokens, and the target's forward alone at that shape."""
     d, sz, ctx, reps = run.device, run.sizes, run.sizes["context"], run.sizes["reps"]
     sec["verify"] = []
@@ -492,11 +576,13 @@ def _verify_rows(run: Run, sec: dict, runner: TorchTargetRunner, target: TargetM
     cells = [{"B": b, "K+1": width} for b in sz["verify_b"] for width in sz["verify_t"]]
     for row in _rows(run, sec["verify"], cells, 10):
         b, width = row["B"], row["K+1"]
-        reqs = [VerifyRequest(ids[i], [], drafts=[g.randrange(vocab) for _ in range(width - 1)], base=ctx)
-                for i in range(b)]
+        reqs = [
+            VerifyRequest(ids[i], [], drafts=[g.randrange(vocab) for _ in range(width - 1)], base=ctx) for i in range(b)
+        ]
 
         def call(reqs=reqs):
             return runner.verify(reqs)
+
         row.update(timed(call, d, reps, warmup=2))
         row["tokens_per_s_verified"] = round(b * width / row["ms"] * 1e3, 1)
         # the target's forward alone (no planning, acceptance or features): what the device must do
@@ -506,6 +592,7 @@ def _verify_rows(run: Run, sec: dict, runner: TorchTargetRunner, target: TargetM
         def forward(tokens=tokens, batch_args=batch_args):
             batch = PackedBatch(runner.cache, *batch_args, d, kernel=runner.attention_kernel)
             return target.lm_head(target.forward_packed(tokens, batch)).argmax(-1)
+
         row["forward_only"] = timed(forward, d, reps, warmup=1)
         _add_device_busy(row, call, d)
         run.save()
@@ -527,8 +614,12 @@ def _invariance_cost_rows(run: Run, sec: dict, runner: TorchTargetRunner, target
     for row in _rows(run, sec["invariance_cost"], cells, 10):
         b, t = row["B"], row["T"]
         slots = [runner.sessions[i].slot for i in ids[:b]]
-        args = ([1] * (b * t), [s for s in slots for _ in range(t)], [ctx + j for _ in range(b) for j in range(t)],
-                [ctx + j for _ in range(b) for j in range(t)])
+        args = (
+            [1] * (b * t),
+            [s for s in slots for _ in range(t)],
+            [ctx + j for _ in range(b) for j in range(t)],
+            [ctx + j for _ in range(b) for j in range(t)],
+        )
         row["served_ms"] = timed(lambda: runner.static(*args), d, reps, warmup=2)["ms"]
         use_matmul(target, None)  # captured now, these graphs keep cuBLAS
         try:
@@ -537,6 +628,7 @@ def _invariance_cost_rows(run: Run, sec: dict, runner: TorchTargetRunner, target
             def planned():
                 batch = PackedBatch(runner.cache, slots, [ctx] * b, [t] * b, d, kernel=False)
                 return target.forward_packed(torch.ones(b * t, dtype=torch.long, device=d), batch)
+
             row["eager_cublas_sdpa_ms"] = timed(planned, d, reps, warmup=1)["ms"]
         finally:
             if invariant:
@@ -544,7 +636,7 @@ def _invariance_cost_rows(run: Run, sec: dict, runner: TorchTargetRunner, target
         row["invariance_cost"] = round(row["served_ms"] / row["graph_cublas_ms"], 3)
         row["vs_eager"] = round(row["served_ms"] / row["eager_cublas_sdpa_ms"], 3)
         run.save()
-    del cublas
+    cublas = None  # frees the captured graphs
 
 
 def _attention_rows(run: Run, sec: dict, arch: TargetArch, dtype: torch.dtype) -> None:
@@ -567,21 +659,28 @@ def _attention_rows(run: Run, sec: dict, arch: TargetArch, dtype: torch.dtype) -
         b, c = row["B"], row["context"]
         slots = torch.arange(b, device=d)
         pos = torch.full((b,), c - 1, device=d, dtype=torch.long)
-        for name, fn in (("per_token_us", gpu_invariant.slot_attention),
-                         ("chunked_us", gpu_invariant.chunked_slot_attention)):
-            row[name] = round(1e3 * triton.testing.do_bench_cudagraph(lambda fn=fn: fn(q[:b], k, v, slots, pos), rep=20), 1)
+        for name, fn in (
+            ("per_token_us", gpu_invariant.slot_attention),
+            ("chunked_us", gpu_invariant.chunked_slot_attention),
+        ):
+            row[name] = round(
+                1e3 * triton.testing.do_bench_cudagraph(lambda fn=fn: fn(q[:b], k, v, slots, pos), rep=20), 1
+            )
         row["chunked_speedup"] = round(row["per_token_us"] / row["chunked_us"], 2)
         full = gpu_invariant.chunked_slot_attention(q[:b], k, v, slots, pos)
-        row["chunked_row_alone_bitwise"] = bool(torch.equal(
-            gpu_invariant.chunked_slot_attention(q[:1], k, v, slots[:1], pos[:1]), full[:1]))
-        row["max_abs_diff"] = float((full.float() - gpu_invariant.slot_attention(q[:b], k, v, slots, pos).float())
-                                    .abs().max())
+        row["chunked_row_alone_bitwise"] = bool(
+            torch.equal(gpu_invariant.chunked_slot_attention(q[:1], k, v, slots[:1], pos[:1]), full[:1])
+        )
+        row["max_abs_diff"] = float(
+            (full.float() - gpu_invariant.slot_attention(q[:b], k, v, slots, pos).float()).abs().max()
+        )
         run.save()
-    del k, v
+    k = v = None  # frees the cache tensors
 
 
-def _draft_rows(run: Run, sec: dict, proposer: MoAProposer, prompts: list[list[int]], hidden: int,
-                dtype: torch.dtype) -> None:
+def _draft_rows(
+    run: Run, sec: dict, proposer: MoAProposer, prompts: list[list[int]], hidden: int, dtype: torch.dtype
+) -> None:
     """Drafting latency per K: a paper-sized MoA draft head over the target's embeddings and LM head."""
     d, sz, ctx = run.device, run.sizes, run.sizes["context"]
     bmax = len(prompts)
@@ -598,6 +697,7 @@ def _draft_rows(run: Run, sec: dict, proposer: MoAProposer, prompts: list[list[i
 
         def call(reqs=reqs):
             return proposer.propose(reqs)
+
         row.update(timed(call, d, sz["reps"], warmup=1))
         row["ms_per_step"] = round(row["ms"] / k, 3)
         _add_device_busy(row, call, d)
@@ -612,8 +712,10 @@ def _round_rows(run: Run, sec: dict, engine: SpeculativeEngine, prompts: list[li
     sec["round"] = []
     for row in _rows(run, sec["round"], [{"B": b, "K": 4} for b in sz["verify_b"]], 10):
         b = row["B"]
-        sessions = [engine.new_session(prompts[i][:ctx // 2], 10 ** 6, num_speculative_tokens=4, ignore_eos=True)
-                    for i in range(b)]
+        sessions = [
+            engine.new_session(prompts[i][: ctx // 2], 10**6, num_speculative_tokens=4, ignore_eos=True)
+            for i in range(b)
+        ]
         for _ in range(50):  # prefill (chunked), then rounds until every session drafts with features
             engine.run_round(sessions)
             if all(len(s.generated) >= 2 for s in sessions):
@@ -638,9 +740,16 @@ def production_section(run: Run, shape: dict, dtype: torch.dtype) -> dict:
     target, moa = _build_production_models(run, sec, shape, dtype)
     bmax, ctx = max(sz["verify_b"]), sz["context"]
     room = ctx + 8 * (sz["reps"] + 3) + 16
-    runner = TorchTargetRunner("", dtype, str(d), max_sessions=bmax, max_model_len=room,
-                               features=MoAFeatures(moa.feature_head), model=target,
-                               options=RunnerOptions(max_num_batched_tokens=8192, prefix_caching=False))
+    runner = TorchTargetRunner(
+        "",
+        dtype,
+        str(d),
+        max_sessions=bmax,
+        max_model_len=room,
+        features=MoAFeatures(moa.feature_head),
+        model=target,
+        options=RunnerOptions(max_num_batched_tokens=8192, prefix_caching=False),
+    )
     sec["verifier_fused_projections"] = runner.packing.get("fused_projections", 0)
     sec["verifier_attention_kernel"] = runner.attention_kernel
     sec["verifier_batch_invariant_matmuls"] = runner.packing.get("batch_invariant_matmuls", 0)
@@ -656,18 +765,23 @@ def production_section(run: Run, shape: dict, dtype: torch.dtype) -> dict:
     _attention_rows(run, sec, target.arch, dtype)
     for i in ids:
         runner.release(i)
-    proposer = MoAProposer(DrafterConfig(target=target.arch), moa.draft_head,
-                           TargetParts(target, 0), max_sessions=bmax, max_model_len=room)
+    proposer = MoAProposer(
+        DrafterConfig(target=target.arch), moa.draft_head, TargetParts(target, 0), max_sessions=bmax, max_model_len=room
+    )
     _draft_rows(run, sec, proposer, prompts, shape["hidden_size"], dtype)
     sec["draft_static_steps"] = dict(proposer.static_steps.stats) if proposer.static_steps is not None else None
     engine = SpeculativeEngine(runner, proposer, None, frozenset(), max_batch=bmax)
     _round_rows(run, sec, engine, prompts)
     sec["memory"] = memory(d)
-    sec["runner_stats"] = {k: v for k, v in runner.stats.items() if k in ("static_calls", "graph_captures",
-                                                                         "eager_calls", "graph_capture_failed")}
+    sec["runner_stats"] = {
+        k: v
+        for k, v in runner.stats.items()
+        if k in ("static_calls", "graph_captures", "eager_calls", "graph_capture_failed")
+    }
     if dtype == torch.bfloat16 or run.toy:
-        run.results["sections"].setdefault("invariance", {})["production_shape"] = \
-            invariance_probe(runner, sz["invariance_b"], d)
+        run.results["sections"].setdefault("invariance", {})["production_shape"] = invariance_probe(
+            runner, sz["invariance_b"], d
+        )
     sec["status"] = "done"
     run.save()
     del runner, proposer, engine
@@ -687,14 +801,26 @@ def fit_section(run: Run, models: dict) -> None:
         tshape = fit.ModelShape.from_hf(llama_config(LLAMA3_8B))
         dshape = fit.drafter_shape(cfg.drafter, tshape)
         arithmetic = fit.fits(cfg, tshape, dshape)
-        sec["fit_py"] = [{"pool": f.pool, "weights_gib": round(f.weights / GiB, 3), "kv_gib": round(f.kv / GiB, 3),
-                          "activations_gib": round(f.activations / GiB, 3), "total_gib": round(f.total / GiB, 3),
-                          "capacity_gib": round(f.capacity / GiB, 3), "describe": f.describe()} for f in arithmetic]
-        sec["session_shape"] = {"max_sessions": cfg.verifier_pool.max_sessions, "max_model_len": cfg.max_model_len,
-                                "kv_cache_gib": cfg.verifier_pool.kv_cache_gib,
-                                "max_num_batched_tokens": cfg.verifier_pool.max_num_batched_tokens,
-                                "num_speculative_tokens": cfg.num_speculative_tokens,
-                                "drafter_max_sessions": cfg.drafter_pool.max_sessions}
+        sec["fit_py"] = [
+            {
+                "pool": f.pool,
+                "weights_gib": round(f.weights / GiB, 3),
+                "kv_gib": round(f.kv / GiB, 3),
+                "activations_gib": round(f.activations / GiB, 3),
+                "total_gib": round(f.total / GiB, 3),
+                "capacity_gib": round(f.capacity / GiB, 3),
+                "describe": f.describe(),
+            }
+            for f in arithmetic
+        ]
+        sec["session_shape"] = {
+            "max_sessions": cfg.verifier_pool.max_sessions,
+            "max_model_len": cfg.max_model_len,
+            "kv_cache_gib": cfg.verifier_pool.kv_cache_gib,
+            "max_num_batched_tokens": cfg.verifier_pool.max_num_batched_tokens,
+            "num_speculative_tokens": cfg.num_speculative_tokens,
+            "drafter_max_sessions": cfg.drafter_pool.max_sessions,
+        }
     except Exception as exc:  # noqa: BLE001 - a failure here (e.g. no PyYAML) must not cost the other sections
         sec["fit_py_error"] = f"{type(exc).__name__}: {exc}"
         cfg = None
@@ -717,8 +843,13 @@ def fit_section(run: Run, models: dict) -> None:
     base = torch.cuda.memory_allocated(d)
     cache = target.new_cache(slots, max_len)
     cache_bytes = torch.cuda.memory_allocated(d) - base
-    m = {"slots": slots, "max_len": max_len, "weights_gib": round(param_bytes(target) / GiB, 3),
-         "kv_cache_gib": round(cache_bytes / GiB, 3), "allocated_before_forwards_gib": round(torch.cuda.memory_allocated(d) / GiB, 3)}
+    m = {
+        "slots": slots,
+        "max_len": max_len,
+        "weights_gib": round(param_bytes(target) / GiB, 3),
+        "kv_cache_gib": round(cache_bytes / GiB, 3),
+        "allocated_before_forwards_gib": round(torch.cuda.memory_allocated(d) / GiB, 3),
+    }
     sec["measured_verifier"] = m
     run.save()
     with torch.inference_mode():
@@ -737,8 +868,9 @@ def fit_section(run: Run, models: dict) -> None:
         target.lm_head(hidden).float().argmax(-1)
         sync(d)
         m["decode_all_sessions_peak_gib"] = round(torch.cuda.max_memory_allocated(d) / GiB, 3)
-        m["activations_peak_gib"] = round(max(m["prefill_chunk_peak_gib"], m["decode_all_sessions_peak_gib"])
-                                          - m["allocated_before_forwards_gib"], 3)
+        m["activations_peak_gib"] = round(
+            max(m["prefill_chunk_peak_gib"], m["decode_all_sessions_peak_gib"]) - m["allocated_before_forwards_gib"], 3
+        )
     del cache, batch, hidden
     free(d)
     run.save()
@@ -746,19 +878,36 @@ def fit_section(run: Run, models: dict) -> None:
     if run.left() > 20:
         base = torch.cuda.memory_allocated(d)
         n = cfg.drafter_pool.max_sessions
-        proposer = MoAProposer(DrafterConfig(target=arch), moa.draft_head, TargetParts(target, 0),
-                               max_sessions=n, max_model_len=cfg.max_model_len)
+        proposer = MoAProposer(
+            DrafterConfig(target=arch),
+            moa.draft_head,
+            TargetParts(target, 0),
+            max_sessions=n,
+            max_model_len=cfg.max_model_len,
+        )
         caches = torch.cuda.memory_allocated(d) - base
         parts = TargetParts(target, 0)
-        md = {"max_sessions": n, "caches_gib": round(caches / GiB, 3),
-              "borrowed_gib": round((param_bytes(parts.embed_tokens) + param_bytes(parts.lm_head)) / GiB, 3),
-              "draft_head_gib": round(param_bytes(moa.draft_head) / GiB, 3)}
+        md = {
+            "max_sessions": n,
+            "caches_gib": round(caches / GiB, 3),
+            "borrowed_gib": round((param_bytes(parts.embed_tokens) + param_bytes(parts.lm_head)) / GiB, 3),
+            "draft_head_gib": round(param_bytes(moa.draft_head) / GiB, 3),
+        }
         torch.cuda.reset_peak_memory_stats(d)
         before = torch.cuda.memory_allocated(d)
         g = random.Random(1)
-        proposer.propose([DraftRequest(f"f{i}", [g.randrange(arch.vocab_size) for _ in range(16)], cfg.num_speculative_tokens,
-                                       0, torch.randn(16, arch.hidden_size).to(target.lm_head.weight.dtype))
-                          for i in range(n)])
+        proposer.propose(
+            [
+                DraftRequest(
+                    f"f{i}",
+                    [g.randrange(arch.vocab_size) for _ in range(16)],
+                    cfg.num_speculative_tokens,
+                    0,
+                    torch.randn(16, arch.hidden_size).to(target.lm_head.weight.dtype),
+                )
+                for i in range(n)
+            ]
+        )
         sync(d)
         md["draft_call_activations_gib"] = round((torch.cuda.max_memory_allocated(d) - before) / GiB, 3)
         sec["measured_drafter"] = md
@@ -776,16 +925,26 @@ def e2e_section(run: Run, models: dict, dtype: torch.dtype) -> None:
     vocab = target.arch.vocab_size
     n_new, plen = sz["e2e_new"], sz["e2e_prompt"]
     bmax = max(sz["e2e_b"])
-    runner = TorchTargetRunner("", dtype, str(d), max_sessions=bmax, max_model_len=plen + n_new + 16, model=target,
-                               options=RunnerOptions(max_num_batched_tokens=8192, prefix_caching=False))
+    runner = TorchTargetRunner(
+        "",
+        dtype,
+        str(d),
+        max_sessions=bmax,
+        max_model_len=plen + n_new + 16,
+        model=target,
+        options=RunnerOptions(max_num_batched_tokens=8192, prefix_caching=False),
+    )
     g = random.Random(2)
     prompts_all = [[g.randrange(vocab) for _ in range(plen)] for _ in range(bmax)]
-    draft_ms = {(r["B"], r["K"]): r["ms"] for r in run.results["sections"].get("production", {}).get("draft", [])
-                if "ms" in r}
+    draft_ms = {
+        (r["B"], r["K"]): r["ms"] for r in run.results["sections"].get("production", {}).get("draft", []) if "ms" in r
+    }
     sec["rows"] = []
     sec["new_tokens"], sec["prompt_tokens"] = n_new, plen
-    sec["note"] = ("the replaying proposer drafts for free; est_moa_tok_s adds the measured MoA drafting "
-                   "latency (production section) per round")
+    sec["note"] = (
+        "the replaying proposer drafts for free; est_moa_tok_s adds the measured MoA drafting "
+        "latency (production section) per round"
+    )
     plain = SpeculativeEngine(runner, None, None, frozenset(), max_batch=bmax)
     plain.generate(prompts_all[:1], 4, ignore_eos=True)  # warm-up
     for b in sz["e2e_b"]:
@@ -801,8 +960,14 @@ def e2e_section(run: Run, models: dict, dtype: torch.dtype) -> None:
         base_s = time.perf_counter() - t
         refs = [o.token_ids for o in base]
         base_tps = b * n_new / base_s
-        row = {"B": b, "K": 0, "tau_target": None, "tokens_per_s": round(base_tps, 1), "s": round(base_s, 3),
-               "speedup": 1.0}
+        row = {
+            "B": b,
+            "K": 0,
+            "tau_target": None,
+            "tokens_per_s": round(base_tps, 1),
+            "s": round(base_s, 3),
+            "speedup": 1.0,
+        }
         sec["rows"].append(row)
         # the graphed plain-PyTorch step over the same weights, at the generation's mean context
         anchor = anchor_row(target, b, plen + n_new // 2, reps=sz["reps"] * 4)
@@ -828,9 +993,14 @@ def e2e_section(run: Run, models: dict, dtype: torch.dtype) -> None:
                 sync(d)
                 s = time.perf_counter() - t
                 tps = b * n_new / s
-                row.update(tau=round(sum(o.mean_accepted_length for o in outs) / b, 3), rounds=engine.last_stats.rounds,
-                           tokens_per_s=round(tps, 1), s=round(s, 3), speedup=round(tps / base_tps, 3),
-                           identical_to_plain=compare([o.token_ids for o in outs], refs)["identical"])
+                row.update(
+                    tau=round(sum(o.mean_accepted_length for o in outs) / b, 3),
+                    rounds=engine.last_stats.rounds,
+                    tokens_per_s=round(tps, 1),
+                    s=round(s, 3),
+                    speedup=round(tps / base_tps, 3),
+                    identical_to_plain=compare([o.token_ids for o in outs], refs)["identical"],
+                )
                 for i, o in enumerate(outs):
                     if o.token_ids != refs[i]:
                         diverged.setdefault(i, o.token_ids)
@@ -844,8 +1014,13 @@ def e2e_section(run: Run, models: dict, dtype: torch.dtype) -> None:
             for i in sorted(diverged)[:4]:
                 alone = plain.generate([prompts[i]], n_new, ignore_eos=True)[0].token_ids
                 sec.setdefault("divergence", []).append(
-                    {"B": b, "session": i, "plain_batch_vs_alone": compare([refs[i]], [alone])["first_divergence"],
-                     "speculative_vs_alone": compare([diverged[i]], [alone])["first_divergence"]})
+                    {
+                        "B": b,
+                        "session": i,
+                        "plain_batch_vs_alone": compare([refs[i]], [alone])["first_divergence"],
+                        "speculative_vs_alone": compare([diverged[i]], [alone])["first_divergence"],
+                    }
+                )
             run.save()
     sec["status"] = "done"
     del runner
@@ -858,8 +1033,13 @@ def _table(rows: list[dict], cols: list[str]) -> str:
         return "(none)\n"
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        out.append("| " + " | ".join(_cell(r.get(c, r.get("skipped", "")) if c in r or "skipped" not in r
-                                           else r["skipped"]) for c in cols) + " |")
+        out.append(
+            "| "
+            + " | ".join(
+                _cell(r.get(c, r.get("skipped", "")) if c in r or "skipped" not in r else r["skipped"]) for c in cols
+            )
+            + " |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -875,8 +1055,11 @@ def markdown(results: dict) -> str:
     s = results["sections"]
     lines = ["# MoA-Serve GPU check", ""]
     env = s.get("env", {})
-    lines.append("Device: " + ", ".join(f"{k} {env[k]}" for k in ("gpu", "device", "torch", "cuda", "transformers")
-                                       if env.get(k)) + f"; toy: {env.get('toy')}; elapsed {results['meta'].get('elapsed_s')} s")
+    lines.append(
+        "Device: "
+        + ", ".join(f"{k} {env[k]}" for k in ("gpu", "device", "torch", "cuda", "transformers") if env.get(k))
+        + f"; toy: {env.get('toy')}; elapsed {results['meta'].get('elapsed_s')} s"
+    )
     lines.append("")
     c = s.get("correctness", {})
     if c:
@@ -888,11 +1071,22 @@ def markdown(results: dict) -> str:
             if "skipped" in v:
                 rows.append({"dtype": dt, "check": v["skipped"]})
                 continue
-            for key in ("plain_1_vs_plain_16", "moa_1_vs_plain_1", "moa_16_vs_plain_16", "replay_1_vs_plain_1",
-                        "replay_16_vs_plain_16"):
+            for key in (
+                "plain_1_vs_plain_16",
+                "moa_1_vs_plain_1",
+                "moa_16_vs_plain_16",
+                "replay_1_vs_plain_1",
+                "replay_16_vs_plain_16",
+            ):
                 r = v[key]
-                rows.append({"dtype": dt, "check": key, "identical": f"{r['identical']}/{r['sessions']}",
-                             "first divergence": r["first_divergence"]})
+                rows.append(
+                    {
+                        "dtype": dt,
+                        "check": key,
+                        "identical": f"{r['identical']}/{r['sessions']}",
+                        "first divergence": r["first_divergence"],
+                    }
+                )
         lines.append(_table(rows, ["dtype", "check", "identical", "first divergence"]))
     inv = s.get("invariance", {})
     for name, v in inv.items():
@@ -902,31 +1096,60 @@ def markdown(results: dict) -> str:
         rows = []
         for op, r in v.items():
             if isinstance(r, dict):
-                rows.append({"op": op, **{f"{m} rows": ("bitwise" if x["bitwise"] else f"diff {x['max_abs_diff']:.3g}")
-                                          for m, x in r.items()}})
+                rows.append(
+                    {
+                        "op": op,
+                        **{
+                            f"{m} rows": ("bitwise" if x["bitwise"] else f"diff {x['max_abs_diff']:.3g}")
+                            for m, x in r.items()
+                        },
+                    }
+                )
         lines.append(_table(rows, ["op"] + [f"{m} rows" for m in v["rows"]]))
         lines.append(f"Not batch-invariant: {', '.join(v['not_batch_invariant']) or 'none'}\n")
     p = s.get("production", {})
     if p:
         lines += ["## Production shape: verify latency (ms, one call, MoA features included)", ""]
-        lines.append(_table(p.get("verify", []), ["B", "K+1", "ms", "forward_only", "device_busy_ms",
-                                                  "host_overhead_ms", "tokens_per_s_verified"]))
+        lines.append(
+            _table(
+                p.get("verify", []),
+                ["B", "K+1", "ms", "forward_only", "device_busy_ms", "host_overhead_ms", "tokens_per_s_verified"],
+            )
+        )
         lines += ["## What batch invariance costs: one forward, ms (served: graphs + Triton matmuls and attention)", ""]
-        lines.append(_table(p.get("invariance_cost", []), ["B", "T", "served_ms", "graph_cublas_ms",
-                                                           "eager_cublas_sdpa_ms", "invariance_cost", "vs_eager"]))
+        lines.append(
+            _table(
+                p.get("invariance_cost", []),
+                ["B", "T", "served_ms", "graph_cublas_ms", "eager_cublas_sdpa_ms", "invariance_cost", "vs_eager"],
+            )
+        )
         if "invariance_cost_skipped" in p:
             lines.append(f"Not measured: {p['invariance_cost_skipped']}\n")
         lines.append(f"Runner statistics: {p.get('runner_stats', {})}\n")
         lines += ["## Attention kernels: per token vs chunked (GPU us, B sessions x 1 token, 8,192-position cache)", ""]
-        lines.append(_table(p.get("attention", []), ["B", "context", "per_token_us", "chunked_us", "chunked_speedup",
-                                                     "chunked_row_alone_bitwise", "max_abs_diff"]))
+        lines.append(
+            _table(
+                p.get("attention", []),
+                [
+                    "B",
+                    "context",
+                    "per_token_us",
+                    "chunked_us",
+                    "chunked_speedup",
+                    "chunked_row_alone_bitwise",
+                    "max_abs_diff",
+                ],
+            )
+        )
         if "attention_skipped" in p:
             lines.append(f"Not measured: {p['attention_skipped']}\n")
         lines += ["## Drafting latency per K (paper-sized MoA draft head)", ""]
         lines.append(_table(p.get("draft", []), ["B", "K", "ms", "ms_per_step", "device_busy_ms", "host_overhead_ms"]))
         lines.append(f"Static draft steps (CUDA graphs): {p.get('draft_static_steps')}\n")
         lines += ["## One engine round (draft + verify + commit), K = 4", ""]
-        lines.append(_table(p.get("round", []), ["B", "ms", "draft_ms", "verify_ms", "device_busy_ms", "host_overhead_ms"]))
+        lines.append(
+            _table(p.get("round", []), ["B", "ms", "draft_ms", "verify_ms", "device_busy_ms", "host_overhead_ms"])
+        )
         if p.get("round_profile"):
             rp = p["round_profile"]
             lines += [f"Host functions of a round at B = {rp['B']} by own time (cProfile, ms per round):", ""]
@@ -946,11 +1169,29 @@ def markdown(results: dict) -> str:
         lines.append("")
     e = s.get("e2e", {})
     if e:
-        lines += [f"## End to end: engine at controlled acceptance vs no speculation "
-                  f"({e.get('new_tokens')} new tokens, {e.get('prompt_tokens')}-token prompts)", ""]
-        lines.append(_table(e.get("rows", []), ["B", "K", "tau_target", "tau", "tokens_per_s", "speedup",
-                                                "anchor_tokens_per_s", "vs_anchor", "est_moa_tok_s",
-                                                "est_moa_speedup", "identical_to_plain"]))
+        lines += [
+            f"## End to end: engine at controlled acceptance vs no speculation "
+            f"({e.get('new_tokens')} new tokens, {e.get('prompt_tokens')}-token prompts)",
+            "",
+        ]
+        lines.append(
+            _table(
+                e.get("rows", []),
+                [
+                    "B",
+                    "K",
+                    "tau_target",
+                    "tau",
+                    "tokens_per_s",
+                    "speedup",
+                    "anchor_tokens_per_s",
+                    "vs_anchor",
+                    "est_moa_tok_s",
+                    "est_moa_speedup",
+                    "identical_to_plain",
+                ],
+            )
+        )
         lines.append(e.get("note", "") + "\n")
     errs = {k: v["error"] for k, v in s.items() if isinstance(v, dict) and "error" in v}
     for k, v in errs.items():
@@ -982,8 +1223,12 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = TOY_LLAMA if a.toy else LLAMA3_8B
     models = None
-    plan = [("correctness", 0.13, lambda: correctness_section(run, ["float32", "bfloat16"])),
-            ("production", 0.52, None), ("fit", 0.62, None), ("e2e", 0.97, None)]
+    plan = [
+        ("correctness", 0.13, lambda: correctness_section(run, ["float32", "bfloat16"])),
+        ("production", 0.52, None),
+        ("fit", 0.62, None),
+        ("e2e", 0.97, None),
+    ]
     for name, until, fn in plan:
         if name not in wanted:
             continue

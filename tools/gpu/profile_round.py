@@ -40,8 +40,9 @@ def kernel_table(fn, device: torch.device, rows: int = 18) -> str:
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         fn()
         bench.sync(device)
-    return prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
-                                     row_limit=rows, max_name_column_width=60)
+    return prof.key_averages().table(
+        sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows, max_name_column_width=60
+    )
 
 
 def main(argv=None) -> int:
@@ -70,10 +71,16 @@ def main(argv=None) -> int:
     moa = bench.random_moa(target, dtype, d)
     bmax = max(int(b) for b in a.batch_sizes.split(","))
     room = ctx + 64 * (a.rounds + 60)
-    runner = bench.TorchTargetRunner("", dtype, str(d), max_sessions=bmax, max_model_len=room,
-                                     features=bench.MoAFeatures(moa.feature_head), model=target,
-                                     options=bench.RunnerOptions(max_num_batched_tokens=8192, prefix_caching=False,
-                                                                 static_forward="on"))
+    runner = bench.TorchTargetRunner(
+        "",
+        dtype,
+        str(d),
+        max_sessions=bmax,
+        max_model_len=room,
+        features=bench.MoAFeatures(moa.feature_head),
+        model=target,
+        options=bench.RunnerOptions(max_num_batched_tokens=8192, prefix_caching=False, static_forward="on"),
+    )
     g = random.Random(0)
     prompts = [[g.randrange(shape["vocab_size"]) for _ in range(ctx)] for _ in range(bmax)]
 
@@ -82,8 +89,12 @@ def main(argv=None) -> int:
     bench._prefill(runner, {}, ids, prompts, d)
     for b, t in ((1, 1), (min(8, bmax), 5)):
         slots = [runner.sessions[i].slot for i in ids[:b]]
-        args = ([1] * (b * t), [s for s in slots for _ in range(t)], [ctx + j for _ in range(b) for j in range(t)],
-                [ctx + j for _ in range(b) for j in range(t)])
+        args = (
+            [1] * (b * t),
+            [s for s in slots for _ in range(t)],
+            [ctx + j for _ in range(b) for j in range(t)],
+            [ctx + j for _ in range(b) for j in range(t)],
+        )
         for _ in range(3):
             runner.static(*args)
         say(f"\n== kernels of one fixed-shape forward, {b} session(s) x {t} token(s), context {ctx} ==")
@@ -91,12 +102,19 @@ def main(argv=None) -> int:
     for i in ids:
         runner.release(i)
 
-    proposer = bench.MoAProposer(bench.DrafterConfig(target=target.arch), moa.draft_head,
-                                 bench.TargetParts(target, 0), max_sessions=bmax, max_model_len=room)
+    proposer = bench.MoAProposer(
+        bench.DrafterConfig(target=target.arch),
+        moa.draft_head,
+        bench.TargetParts(target, 0),
+        max_sessions=bmax,
+        max_model_len=room,
+    )
     engine = bench.SpeculativeEngine(runner, proposer, None, frozenset(), max_batch=bmax)
     for b in (int(x) for x in a.batch_sizes.split(",")):
-        sessions = [engine.new_session(prompts[i][:ctx // 2], 10 ** 6, num_speculative_tokens=4, ignore_eos=True)
-                    for i in range(b)]
+        sessions = [
+            engine.new_session(prompts[i][: ctx // 2], 10**6, num_speculative_tokens=4, ignore_eos=True)
+            for i in range(b)
+        ]
         for _ in range(50):  # prefill, then rounds until every session drafts with features
             engine.run_round(sessions)
             if all(len(s.generated) >= 2 for s in sessions):
@@ -110,9 +128,11 @@ def main(argv=None) -> int:
             engine.run_round(sessions)
         bench.sync(d)
         wall = (time.perf_counter() - t) / a.rounds * 1e3
-        say(f"\n== engine round, {b} session(s), K = 4: {wall:.2f} ms per round; drafter "
+        say(
+            f"\n== engine round, {b} session(s), K = 4: {wall:.2f} ms per round; drafter "
             f"{(engine.timings['draft_s'] - d0) / a.rounds * 1e3:.2f} ms, verifier "
-            f"{(engine.timings['verify_s'] - v0) / a.rounds * 1e3:.2f} ms ==")
+            f"{(engine.timings['verify_s'] - v0) / a.rounds * 1e3:.2f} ms =="
+        )
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(a.rounds):

@@ -13,7 +13,7 @@ from moa_serve.protocol import DraftRequest, DraftResult
 
 def tau_for(accept: float, k: int) -> float:
     """Expected tokens per round (accepted drafts + the target's own) for per-token acceptance ``accept``."""
-    return sum(accept ** i for i in range(k + 1))
+    return sum(accept**i for i in range(k + 1))
 
 
 def corruption_for(tau: float, k: int) -> float | None:
@@ -37,8 +37,9 @@ class ReplayProposer:
 
     needs_features = False
 
-    def __init__(self, prompts: list[list[int]], references: list[list[int]], corruption: float,
-                 vocab_size: int, seed: int = 0):
+    def __init__(
+        self, prompts: list[list[int]], references: list[list[int]], corruption: float, vocab_size: int, seed: int = 0
+    ):
         self.table = {tuple(p): (len(p), r) for p, r in zip(prompts, references)}
         self.lengths = sorted({len(p) for p in prompts})
         self.corruption = corruption
@@ -60,17 +61,19 @@ class ReplayProposer:
     def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
         out = []
         for r in requests:
-            committed = self.copies.get(r.session_id, [])[:r.base] + list(r.tokens)
+            committed = self.copies.get(r.session_id, [])[: r.base] + list(r.tokens)
             self.copies[r.session_id] = committed
             found = self._reference(r.session_id, committed)
             drafts = []
             if found is not None:
                 plen, ref = found
                 done = len(committed) - plen
-                drafts = list(ref[done:done + r.num_drafts])
+                drafts = list(ref[done : done + r.num_drafts])
             drafts += [0] * (r.num_drafts - len(drafts))
-            drafts = [t if self.rng.random() >= self.corruption else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
-                      for t in drafts]
+            drafts = [
+                t if self.rng.random() >= self.corruption else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                for t in drafts
+            ]
             out.append(DraftResult(r.session_id, drafts))
         return out
 

@@ -1,0 +1,169 @@
+"""The batch-invariant GPU kernels (moa_serve/kernels/gpu_invariant.py), checked on a CPU under
+Triton's interpreter: this file's ``interpreted`` tests run in a subprocess with
+``TRITON_INTERPRET=1`` (the interpreter must be chosen before Triton compiles anything)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the subprocess of test_under_the_triton_interpreter")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert re.search(r"\b7 passed", proc.stdout), proc.stdout[-2000:]
+
+
+@interpreted
+@pytest.mark.parametrize("bias", [False, True])
+def test_interpreted_matmul_rows_do_not_depend_on_the_batch(bias):
+    from moa_serve.kernels import gpu_invariant
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(70, 96, generator=g)
+    w = torch.randn(48, 96, generator=g)
+    b = torch.randn(48, generator=g) if bias else None
+    full = gpu_invariant.matmul(x, w, b)
+    torch.testing.assert_close(full, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    for m in (1, 3, 33):  # rows 0..m-1 alone, then the same rows among 70
+        assert torch.equal(gpu_invariant.matmul(x[:m], w, b), full[:m])
+    assert torch.equal(gpu_invariant.matmul(x[5:6].reshape(1, 1, 96), w, b)[0, 0], full[5])
+
+
+@interpreted
+def test_interpreted_split_k_matmul_adds_its_ranges_in_a_fixed_order():
+    from moa_serve.kernels import gpu_invariant
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 200, generator=g)  # K = 200: the last range is a partial block
+    w = torch.randn(24, 200, generator=g)
+    b = torch.randn(24, generator=g)
+    tiles = gpu_invariant.Tiles(block_m=16, block_n=16, block_k=32, split=3)
+    full = gpu_invariant.matmul(x, w, b, tiles=tiles)
+    torch.testing.assert_close(full, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    for m in (1, 17):
+        assert torch.equal(gpu_invariant.matmul(x[:m], w, b, tiles=tiles), full[:m])
+
+
+@interpreted
+def test_interpreted_rms_norm_matches_the_module_row_by_row():
+    from moa_serve.kernels import gpu_invariant
+    from moa_serve.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    x = torch.randn(9, 96, generator=g)
+    full = gpu_invariant.rms_norm(x, norm.weight, norm.eps)
+    torch.testing.assert_close(full, norm(x), rtol=1e-5, atol=1e-5)
+    for i in range(9):
+        assert torch.equal(gpu_invariant.rms_norm(x[i : i + 1], norm.weight, norm.eps), full[i : i + 1])
+    xb, wb = x.bfloat16(), norm.weight.detach().bfloat16()
+    torch.testing.assert_close(
+        gpu_invariant.rms_norm(xb, wb, norm.eps).float(), norm.bfloat16()(xb).float(), rtol=2e-2, atol=2e-2
+    )  # rounding: 1-2 bfloat16 ulps
+
+
+@interpreted
+def test_interpreted_chunked_attention_matches_the_cpu_kernel_across_chunks():
+    from moa_serve import kernels
+    from moa_serve.kernels import gpu_invariant
+
+    if kernels.library() is None:
+        pytest.skip(kernels.unavailable_reason())
+    g = torch.Generator().manual_seed(4)
+    slots_n, kv_heads, length, hd, heads = 2, 2, 700, 16, 6  # chunks of 256 keys: 3 per slot
+    assert gpu_invariant.attention_chunk(length + 1) == 256
+    k = torch.randn(slots_n, kv_heads, length + 1, hd, generator=g)
+    v = torch.randn(slots_n, kv_heads, length + 1, hd, generator=g)
+    q = torch.randn(5, heads, hd, generator=g)
+    slots = torch.tensor([0, 1, 0, 1, 1])
+    positions = torch.tensor([0, 255, 256, 511, 690])  # first key, both sides of a chunk edge, the last chunk
+    store_at = torch.tensor([0, 255, 256, 700, 690])  # token 3's own key sits in the scratch column
+    got = gpu_invariant.chunked_slot_attention(q, k, v, slots, positions, store_at)
+    torch.testing.assert_close(got, kernels.attention(q, k, v, slots, positions, store_at), rtol=1e-5, atol=1e-5)
+    for i in range(5):
+        assert torch.equal(
+            gpu_invariant.chunked_slot_attention(
+                q[i : i + 1], k, v, slots[i : i + 1], positions[i : i + 1], store_at[i : i + 1]
+            ),
+            got[i : i + 1],
+        )
+
+
+def test_tile_config_splits_k_only_for_weights_too_narrow_to_fill_the_gpu():
+    from moa_serve.kernels import gpu_invariant
+
+    pytest.importorskip("triton")
+    narrow = gpu_invariant.tile_config(4096, 14336)  # Llama-3-8B's down projection
+    wide = gpu_invariant.tile_config(128256, 4096)  # its LM head
+    assert narrow.split > 1 and wide.split == 1
+    assert 14336 // narrow.block_k // narrow.split >= 8  # every range still loops over K
+    assert gpu_invariant.attention_chunk(8193) == 512 and gpu_invariant.attention_chunk(600) == 256
+
+
+@interpreted
+def test_interpreted_slot_attention_matches_the_cpu_kernel():
+    from moa_serve import kernels
+    from moa_serve.kernels import gpu_invariant
+
+    if kernels.library() is None:
+        pytest.skip(kernels.unavailable_reason())
+    g = torch.Generator().manual_seed(1)
+    slots_n, kv_heads, length, hd, heads = 3, 2, 40, 16, 6
+    k = torch.randn(slots_n, kv_heads, length + 1, hd, generator=g)
+    v = torch.randn(slots_n, kv_heads, length + 1, hd, generator=g)
+    q = torch.randn(6, heads, hd, generator=g)
+    slots = torch.tensor([0, 0, 2, 1, 2, 1])
+    positions = torch.tensor([3, 4, 0, 39, 7, 36])
+    store_at = torch.tensor([3, 4, 0, 39, 40, 37])  # token 4 is an alternative stored past its chain
+    got = gpu_invariant.slot_attention(q, k, v, slots, positions, store_at)
+    torch.testing.assert_close(got, kernels.attention(q, k, v, slots, positions, store_at), rtol=1e-5, atol=1e-5)
+    for i in range(6):  # each token alone: bitwise its row of the batch
+        assert torch.equal(
+            gpu_invariant.slot_attention(
+                q[i : i + 1], k, v, slots[i : i + 1], positions[i : i + 1], store_at[i : i + 1]
+            ),
+            got[i : i + 1],
+        )
+
+
+@interpreted
+def test_interpreted_verifier_on_the_gpu_kernels_is_lossless(stories_path, stories_drafter):
+    """The whole verifier on the Triton kernels (matmuls and attention) and the fixed-shape forward,
+    the drafter's later steps as fixed shapes on the Triton attention: speculative greedy output is
+    the same runner's plain greedy output, batched or alone."""
+    from moa_serve.engine.local import SpeculativeEngine
+    from tests.engine.test_lossless import STORY_PROMPTS
+
+    spec = SpeculativeEngine.load(
+        str(stories_path), str(stories_drafter), "float32", max_sessions=4, packed_weights="off", static_forward="on"
+    )
+    runner = spec.verifier
+    assert runner.attention_kernel and runner.packing["batch_invariant_matmuls"] > 0
+    assert spec.proposer.use_static_steps(graphs=False)  # draft steps on the Triton attention too
+    plain_engine = SpeculativeEngine(runner, None, spec.tokenizer, spec.stop_ids, 4)
+    prompts = [spec.tokenizer.encode(p) for p in STORY_PROMPTS[:2]]
+    plain = [o.token_ids for o in plain_engine.generate(prompts, 5)]
+    assert [o.token_ids for o in spec.generate(prompts, 5, num_speculative_tokens=3)] == plain
+    assert runner.stats["static_calls"] > 0 and spec.proposer.static_steps.stats["static_draft_calls"] > 0
+    assert spec.generate(prompts[1:], 5, num_speculative_tokens=2)[0].token_ids == plain[1]
