@@ -11,7 +11,7 @@
 #     --build-context models=../shared/models .
 #
 # The Ray version and Python of RAY_IMAGE must match pyproject.toml (ray[serve]==2.60.0,
-# Python 3.11); TORCH_VERSION must match its torch pin (tests/deployments/test_k8s.py checks both).
+# Python 3.11); TORCH_VERSION must match its torch pin (tests/k8s/test_image.py checks both).
 
 ARG RAY_IMAGE=rayproject/ray:2.60.0-py311-gpu
 

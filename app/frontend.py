@@ -163,29 +163,39 @@ class Generation:
         return self
 
 
+@dataclass(frozen=True)
+class Speculation:
+    """What the served drafter asks of every session: ``enabled`` (a drafter is served; False:
+    plain decoding), ``num_speculative_tokens`` (K, unless a request asks for fewer),
+    ``adaptive`` (each session adapts its own K) and ``needs_features`` (the drafter reads the
+    target's features: MoA, EAGLE-style)."""
+
+    enabled: bool
+    num_speculative_tokens: int = 4
+    adaptive: bool = False
+    needs_features: bool = True
+
+
 class Frontend:
     def __init__(
         self,
         service: RoundService,
         tokenizer,
         *,
+        model_name: str,
         max_model_len: int,
         stop_token_ids: frozenset[int],
-        num_speculative_tokens: int,
-        speculative: bool,
-        model_name: str,
-        adaptive_speculation: bool = False,
-        drafter_needs_features: bool = True,
+        speculation: Speculation,
     ):
         self.service = service
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.stop_token_ids = stop_token_ids
-        self.num_speculative_tokens = num_speculative_tokens
-        self.speculative = speculative
+        self.num_speculative_tokens = speculation.num_speculative_tokens
+        self.speculative = speculation.enabled
         self.model_name = model_name
-        self.adaptive_speculation = adaptive_speculation
-        self.drafter_needs_features = drafter_needs_features
+        self.adaptive_speculation = speculation.adaptive
+        self.drafter_needs_features = speculation.needs_features
         self._encode_lock = threading.Lock()  # one tokenizer, used from worker threads
 
     def encode_prompt(self, prompt: str | None, messages: list | None) -> tuple[list[int], str]:
@@ -211,8 +221,8 @@ class Frontend:
     async def tokenize(self, prompt: str | None, messages: list | None) -> tuple[list[int], str]:
         """(token ids, the field they came from). A long prompt or chat is encoded on a worker
         thread: it must not stall the event loop that streams (and, in process, drives the rounds).
-        A short one (most chat turns: ~0.2 ms) is encoded here when the tokenizer is free, which
-        saves the thread hand-off on the way to the first token (~0.6 ms on a loaded 2-core host)."""
+        A short one (most chat turns: far less work than the hand-off) is encoded here when the
+        tokenizer is free, which saves the thread hand-off on the way to the first token."""
         if _chars(prompt, messages) <= INLINE_ENCODE_CHARS and self._encode_lock.acquire(blocking=False):
             try:
                 return self.encode_prompt(prompt, messages)

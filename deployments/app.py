@@ -5,7 +5,8 @@ A config that cannot work is refused here, with the reason and the arithmetic, b
 replica starts: sessions the Routers admit against the sessions the pools hold (in
 ``AppConfig``), each pool replica's weights + caches against its memory (``fit.py``), and, when
 it builds inside a running Ray cluster (``serve run``, ``serve.run`` after ``ray.init``), every
-replica's CPU and GPU reservation against the cluster's nodes (``placement_report``)."""
+replica's CPU and GPU reservation against the cluster's nodes (``placement_report``).
+``moa config check`` (``config_check.py``) prints the same checks without Ray."""
 
 from __future__ import annotations
 
@@ -38,10 +39,11 @@ log = logging.getLogger("ray.serve")
 
 
 # Replicas share cores (verifier, drafter, router, on small nodes all together). OpenMP's
-# active waiting collapses a forward when its threads are not all scheduled: measured here, a
-# SmolLM2 decode step took 1.9-2.4 s instead of ~50 ms with a second 2-thread process on 2 cores;
-# passive waiting keeps it near 75 ms. A single process alone (moa generate/bench) runs faster
-# with the default, so only the replicas get it; a runtime_env that sets it wins.
+# active waiting collapses a forward when its threads are not all scheduled: with a second
+# multi-threaded process on the same cores, a decode step spins away whole scheduler time slices
+# instead of a few milliseconds; passive waiting keeps it close to its time alone. A single
+# process alone (moa generate/bench) runs faster with the default, so only the replicas get it; a
+# runtime_env that sets it wins (local-cpu.yaml's only verifier spins, on cores of its own).
 REPLICA_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
@@ -66,18 +68,7 @@ def validate(
 ) -> list[fit.Fit]:
     """Raises ConfigError for a config that cannot work; logs the ones that waste or thrash."""
     results = fit.check_fit(cfg, target, drafter)
-    warnings = session_warnings(cfg)
-    if cfg.device == "cpu" and all(p.ray_actor_options.memory is None for p in cfg.pools().values()):
-        need = sum(
-            f.total
-            * (cfg.verifier_pool if f.pool == "verifier_pool" else cfg.drafter_pool).autoscaling_config.max_replicas
-            for f in results
-        )
-        if need > fit.host_memory():
-            warnings.append(
-                f"all pool replicas together need {need / fit.GiB:.1f} GiB, more than this host's "
-                f"{fit.host_memory() / fit.GiB:.1f} GiB: fine on a multi-node cluster, not on one machine"
-            )
+    warnings = session_warnings(cfg) + fit.host_warnings(cfg, results)
     for w in warnings:
         log.warning("config: %s", w)
     for f in results:

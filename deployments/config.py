@@ -146,8 +146,8 @@ class RouterConfig(_Strict):
     in_gateway: bool = Field(
         False,
         description="run the Router inside each Gateway replica instead of as replicas of "
-        "its own: a first token crosses one process fewer (time to first token p50 21 vs 27 ms at "
-        "one user, 35 vs 67 ms at 4 on 2 cores, docs/benchmarks.md), but a Router failure is then its Gateway's "
+        "its own: a first token crosses one process fewer, a shorter time to first token "
+        "(docs/benchmarks.md#the-router-inside-the-gateway), but a Router failure is then its Gateway's "
         "(no standby resumes the streams), each Gateway replica batches only its own users, and "
         "autoscaling_config, ray_actor_options and max_ongoing_requests below do not apply",
     )
@@ -273,10 +273,10 @@ class AppConfig(_Strict):
         "highest",
         description="torch backend, packed CPU target (as torch.set_float32_matmul_precision): highest "
         "multiplies in float32; medium multiplies bfloat16-rounded activations and weights with float32 sums on CPUs "
-        "with AVX512-BF16 (about 1.5x the matmul speed), highest elsewhere; low rounds each activation row to 8-bit "
-        "blocks and multiplies the GGUF's Q4_1/Q8_0 integers (llama.cpp's CPU arithmetic; any AVX2 CPU, the same "
-        "tokens on every one). The output is that of the target computed so, batch-invariant in all three, so "
-        "speculation stays lossless against it",
+        "with AVX512-BF16 (faster matmuls, docs/benchmarks.md#kernels), highest elsewhere; low rounds each "
+        "activation row to 8-bit blocks and multiplies the GGUF's Q4_1/Q8_0 integers (llama.cpp's CPU arithmetic; "
+        "any AVX2 CPU, the same tokens on every one). The output is that of the target computed so, "
+        "batch-invariant in all three, so speculation stays lossless against it",
     )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",

@@ -26,10 +26,19 @@ KV cache + weights against each replica's memory ([`deployments/fit.py`](../depl
 A config that cannot work is refused with the numbers to change. The same block is the
 `serveConfigV2` of the KubeRay manifests ([kubernetes.md](kubernetes.md)).
 
+`moa config check CONFIG.yaml` prints those checks without starting Ray: each pool replica's
+weights, KV cache and activations against its memory, the sessions a session group, a Router and
+all Routers admit against what a replica and the pool hold, and every deployment's CPU / GPU
+reservation against this machine, or against the cluster's nodes (`--node CPUS[,GPUS]`, once per
+node; `--cluster-may-grow` where an autoscaler adds nodes). It exits with 1 naming the field and the
+numbers when the config cannot work. It reads a `serve run` config, a KubeRay `RayService` manifest
+or a bare `args` block.
+
 This page is generated from the models' field descriptions
 (`python -m moa_serve.deployments.config_doc > docs/configuration.md`); a test fails when it is
 stale. The shipped configs and why they set what they set: the comments in
-[`deployments/configs/`](../deployments/configs/) and [benchmarks.md](benchmarks.md).
+[`deployments/configs/`](../deployments/configs/); the measurements behind them:
+[benchmarks.md](benchmarks.md).
 """
 
 

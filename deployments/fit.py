@@ -298,16 +298,38 @@ def fits(cfg: AppConfig, target: ModelShape | None = None, drafter: DrafterShape
     return out
 
 
+def misfit(results: list[Fit]) -> str | None:
+    """What to say of the replicas that do not fit their memory (None: all fit)."""
+    bad = [f for f in results if not f.ok]
+    if not bad:
+        return None
+    return (
+        "this config cannot work: a replica's weights and caches do not fit its memory\n  - "
+        + "\n  - ".join(f.describe() for f in bad)
+        + "\n  lower max_sessions or max_model_len, or give the replica more memory "
+        "(gpu_memory_gb / num_gpus / ray_actor_options.memory)"
+    )
+
+
+def host_warnings(cfg: AppConfig, results: list[Fit]) -> list[str]:
+    """A CPU config without ``ray_actor_options.memory`` is sized against this host's RAM, replica by
+    replica: whether all replicas at ``max_replicas`` together fit it too (one machine, not a cluster)."""
+    if cfg.device != "cpu" or any(p.ray_actor_options.memory is not None for p in cfg.pools().values()):
+        return []
+    pools = cfg.pools()
+    need = sum(f.total * pools[f.pool].autoscaling_config.max_replicas for f in results)
+    if need <= host_memory():
+        return []
+    return [
+        f"all pool replicas together need {need / GiB:.1f} GiB, more than this host's "
+        f"{host_memory() / GiB:.1f} GiB: fine on a multi-node cluster, not on one machine"
+    ]
+
+
 def check_fit(cfg: AppConfig, target: ModelShape | None = None, drafter: DrafterShape | None = None) -> list[Fit]:
     """Raises ConfigError naming every replica that does not fit; returns the arithmetic."""
     results = fits(cfg, target, drafter)
-    bad = [f for f in results if not f.ok]
-    if bad:
-        lines = [f.describe() for f in bad]
-        raise ConfigError(
-            "this config cannot work: a replica's weights and caches do not fit its memory\n  - "
-            + "\n  - ".join(lines)
-            + "\n  lower max_sessions or max_model_len, or give the replica more memory "
-            "(gpu_memory_gb / num_gpus / ray_actor_options.memory)"
-        )
+    message = misfit(results)
+    if message:
+        raise ConfigError(message)
     return results

@@ -31,7 +31,7 @@ from ray.serve.handle import DeploymentHandle
 
 from moa_serve.app import state
 from moa_serve.app.access import Access
-from moa_serve.app.frontend import Frontend
+from moa_serve.app.frontend import Frontend, Speculation
 from moa_serve.app.http import create_app
 from moa_serve.deployments.config import AppConfig
 from moa_serve.deployments.router import RouterCore, detached, load_target_info
@@ -133,11 +133,13 @@ class Gateway:
                 info.tokenizer,
                 max_model_len=info.max_model_len,
                 stop_token_ids=info.stop_token_ids,
-                num_speculative_tokens=self.cfg.num_speculative_tokens,
-                speculative=self.cfg.drafter is not None,
                 model_name=self.cfg.model_name or self.cfg.target,
-                adaptive_speculation=self.cfg.adaptive_speculation,
-                drafter_needs_features=kind in ("moa", "eagle"),
+                speculation=Speculation(
+                    enabled=self.cfg.drafter is not None,
+                    num_speculative_tokens=self.cfg.num_speculative_tokens,
+                    adaptive=self.cfg.adaptive_speculation,
+                    needs_features=kind in ("moa", "eagle"),
+                ),
             ),
             ready=self.ready,
             retry_after_s=r.retry_after_s,

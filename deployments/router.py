@@ -35,6 +35,7 @@ from moa_serve.drafter.registry import lookup_store
 from moa_serve.engine.feature_policy import feature_policy
 from moa_serve.engine.lanes import LaneHub
 from moa_serve.engine.options import RoundOptions
+from moa_serve.engine.pool_calls import Pools
 from moa_serve.engine.round_service import RoundService
 from moa_serve.engine.session import Session
 from moa_serve.engine.stream_service import StreamService
@@ -191,15 +192,12 @@ class RouterCore:
         )
         cut = self._cut_steps if r.decode_steps > 1 and r.cut_steps_for_newcomers else None
         return RoundService(
-            self._verify,
-            self._draft if self.drafter is not None else None,
-            self._release,
+            Pools(self._verify, self._draft if self.drafter is not None else None, self._release, cut=cut),
             options,
             features=features,
             lookup=lookup,
             groups=self.groups,
             observer=PrometheusObserver(),
-            cut=cut,
         )
 
     async def _cs_identity(self) -> ServerIdentity:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from moa_serve.drafter.config import DrafterConfig
-from moa_serve.drafter.model import TargetParts
+from moa_serve.drafter.moa_model import TargetParts
 from moa_serve.drafter.proposer import ProposerBase, last_position, load_for_drafting
 from moa_serve.kv_cache import PackedBatch, SlotKVCache
 from moa_serve.layers import DecoderLayer, RMSNorm

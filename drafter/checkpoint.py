@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from moa_serve.drafter.config import FORMAT, DrafterConfig
-from moa_serve.drafter.model import MoADrafter, init_weights
+from moa_serve.drafter.moa_model import MoADrafter, init_weights
 from moa_serve.drafter.spec import DrafterSpec, checkpoint_kind, resolve_drafter_path
 from moa_serve.model_files import read_config, resolve_model_path
 from moa_serve.target_model import TargetArch

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from moa_serve.drafter.model import FeatureHead
+from moa_serve.drafter.moa_model import FeatureHead
 from moa_serve.kernels.packed import for_inference
 
 

@@ -12,7 +12,7 @@ of all its occurrences one token at a time, proposing the most frequent next tok
 ``min_confidence`` of the occurrences still agree (and keeping only the occurrences that took it).
 
 The index is numpy arrays — per n, the sorted 64-bit hashes of the n-grams and where each ends —
-so a million tokens take ~1.5 s to index and ~60 MB, and a lookup is a few binary searches. A hash
+so a million tokens index in seconds into tens of MB, and a lookup is a few binary searches. A hash
 collision can only propose a wrong draft, which verification rejects: drafts never change output.
 """
 

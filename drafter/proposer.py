@@ -25,7 +25,7 @@ import torch
 from moa_serve import kernels
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
 from moa_serve.drafter.config import DrafterConfig
-from moa_serve.drafter.model import DraftHead, MoADrafter, TargetParts
+from moa_serve.drafter.moa_model import DraftHead, MoADrafter, TargetParts
 from moa_serve.drafter.spec import TreeShape
 from moa_serve.kernels.packed import FusedStack, fuse_projections, pack_bf16_exact, packed_lm_head
 from moa_serve.kv_cache import PackedBatch, SlotKVCache, invariant_attention

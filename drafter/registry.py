@@ -12,7 +12,7 @@ from moa_serve.drafter.baselines import EagleProposer, IndependentProposer
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
 from moa_serve.drafter.feature_sources import HiddenFeatures, MoAFeatures
 from moa_serve.drafter.lookup import HybridProposer, PromptLookupProposer
-from moa_serve.drafter.model import MoADrafter
+from moa_serve.drafter.moa_model import MoADrafter
 from moa_serve.drafter.proposer import MoAProposer, ProposerBase
 from moa_serve.drafter.spec import DrafterSpec
 

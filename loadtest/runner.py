@@ -106,7 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="RUN_DIR",
-        help="also draw these earlier runs (folders with summary.json) in the plots; "
+        help="also draw these finished runs (folders with summary.json) in the plots; "
         "without --config/--host: only draw the plots",
     )
     p.add_argument("--fail-on-failures", action="store_true", help="exit 1 if any request failed (CI)")

@@ -17,6 +17,13 @@ from moa_serve.cli_args import (
     tree_shape,
 )
 from moa_serve.client.cli import register as register_client
+from moa_serve.commands.bench import register as register_bench
+from moa_serve.commands.cs_bench import register as register_cs_bench
+from moa_serve.commands.fidelity import register as register_fidelity
+from moa_serve.commands.netem import register as register_netem
+from moa_serve.commands.regenerate import register as register_regenerate
+from moa_serve.commands.vllm_bench import register as register_vllm_bench
+from moa_serve.deployments.config_check import register as register_config
 from moa_serve.drafter.checkpoint import init_drafter
 from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.drafter.training.diagnose import register as register_diagnose
@@ -26,12 +33,6 @@ from moa_serve.engine.local import SpeculativeEngine
 from moa_serve.loadtest.runner import LoadTestError
 from moa_serve.loadtest.runner import add_arguments as add_loadtest_arguments
 from moa_serve.loadtest.runner import run as run_loadtest
-from moa_serve.tools.bench import register as register_bench
-from moa_serve.tools.cs_bench import register as register_cs_bench
-from moa_serve.tools.fidelity import register as register_fidelity
-from moa_serve.tools.netem import register as register_netem
-from moa_serve.tools.regenerate import register as register_regenerate
-from moa_serve.tools.vllm_bench import register as register_vllm_bench
 from moa_serve.verifier.vllm.engine import INSTALL_HINT, VllmEngine, VllmOptions, vllm_available
 
 
@@ -212,6 +213,7 @@ def _extra_commands() -> list:
         register_cs_bench,
         register_vllm_bench,
         register_fidelity,
+        register_config,
     ]
 
 

@@ -30,9 +30,9 @@ class LayerShape:
 
 
 # Small-M matmuls: for x [M, K] times a weight [N, K], MKL's x @ W.T kernel is slow for a few rows
-# on AVX2 CPUs (measured on a 2-core EPYC, the 30 SmolLM2 layers' projections: M=5 took 123 ms with
-# x @ W.T vs 43 ms as (W @ x.T).T, about the cost of M=1, which is what makes verifying K drafts
-# nearly free); from a few dozen rows on, the plain form is faster again.
+# on AVX2 CPUs, several times the cost of one row, where (W @ x.T).T costs about what one row does
+# (which is what makes verifying K drafts nearly free); from a few dozen rows on, the plain form is
+# faster again.
 SMALL_M = (2, 32)
 
 
@@ -179,7 +179,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
     Grouped-query attention without copying keys/values per query head: the G query heads that
     share a KV head are folded into the query length ([B,KVH,G*T,hd]) and the mask repeated
-    along it (~7x faster than ``repeat_interleave`` for a 32-session decode step on CPU)."""
+    along it (much faster than ``repeat_interleave``, which copies every KV head G times)."""
     b, heads, t, hd = q.shape
     kv_heads = k.shape[1]
     groups = heads // kv_heads

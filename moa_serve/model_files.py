@@ -183,8 +183,7 @@ def _runs_packed(path: Path) -> bool:
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX). Without it (e.g. AVX2-only
-    CPUs) PyTorch emulates bf16 matmuls: measured on a 2-core AVX2 EPYC, a [16, 576] x [576, 1536]
-    bf16 matmul takes 2.6 ms against 0.65 ms in float32."""
+    CPUs) PyTorch emulates bf16 matmuls, several times slower than float32 ones."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -201,8 +200,8 @@ def parse_dtype(
 ) -> torch.dtype:
     """A dtype by name. ``auto`` is bfloat16 on GPUs; on a CPU it is float32 when the ``target``
     folder holds a GGUF (in float32 the target runs through the packed kernels over the file's
-    quantized blocks: 47 vs 27 tok/s single-stream for SmolLM2-135M against bf16 on an AVX-512
-    BF16 EPYC), else bfloat16 on CPUs with native bf16 and float32 on the others (where bf16 is
+    quantized blocks, faster than bf16 even on CPUs with native bf16: docs/benchmarks.md#kernels),
+    else bfloat16 on CPUs with native bf16 and float32 on the others (where bf16 is
     emulated and slower than float32)."""
     if isinstance(name, torch.dtype):
         return name

@@ -142,23 +142,24 @@ class RunnerOptions:
 
 
 class TorchTargetRunner(TargetBackend):
-    """``features``: the verifier-side half of the drafter served (the drafter registry's
-    ``load_feature_source``); None: no features."""
+    """``target``: the target's model directory or GGUF (a path, or a name under
+    ``MOA_MODEL_DIR``), or an already built ``TargetModel``. ``features``: the verifier-side half
+    of the drafter served (the drafter registry's ``load_feature_source``); None: no features."""
 
     def __init__(
         self,
-        target: str,
+        target: str | TargetModel,
         dtype: str | torch.dtype = "float32",
         device: str = "cpu",
         max_sessions: int = 16,
         max_model_len: int = 2048,
         features: FeatureSource | None = None,
-        model: TargetModel | None = None,
         draft_vocab: torch.Tensor | None = None,
         options: RunnerOptions = RunnerOptions(),
     ):
         packed_weights, matmul_precision = options.packed_weights, options.matmul_precision
         kv_cache_dtype = options.kv_cache_dtype
+        model = target if isinstance(target, TargetModel) else None
         path = resolve_model_path(target) if model is None else None
         self.dtype = target_dtype(dtype, device, path, model)
         self.device = torch.device(device)

@@ -25,7 +25,7 @@ import torch
 
 from moa_serve.drafter.baselines import build_baseline
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
-from moa_serve.drafter.model import MoADrafter, TargetParts
+from moa_serve.drafter.moa_model import MoADrafter, TargetParts
 from moa_serve.drafter.spec import resolve_drafter_path
 from moa_serve.drafter.training import masks
 from moa_serve.drafter.training.data import batches, build_examples, load_conversations

@@ -49,7 +49,7 @@ def shrink_draft_vocab(drafter: str, size: int, data_dir: str, out_dir: str, max
     state = {**state, DRAFT_VOCAB_KEY: torch.tensor(keep, dtype=old.dtype)}
     out = save_drafter(out_dir, dataclasses.replace(cfg, draft_vocab_size=size), state)
     report = {
-        "from": str(src),
+        "from": drafter,  # as given (a packaged name or a path), not where this machine resolved it
         "size_before": len(old_ids),
         "size": size,
         "data": str(data_dir),

@@ -12,9 +12,9 @@ Beyond the paper (off by default): ``value_readout_layers`` adds a linear map fr
 the target's last N layers to the feature head (fitted by ridge regression when it is new, the LSA
 path then starting at zero), ``feature_target_weight`` adds a grounding loss (smooth-L1 between
 each verified position's feature and the target's final hidden state there), and
-``cross_attention_latest_only`` lets the CA read only the freshest feature. Measured on the
-shipped paper-layout drafter: its CA put 1.3% of its attention on the freshest feature (1.5%
-would be uniform) and zeroing every feature changed its top-1 by 0.004 (``moa drafter diagnose``,
+``cross_attention_latest_only`` lets the CA read only the freshest feature. The shipped
+paper-layout drafter's CA put less than a uniform share of its attention on the freshest feature,
+and zeroing every feature hardly changed its top-1 (``moa drafter diagnose``,
 ``drafter/checkpoints/README.md``).
 
 ``system_prompted: drop`` leaves out the conversations that have a system prompt (data written by
@@ -45,7 +45,7 @@ import yaml
 from moa_serve.drafter.baselines import build_baseline
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter, save_drafter
 from moa_serve.drafter.config import DrafterConfig
-from moa_serve.drafter.model import MoADrafter, TargetParts, init_weights
+from moa_serve.drafter.moa_model import MoADrafter, TargetParts, init_weights
 from moa_serve.drafter.training import masks
 from moa_serve.drafter.training.data import (
     batches,
@@ -221,8 +221,8 @@ class Trainer:
         """Starts a new ``value_readout`` as the ridge regression of the target's final hidden state
         on the values it reads, over a few training batches, and the LSA path (``Ekv2E``) at zero:
         the features carry the target's state from step 0, and the LSA learns what the readout
-        misses. (The shipped paper-layout LSA's features were ~17x the hidden state's norm and did
-        not help the drafter predict; continuing them beside the readout kept that noise.)"""
+        misses. (The shipped paper-layout LSA's features were many times the hidden state's norm and
+        did not help the drafter predict; continuing them beside the readout kept that noise.)"""
         head = m.feature_head
         head.Ekv2E.weight.zero_()
         head.Ekv2E.bias.zero_()

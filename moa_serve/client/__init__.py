@@ -3,7 +3,14 @@ it borrows), ``Transport`` (keep-alive HTTP to ``/v1/cs``), ``RemoteGenerator`` 
 remote verification, offline degradation). ``moa client generate`` is its command line."""
 
 from moa_serve.client.device import DeviceDrafter
-from moa_serve.client.generate import ClientEvent, ClientResult, HandshakeError, OfflineError, RemoteGenerator
+from moa_serve.client.generate import (
+    ClientEvent,
+    ClientResult,
+    HandshakeError,
+    LinkPolicy,
+    OfflineError,
+    RemoteGenerator,
+)
 from moa_serve.client.transport import ResyncError, ServerError, Transport, Unreachable
 
 __all__ = [
@@ -11,6 +18,7 @@ __all__ = [
     "ClientResult",
     "DeviceDrafter",
     "HandshakeError",
+    "LinkPolicy",
     "OfflineError",
     "RemoteGenerator",
     "ResyncError",

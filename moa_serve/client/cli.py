@@ -16,7 +16,15 @@ from moa_serve.cli_args import (
     sampling_params,
     tree_shape,
 )
-from moa_serve.client import DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, ServerError, Transport
+from moa_serve.client import (
+    DeviceDrafter,
+    HandshakeError,
+    LinkPolicy,
+    OfflineError,
+    RemoteGenerator,
+    ServerError,
+    Transport,
+)
 from moa_serve.client.generate import AUTO
 from moa_serve.client.transport import API_KEY_ENV
 
@@ -34,9 +42,9 @@ def cmd_client_generate(args) -> int:
         transport,
         num_speculative_tokens=args.num_speculative_tokens,
         adaptive_k=not args.fixed_k,
-        offline=args.offline,
         feature_codec=args.feature_codec,
         branching=branching,
+        link=LinkPolicy(offline=args.offline),
     )
     prompt = prompt_tokens(device.tokenizer, args.prompt, args.chat)
     try:

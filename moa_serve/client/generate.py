@@ -36,13 +36,32 @@ from moa_serve.sampling import GREEDY, SamplingParams
 
 OFFLINE_MODES = ("degrade", "strict")
 LOCAL_ID = "device"  # the local proposer's one session
-# ``branching="auto"``: a dynamic tree while the measured round trip is long, chains otherwise. On
-# this CPU server a dynamic tree gained 5-6 % over emulated 4G (~76 ms round trips) and cost 4-6 %
-# over loopback (~20 ms) and +-2 % over `wan` (README): where the link dominates a
-# round, the server's wider verify is cheap next to the calls it saves.
+# ``branching="auto"``: a dynamic tree while the measured round trip is long, chains otherwise. A
+# tree pays over a slow link (emulated 4G) and costs over a fast one (loopback), with the threshold
+# between (docs/benchmarks.md#client-server): where the link dominates a round, the server's wider
+# verify is cheap next to the calls it saves.
 AUTO = "auto"
 AUTO_TREE = TreeShape((8, 3, 2), 0.03)
 AUTO_MIN_ROUND_TRIP_S = 0.05
+
+
+@dataclass(frozen=True)
+class LinkPolicy:
+    """What the client does when the server cannot be reached. ``offline``: ``degrade`` keeps
+    writing with the drafter alone (unverified tokens, corrected when the link returns; at most
+    ``offline_chunk`` of them per step) or ``strict`` stops (``OfflineError``). Reconnects back off
+    from ``reconnect_backoff_s`` doubling up to ``max_backoff_s``; once the generation has ended
+    offline, ``final_reconnects`` more attempts try to verify what was written."""
+
+    offline: str = "degrade"
+    offline_chunk: int = 4
+    reconnect_backoff_s: float = 0.25
+    max_backoff_s: float = 4.0
+    final_reconnects: int = 8
+
+    def __post_init__(self):
+        if self.offline not in OFFLINE_MODES:
+            raise ValueError(f"offline must be one of {OFFLINE_MODES}, got {self.offline!r}")
 
 
 class HandshakeError(RuntimeError):
@@ -141,25 +160,20 @@ class RemoteGenerator:
         *,
         num_speculative_tokens: int = 4,
         adaptive_k: bool = True,
-        offline: str = "degrade",
         feature_codec: str = "float16",
-        reconnect_backoff_s: float = 0.25,
-        max_backoff_s: float = 4.0,
-        final_reconnects: int = 8,
-        offline_chunk: int = 4,
         branching: "TreeShape | str | tuple | None" = None,
+        link: LinkPolicy | None = None,
     ):
-        if offline not in OFFLINE_MODES:
-            raise ValueError(f"offline must be one of {OFFLINE_MODES}, got {offline!r}")
         if feature_codec not in wire.FEATURE_CODECS:
             raise ValueError(f"feature_codec must be one of {wire.FEATURE_CODECS}, got {feature_codec!r}")
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
+        link = link or LinkPolicy()
         self.device, self.transport = device, transport
         self.k_max, self.adaptive_k = num_speculative_tokens, adaptive_k
-        self.offline, self.feature_codec = offline, feature_codec
-        self.reconnect_backoff_s, self.max_backoff_s = reconnect_backoff_s, max_backoff_s
-        self.final_reconnects, self.offline_chunk = final_reconnects, offline_chunk
+        self.offline, self.feature_codec = link.offline, feature_codec
+        self.reconnect_backoff_s, self.max_backoff_s = link.reconnect_backoff_s, link.max_backoff_s
+        self.final_reconnects, self.offline_chunk = link.final_reconnects, link.offline_chunk
         # tree drafts (greedy): the drafter's runners-up per depth go with the chain, verified beside
         # it; "auto": AUTO_TREE while the round trip is long (a drafter that cannot branch: chains)
         branches = getattr(device.proposer, "branches", False)

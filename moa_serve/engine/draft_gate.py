@@ -18,8 +18,9 @@ Both sides are measured while serving:
   probability ``alpha**k``.
 
 The bar therefore rises with the batch: where a row is nearly free (a GPU at small batches, or one
-session on a CPU) almost any lookup draft is verified; on this 2-core CPU (a row ~5 ms) one session
-drafts from alpha ~0.15 on, four sessions from ~0.4, and past that only long copies get through.
+session on a CPU) almost any lookup draft is verified; on a small CPU, where each row costs
+noticeably, one session drafts on modest evidence, four sessions need better, and past that only
+long copies get through.
 Rounds therefore no longer switch speculation on or off as a whole: each session drafts as far as
 its own evidence carries. A session that has not drafted for ``probe_every`` of its rounds drafts
 one token anyway (when lookup has one), so that an estimate that turned pessimistic can recover.
@@ -36,7 +37,7 @@ class VerifyCost:
     """``seconds ~ fixed + per_forward * forwards + per_row * rows`` for a verify call, by
     exponentially weighted least squares (``decay`` per call, a small ridge keeps it solvable
     while the calls have not varied yet). NumPy, not torch: the Router updates it every round,
-    and torch's per-op dispatch made it ~75 us a round against ~20 here."""
+    and torch's per-op dispatch would cost several times this per round."""
 
     def __init__(self, decay: float = 0.98, min_calls: int = 8, ridge: float = 1e-3):
         self.decay, self.min_calls, self.ridge = decay, min_calls, ridge

@@ -1,8 +1,9 @@
 """Speculation only where it measurably pays.
 
 Whether drafting K tokens and verifying K+1 beats verifying one token depends on the drafter's
-acceptance, the batch size and the hardware (on a 2-core AVX2 CPU, verifying 5 tokens of one
-session costs 1.6x one token; of 16 sessions, 2.8x). Rather than guess, the governor measures.
+acceptance, the batch size and the hardware (on a small CPU, verifying 5 tokens of one session
+costs well under five times one token, of 16 sessions closer to it). Rather than guess, the
+governor measures.
 The cost per token of a mode is the ratio of its averaged round seconds to its averaged committed
 tokens (an average of per-round ratios would overstate a weak drafter's cost, whose rounds mostly
 commit one token and now and then several). The two halves are measured where they are known

@@ -14,6 +14,7 @@ from moa_serve.drafter.proposer import MoAProposer
 from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.engine.events import Tracked
 from moa_serve.engine.options import RoundOptions
+from moa_serve.engine.pool_calls import Pools
 from moa_serve.engine.round_service import RoundService
 from moa_serve.engine.round_stats import ServiceStats
 from moa_serve.engine.session import Session
@@ -196,7 +197,9 @@ class SpeculativeEngine:
             draft_timeout_s=LOCAL_CALL_LIMIT_S,
             release_timeout_s=LOCAL_CALL_LIMIT_S,
         )
-        service = RoundService(pools.verify, pools.draft if self.proposer is not None else None, pools.release, options)
+        service = RoundService(
+            Pools(pools.verify, pools.draft if self.proposer is not None else None, pools.release), options
+        )
         return service, pools
 
     def run_round(self, active: list[Session]) -> None:

@@ -4,8 +4,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Hashable
 
-from moa_serve.engine.pool_calls import CallLimits
+from moa_serve.engine.round_stats import Observer, ServiceStats
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """Time limits and retry bounds of the pool calls."""
+
+    verify_retries: int = 5
+    retry_backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+    verify_timeout_s: float = 120.0
+    draft_timeout_s: float = 5.0
+    release_timeout_s: float = 5.0
+    release_attempts: int = 5
+
+    def backoff(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.retry_backoff_s * 2**attempt)
 
 
 @dataclass(frozen=True)
@@ -33,3 +50,14 @@ class RoundOptions(CallLimits):
     def __post_init__(self):
         if self.decode_steps < 1:
             raise ValueError("decode_steps must be >= 1")
+
+
+@dataclass
+class RoundContext:
+    """What the parts of one round service share: its options, its session groups, the stats they
+    add to and the observer they report to."""
+
+    options: RoundOptions
+    groups: list[Hashable]
+    stats: ServiceStats
+    observer: Observer

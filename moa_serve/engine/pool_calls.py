@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Hashable
 
 from moa_serve.engine import round_steps
-from moa_serve.engine.round_stats import Observer, RoundProfile, ServiceStats
+from moa_serve.engine.options import RoundContext
+from moa_serve.engine.round_stats import RoundProfile
 from moa_serve.engine.session import Session
 from moa_serve.protocol import DraftRequest, DraftResult, VerifyRequest, VerifyResult
 
@@ -37,37 +38,25 @@ async def within(seconds: float, aw):
         return await aw
 
 
-@dataclass(frozen=True)
-class CallLimits:
-    """Time limits and retry bounds of the pool calls."""
+@dataclass
+class Pools:
+    """The calls a round service makes to its pools, each per session group: ``verify``, ``draft``
+    (None: no drafter pool), ``release`` of sessions that ended, and ``cut``, which ends the
+    group's running multi-step verify call early (None: calls are never cut)."""
 
-    verify_retries: int = 5
-    retry_backoff_s: float = 0.5
-    max_backoff_s: float = 8.0
-    verify_timeout_s: float = 120.0
-    draft_timeout_s: float = 5.0
-    release_timeout_s: float = 5.0
-    release_attempts: int = 5
-
-    def backoff(self, attempt: int) -> float:
-        return min(self.max_backoff_s, self.retry_backoff_s * 2**attempt)
+    verify: VerifyFn
+    draft: DraftFn | None
+    release: ReleaseFn
+    cut: CutFn | None = None
 
 
 class PoolCalls:
-    def __init__(
-        self,
-        verify: VerifyFn,
-        draft: DraftFn | None,
-        release: ReleaseFn,
-        limits: CallLimits,
-        groups: list[Hashable],
-        stats: ServiceStats,
-        observer: Observer,
-        cut: CutFn | None = None,
-    ):
-        self.verify_fn, self.draft_fn, self.release_fn, self.cut_fn = verify, draft, release, cut
+    def __init__(self, pools: Pools, context: RoundContext):
+        self.verify_fn, self.draft_fn = pools.verify, pools.draft
+        self.release_fn, self.cut_fn = pools.release, pools.cut
         self._cuts: set[asyncio.Task] = set()
-        self.limits, self.stats, self.observer = limits, stats, observer
+        self.limits, self.stats, self.observer = context.options, context.stats, context.observer
+        groups = context.groups
         self.pending_release: dict[Hashable, dict[str, int]] = {g: {} for g in groups}  # id -> attempts
         self._release_backoff: dict[Hashable, tuple[int, float]] = {}  # group -> (failures in a row, retry at)
 

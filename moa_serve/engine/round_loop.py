@@ -28,10 +28,10 @@ from moa_serve.engine.draft_gate import DraftGate
 from moa_serve.engine.events import TokenEvent, Tracked
 from moa_serve.engine.feature_policy import FeaturePolicy
 from moa_serve.engine.governor import SpeculationGovernor
-from moa_serve.engine.options import RoundOptions
+from moa_serve.engine.options import RoundContext
 from moa_serve.engine.pipeliner import Ahead, Lookahead
 from moa_serve.engine.pool_calls import PoolCalls
-from moa_serve.engine.round_stats import Observer, RoundProfile, ServiceStats
+from moa_serve.engine.round_stats import RoundProfile
 from moa_serve.engine.session import Session
 from moa_serve.protocol import DraftResult, VerifyResult
 
@@ -39,18 +39,16 @@ from moa_serve.protocol import DraftResult, VerifyResult
 class RoundLoop:
     def __init__(
         self,
-        options: RoundOptions,
+        context: RoundContext,
         calls: PoolCalls,
         features: FeaturePolicy,
         lookup: LookupTable | None,
-        groups: list[Hashable],
-        stats: ServiceStats,
-        observer: Observer,
         queued: Callable[[], bool],
     ):
+        options, groups = context.options, context.groups
         self.options, self.calls, self.features, self.lookup = options, calls, features, lookup
-        self.stats, self.observer, self.queued = stats, observer, queued
-        self.lookahead = Lookahead(calls, stats, options.lookahead, options.decode_steps)
+        self.stats, self.observer, self.queued = context.stats, context.observer, queued
+        self.lookahead = Lookahead(calls, self.stats, options.lookahead, options.decode_steps)
         drafter_pool = calls.draft_fn is not None
         self.governors = (
             {g: SpeculationGovernor() for g in groups} if options.speculation_governor and drafter_pool else {}

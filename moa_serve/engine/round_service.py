@@ -42,8 +42,8 @@ from moa_serve.engine.events import (
     stream_events,
 )
 from moa_serve.engine.feature_policy import FeaturePolicy, feature_policy
-from moa_serve.engine.options import RoundOptions
-from moa_serve.engine.pool_calls import CutFn, DraftFn, PoolCalls, ReleaseFn, VerifyFn, within
+from moa_serve.engine.options import RoundContext, RoundOptions
+from moa_serve.engine.pool_calls import PoolCalls, Pools, within
 from moa_serve.engine.round_loop import RoundLoop
 from moa_serve.engine.round_stats import Observer, ServiceStats
 from moa_serve.engine.session import Session
@@ -55,37 +55,33 @@ log = logging.getLogger(__name__)
 class RoundService:
     def __init__(
         self,
-        verify: VerifyFn,
-        draft: DraftFn | None,
-        release: ReleaseFn,
+        pools: Pools,
         options: RoundOptions | None = None,
         *,
         features: FeaturePolicy | None = None,
         lookup: LookupTable | None = None,
         groups: Sequence[Hashable] | None = None,
         observer: Observer | None = None,
-        cut: CutFn | None = None,
     ):
-        """``features``: which verify calls ask for drafter features (default: all of them when
-        there is a drafter pool, none otherwise); ``lookup``: prompt lookup over the sessions' own
-        tokens, here (a session it drafts for skips the drafter pool that round; with no pool it
-        is the only drafter); ``cut``: ends a group's running multi-step verify call early, asked
-        when a session is admitted to that group meanwhile (its prompt waits for the next call)."""
+        """``pools``: the calls to the verifier and drafter pools (``pools.cut`` ends a group's
+        running multi-step verify call early, asked when a session is admitted to that group
+        meanwhile: its prompt waits for the next call); ``features``: which verify calls ask for
+        drafter features (default: all of them when there is a drafter pool, none otherwise);
+        ``lookup``: prompt lookup over the sessions' own tokens, here (a session it drafts for
+        skips the drafter pool that round; with no pool it is the only drafter)."""
         self.options = o = options or RoundOptions()
         self.groups = list(groups) if groups is not None else list(range(o.num_groups))
         if not self.groups or len(set(self.groups)) != len(self.groups):
             raise ValueError(f"session groups must be a non-empty list of distinct keys: {self.groups!r}")
         self.observer = observer or Observer()
         self.stats = ServiceStats()
-        self.calls = PoolCalls(verify, draft, release, o, self.groups, self.stats, self.observer, cut)
+        context = RoundContext(o, self.groups, self.stats, self.observer)
+        self.calls = PoolCalls(pools, context)
         self.rounds = RoundLoop(
-            o,
+            context,
             self.calls,
-            features or feature_policy(draft is not None),
+            features or feature_policy(pools.draft is not None),
             lookup,
-            self.groups,
-            self.stats,
-            self.observer,
             queued=lambda: bool(self._waiting),
         )
         self._waiting: list[Tracked] = []

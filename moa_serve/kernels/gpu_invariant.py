@@ -20,7 +20,7 @@ verify forward runs must be invariant to the rows beside it.
 * :func:`chunked_slot_attention` — the same contract with a token's keys split into chunks whose
   size depends on the cache only, run side by side and merged in chunk order (flash-decoding):
   for long contexts at few tokens per call. The GPU check times it beside
-  :func:`slot_attention` (``tools/gpu/bench_gpu.py``, production section) before it serves.
+  :func:`slot_attention` (its production section, ``tools/gpu/production.py``) before it serves.
 
 All run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the
 tests check them without a GPU; the interpreter's bfloat16 ``tl.dot`` is wrong, so there the
@@ -354,9 +354,9 @@ def tile_config(n: int, k: int, itemsize: int = 2, programs: int = 128) -> Tiles
     128 x 128 x 64 tiles, 8 warps; K split in two, four, ... until one decode row runs at least
     ``programs`` programs (about the SMs of an H100), each range keeping 8 blocks of K or more.
     Chosen from 32 candidates per weight measured on an H100 over Llama-3-8B's weights at 1 to 512
-    rows (``tools/gpu/tile_sweep.py``, docs/benchmarks.md#gpu): 0.98-1.39x cuBLAS at 1 and 8 rows,
-    up to 1.64x at 64 and 1.2-2x at 256-512, where one M-independent tile cannot match cuBLAS's
-    per-shape choice; a whole graphed forward costs 1.03-1.09x the same graphs on cuBLAS."""
+    rows (``tools/gpu/tile_sweep.py``): close to cuBLAS at decode sizes, behind it at larger row
+    counts, where one M-independent tile cannot match cuBLAS's per-shape choice; what a whole
+    graphed forward costs against cuBLAS: docs/benchmarks.md#gpu."""
     block_k = 64 if k >= 64 else 32 if k >= 32 else 16  # tl.dot needs K blocks of 16 or more
     block_n = 128
     split = 1

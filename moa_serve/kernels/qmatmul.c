@@ -386,8 +386,8 @@ BF16DOT static void bf16dot_matmul(int kind, const float *xf, int64_t M, int64_t
             for (int64_t nb = 0; nb < nblocks; nb++) {
                 const int64_t n0 = nb * BNB;
                 const int nn = N - n0 < BNB ? (int)(N - n0) : BNB;
-                /* de-quantized to bf16 first even for one row of x: straight from the blocks was up to
-                 * 2x slower here (Q8_0 LM head, 1 row: 2.0 vs 1.0 ms on an AVX512-BF16 EPYC) */
+                /* de-quantized to bf16 first even for one row of x: straight from the blocks was
+                 * slower on AVX512-BF16 (the Q8_0 LM head at one row) */
                 if (mc >= PREFETCH_MIN_ROWS) bf16dot_prefetch(kind, qs, d, m, K, N, n0 + PREFETCH_BLOCKS * BNB);
                 for (int r = 0; r < BNB; r++) { /* a short last block repeats a row */
                     const int64_t n = n0 + (r < nn ? r : 0);

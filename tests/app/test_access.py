@@ -38,7 +38,7 @@ from moa_serve.app import access as access_mod
 from moa_serve.app import auth, state
 from moa_serve.app.access import OPEN_PATHS, OPEN_WARNING, Access
 from moa_serve.app.auth import HttpAuthConfig, KeyRing
-from moa_serve.app.frontend import Frontend
+from moa_serve.app.frontend import Frontend, Speculation
 from moa_serve.app.http import create_app
 from moa_serve.app.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, HttpLimitsConfig
 from moa_serve.engine.events import TokenEvent
@@ -124,8 +124,7 @@ def served(monkeypatch, tokenizer):
         tokenizer,
         max_model_len=256,
         stop_token_ids=frozenset(),
-        num_speculative_tokens=3,
-        speculative=True,
+        speculation=Speculation(enabled=True, num_speculative_tokens=3),
         model_name="smollm",
     )
     out = Served(service=service, cs=RecordingSessions(), tokenized=[], checks=[], frontend=fe)
@@ -405,7 +404,7 @@ def test_the_body_cap_is_configurable_and_sized_from_the_context(served, client)
 def test_over_http_a_large_upload_is_cut_short_with_413(served):
     """Real HTTP (uvicorn): a client streams a 256 MiB body without Content-Length; the server
     answers 413 and closes after reading about the cap, not the body."""
-    from moa_serve.tools.cs_local_stack import UvicornThread
+    from moa_serve.commands.cs_local_stack import UvicornThread
 
     http = UvicornThread(create_app(), (18650, 18750))
     chunk = b"%x\r\n" % (1 << 20) + b"x" * (1 << 20) + b"\r\n"

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from moa_serve.app import state
-from moa_serve.app.frontend import INLINE_ENCODE_CHARS, Frontend, IncrementalDetokenizer, InputError
+from moa_serve.app.frontend import INLINE_ENCODE_CHARS, Frontend, IncrementalDetokenizer, InputError, Speculation
 from moa_serve.engine.events import TokenEvent
 from moa_serve.engine.round_stats import ServiceStats
 from moa_serve.sampling import GREEDY
@@ -113,8 +113,7 @@ def frontend(tok, events, max_model_len=2048):
         tok,
         max_model_len=max_model_len,
         stop_token_ids=frozenset(),
-        num_speculative_tokens=3,
-        speculative=True,
+        speculation=Speculation(enabled=True, num_speculative_tokens=3),
         model_name="m",
     )
 

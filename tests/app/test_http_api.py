@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 from transformers import AutoTokenizer
 
 from moa_serve.app import state
-from moa_serve.app.frontend import Frontend
+from moa_serve.app.frontend import Frontend, Speculation
 from moa_serve.app.http import create_app
 from moa_serve.engine.events import QueueFullError, TokenEvent
 from moa_serve.engine.round_stats import ServiceStats
@@ -95,8 +95,7 @@ def install_frontend(service, tokenizer, max_model_len: int) -> Frontend:
         tokenizer,
         max_model_len=max_model_len,
         stop_token_ids=frozenset(),
-        num_speculative_tokens=3,
-        speculative=True,
+        speculation=Speculation(enabled=True, num_speculative_tokens=3),
         model_name="smollm",
     )
     state.install(frontend=frontend, ready=None, retry_after_s=3, stats=None, cs=None)

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from moa_serve.cli import main
-from moa_serve.client import DeviceDrafter, HandshakeError, OfflineError, RemoteGenerator, Transport
+from moa_serve.client import DeviceDrafter, HandshakeError, LinkPolicy, OfflineError, RemoteGenerator, Transport
 from moa_serve.engine.local import SpeculativeEngine
 from moa_serve.sampling import SamplingParams
 from tests.support.cs_harness import FaultyTransport, OracleProposer, Server, ToySampler, http_client
@@ -28,7 +28,7 @@ def oracle_device(device, prompt, ref, wrong=()):
 
 
 def generator(dev, url, transport=None, **kw):
-    kw.setdefault("reconnect_backoff_s", 0.0)
+    kw.setdefault("link", LinkPolicy(reconnect_backoff_s=0.0))
     t = Transport(http=http_client(url, transport), backoff_s=0.0)
     return RemoteGenerator(dev, t, **kw), t
 
@@ -219,7 +219,14 @@ def test_a_cut_link_keeps_writing_offline_then_verifies_or_corrects(server, devi
     dev = oracle_device(device, ids, ref)
     if wrong_offset is not None:  # a wrong draft while offline only
         dev.proposer.wrong = {len(ids) + at_cut + wrong_offset}
-    gen, t = generator(dev, uv.url, faulty, num_speculative_tokens=4, adaptive_k=False, offline_chunk=4)
+    gen, t = generator(
+        dev,
+        uv.url,
+        faulty,
+        num_speculative_tokens=4,
+        adaptive_k=False,
+        link=LinkPolicy(reconnect_backoff_s=0.0, offline_chunk=4),
+    )
     run = gen.start(ids, 48, ignore_eos=True)
     events = []
     for ev in run:
@@ -261,14 +268,18 @@ def test_a_link_that_never_comes_back(server, device, plain):
     ref = reference(plain, ids, 30)
     faulty = FaultyTransport()
     faulty.on_call = lambda n, req: setattr(faulty, "cut", True) if n == 4 else None
-    gen, t = generator(oracle_device(device, ids, ref), uv.url, faulty, final_reconnects=2)
+    gen, t = generator(
+        oracle_device(device, ids, ref), uv.url, faulty, link=LinkPolicy(reconnect_backoff_s=0.0, final_reconnects=2)
+    )
     res = gen.generate(ids, 30, ignore_eos=True)
     assert res.finish_reason == "offline" and res.offline_tokens > 0
     assert res.verified_tokens + res.offline_tokens == res.num_tokens == 30
     assert res.token_ids == ref  # this drafter was right: the unverified tail happens to be too
     strict = FaultyTransport()
     strict.on_call = lambda n, req: setattr(strict, "cut", True) if n == 4 else None
-    gen, t = generator(oracle_device(device, ids, ref), uv.url, strict, offline="strict")
+    gen, t = generator(
+        oracle_device(device, ids, ref), uv.url, strict, link=LinkPolicy(reconnect_backoff_s=0.0, offline="strict")
+    )
     with pytest.raises(OfflineError, match="unreachable"):
         gen.generate(ids, 30, ignore_eos=True)
 
@@ -313,7 +324,7 @@ def test_a_hybrid_device_drafts_by_lookup_when_greedy_and_with_its_model_when_sa
     hybrid.model = CountingProposer(hybrid.proposer.model)  # the model alone: not asked when greedy
     faulty = FaultyTransport()
     faulty.on_call = lambda n, req: setattr(faulty, "cut", True) if n == 4 else None
-    gen, t = generator(hybrid, uv.url, faulty, final_reconnects=2)
+    gen, t = generator(hybrid, uv.url, faulty, link=LinkPolicy(reconnect_backoff_s=0.0, final_reconnects=2))
     res = gen.generate(ids, 64, ignore_eos=True)
     assert res.finish_reason == "offline" and res.offline_tokens > 0
     assert res.token_ids[: res.verified_tokens] == ref[: res.verified_tokens]

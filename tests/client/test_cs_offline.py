@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from moa_serve.client import DeviceDrafter, RemoteGenerator, Transport, Unreachable
+from moa_serve.client import DeviceDrafter, LinkPolicy, RemoteGenerator, Transport, Unreachable
 from moa_serve.client.deadline import CallDeadline, percentile
-from moa_serve.tools.netem import netem_proxy
+from moa_serve.commands.netem import netem_proxy
 from tests.support.cs_harness import OracleProposer
 
 PROMPT = "Lily went to the park and"
@@ -140,9 +140,7 @@ def test_a_cut_4g_link_goes_offline_soon_completes_and_corrects_the_tail(server,
             t,
             num_speculative_tokens=4,
             adaptive_k=False,
-            reconnect_backoff_s=0.1,
-            max_backoff_s=1.0,
-            final_reconnects=20,
+            link=LinkPolicy(reconnect_backoff_s=0.1, max_backoff_s=1.0, final_reconnects=20),
         )
         cut = CutRun(gen.start(ids, MAX_NEW, ignore_eos=True), px, mode)
         try:

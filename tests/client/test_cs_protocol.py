@@ -15,6 +15,7 @@ from moa_serve.cs.sessions import ClientSessions, CSError, Resync
 from moa_serve.engine.feature_policy import AlwaysFeatures
 from moa_serve.engine.local import SpeculativeEngine
 from moa_serve.engine.options import RoundOptions
+from moa_serve.engine.pool_calls import Pools
 from moa_serve.engine.round_service import RoundService
 from moa_serve.engine.session import Session
 from moa_serve.sampling import GREEDY, SamplingParams
@@ -103,7 +104,7 @@ def test_remote_sessions_share_verify_calls_with_local_ones(stories_path, storie
     ref = [reference(p, 24) for p in prompts]
 
     async def main():
-        svc = RoundService(verify, draft, release, RoundOptions(speculation_governor=False))
+        svc = RoundService(Pools(verify, draft, release), RoundOptions(speculation_governor=False))
         local = [
             Session(f"local{i}", p, 24, num_speculative_tokens=3, max_model_len=512) for i, p in enumerate(prompts[:2])
         ]
@@ -145,9 +146,7 @@ def test_a_queued_remote_session_waits_for_room_and_can_be_aborted(server):
 
     async def main():
         svc = RoundService(
-            verify,
-            None,
-            server.service.calls.release_fn,
+            Pools(verify, None, server.service.calls.release_fn),
             RoundOptions(speculation_governor=False, max_sessions_per_round=1, max_queued=4),
             features=AlwaysFeatures(),
         )
@@ -168,9 +167,7 @@ def test_a_queued_remote_session_waits_for_room_and_can_be_aborted(server):
 # ---------------------------------------------------------------------- ClientSessions
 def _sessions(server, **kw):
     svc = RoundService(
-        server.service.calls.verify_fn,
-        None,
-        server.service.calls.release_fn,
+        Pools(server.service.calls.verify_fn, None, server.service.calls.release_fn),
         RoundOptions(speculation_governor=False),
         features=AlwaysFeatures(),
     )
@@ -274,9 +271,7 @@ def test_sessions_waiting_for_a_seat_take_those_of_idle_client_server_sessions(s
 
     async def main():
         svc = RoundService(
-            server.service.calls.verify_fn,
-            None,
-            server.service.calls.release_fn,
+            Pools(server.service.calls.verify_fn, None, server.service.calls.release_fn),
             RoundOptions(speculation_governor=False, max_sessions_per_round=2),
             features=AlwaysFeatures(),
         )
@@ -309,9 +304,7 @@ def api(server):
     from moa_serve.app.http import create_app
 
     svc = RoundService(
-        server.service.calls.verify_fn,
-        None,
-        server.service.calls.release_fn,
+        Pools(server.service.calls.verify_fn, None, server.service.calls.release_fn),
         RoundOptions(speculation_governor=False),
         features=AlwaysFeatures(),
     )

@@ -7,7 +7,7 @@ import torch
 
 from moa_serve.drafter.baselines import EagleProposer, IndependentProposer
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_draft_vocab, load_drafter
-from moa_serve.drafter.model import TargetParts
+from moa_serve.drafter.moa_model import TargetParts
 from moa_serve.drafter.proposer import MoAProposer
 from moa_serve.drafter.registry import load_proposer
 from moa_serve.drafter.spec import DrafterSpec

@@ -165,7 +165,7 @@ def test_eagle_incremental_drafting_equals_parallel_pass(trained_baselines, stor
     drafted ones the drafter's own prediction) equals a teacher-forced pass built the same way,
     also after a rollback round."""
     from moa_serve.drafter.baselines import EagleProposer
-    from moa_serve.drafter.model import TargetParts
+    from moa_serve.drafter.moa_model import TargetParts
     from moa_serve.model_files import load_state_dict, read_config
     from moa_serve.protocol import DraftRequest
     from moa_serve.target_model import TargetModel
@@ -200,8 +200,8 @@ def test_eagle_incremental_drafting_equals_parallel_pass(trained_baselines, stor
 def test_regenerate_writes_target_replies_and_matching_originals(tmp_path, stories_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from moa_serve.commands.regenerate import regenerate
     from moa_serve.drafter.training.data import prompt_ids
-    from moa_serve.tools.regenerate import regenerate
 
     data = tmp_path / "data"
     data.mkdir()
@@ -237,8 +237,8 @@ def test_regenerate_all_turns_answers_each_turn_in_the_context_of_its_own_replie
     them all."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from moa_serve.commands.regenerate import pack, regenerate, unpack
     from moa_serve.drafter.training.data import load_conversations, prompt_ids
-    from moa_serve.tools.regenerate import pack, regenerate, unpack
 
     data = tmp_path / "data"
     data.mkdir()
@@ -294,8 +294,8 @@ def test_system_prompt_share_picks_a_stable_share_and_round_trips_through_a_pack
     a hash-chosen share of conversations; a pack keeps it, and training windows start with it."""
     from transformers import AutoTokenizer
 
+    from moa_serve.commands.regenerate import gets_system_prompt, pack, unpack
     from moa_serve.drafter.training.data import default_system_prompt, encode_turns, load_conversations, render_segments
-    from moa_serve.tools.regenerate import gets_system_prompt, pack, unpack
     from tests.conftest import SMOLLM
 
     tok = AutoTokenizer.from_pretrained(SMOLLM)
@@ -386,8 +386,8 @@ def test_encode_turns_gives_each_reply_its_own_window():
 def test_regenerate_goes_on_where_an_earlier_run_stopped(tmp_path, stories_path):
     """--limit answers part of the sample; the next run answers only the prompts not yet answered,
     into a new shard; a third run has nothing left to do."""
+    from moa_serve.commands.regenerate import regenerate
     from moa_serve.drafter.training.data import load_conversations
-    from moa_serve.tools.regenerate import regenerate
 
     data = tmp_path / "data"
     data.mkdir()
@@ -414,7 +414,7 @@ def test_regenerate_goes_on_where_an_earlier_run_stopped(tmp_path, stories_path)
     assert orig == sorted(json.dumps(c) for c in convs)
 
     # pack: sources + replies only (no corpus text); unpack rebuilds the same data from the corpus
-    from moa_serve.tools.regenerate import pack, unpack
+    from moa_serve.commands.regenerate import pack, unpack
 
     packed = tmp_path / "pack.jsonl.gz"
     assert pack(str(out), str(packed)) == 7
@@ -502,7 +502,7 @@ def test_value_readout_starts_from_the_targets_state_and_round_trips(tmp_path, s
     readout does not load into a config without one."""
     import torch.nn.functional as F
 
-    from moa_serve.drafter.model import MoADrafter
+    from moa_serve.drafter.moa_model import MoADrafter
     from moa_serve.drafter.registry import load_feature_source
     from moa_serve.drafter.training.data import batches
     from moa_serve.drafter.training.train import Trainer

@@ -8,7 +8,7 @@ from moa_serve.drafter.lookup import LookupTable
 from moa_serve.engine.draft_gate import AcceptanceStats, DraftGate, VerifyCost
 from moa_serve.engine.feature_policy import RecomputedFeatures
 from moa_serve.engine.session import Session
-from tests.engine.test_service_stubs import (
+from tests.support.service_stubs import (
     FakeDrafter,
     FakeVerifier,
     ScriptedGovernor,

@@ -85,6 +85,7 @@ def test_rounds_that_prefill_a_prompt_do_not_count_against_plain_decoding():
     import asyncio
 
     from moa_serve.engine.options import RoundOptions
+    from moa_serve.engine.pool_calls import Pools
     from moa_serve.engine.round_service import RoundService
     from moa_serve.engine.session import Session
     from moa_serve.protocol import DraftResult, VerifyResult
@@ -105,7 +106,7 @@ def test_rounds_that_prefill_a_prompt_do_not_count_against_plain_decoding():
         pass
 
     async def main():
-        svc = RoundService(verify, draft, release, RoundOptions(speculation_governor=True))
+        svc = RoundService(Pools(verify, draft, release), RoundOptions(speculation_governor=True))
         for i in range(3):
             t = svc.submit(Session(f"s{i}", list(range(40)), 4, num_speculative_tokens=2))
             async for _ in svc.stream(t):

@@ -1,6 +1,6 @@
 """RoundService (the router's core) without Ray, over the real in-process verifier and drafter:
 batching, drafter failure, queue bound, abort. (Concurrency defects with awaiting stub pools:
-``test_service_stubs.py``.)"""
+``test_service_*.py`` over tests/support/service_stubs.py.)"""
 
 import asyncio
 
@@ -9,6 +9,7 @@ import pytest
 from moa_serve.engine.events import QueueFullError
 from moa_serve.engine.local import SpeculativeEngine
 from moa_serve.engine.options import RoundOptions
+from moa_serve.engine.pool_calls import Pools
 from moa_serve.engine.round_service import RoundService
 from moa_serve.engine.session import Session
 
@@ -36,7 +37,7 @@ def make_service(engine, *, drafter_fails_on=(), **kw):
 
     kw.setdefault("speculation_governor", False)  # these tests follow every round's drafts
     groups = kw.pop("groups", None)
-    return RoundService(verify, draft, release, RoundOptions(**kw), groups=groups)
+    return RoundService(Pools(verify, draft, release), RoundOptions(**kw), groups=groups)
 
 
 def sessions(engine, n, max_new=20):

@@ -26,9 +26,7 @@ def miss(t: int) -> int:
 
 
 def runner_for(target, path: str, features: bool = True) -> TorchTargetRunner:
-    r = TorchTargetRunner(
-        "unused", model=target, max_sessions=2, max_model_len=256, features=HiddenFeatures() if features else None
-    )
+    r = TorchTargetRunner(target, max_sessions=2, max_model_len=256, features=HiddenFeatures() if features else None)
     if path == "torch":
         r.attention_kernel = False  # masks over torch's attention instead of the kernel's store_at
     elif not r.attention_kernel:
@@ -135,7 +133,7 @@ def test_alternatives_are_ignored_when_sampling(target):
 
 
 def test_alternatives_without_room_in_the_context_are_dropped(target):
-    runner = TorchTargetRunner("unused", model=target, max_sessions=1, max_model_len=32)
+    runner = TorchTargetRunner(target, max_sessions=1, max_model_len=32)
     prompt = list(range(5, 34))  # 29 tokens + 2 drafts fit; 3 alternatives more do not
     (r,) = runner.verify([VerifyRequest("s", prompt, [7, 8], want_features=False, alternatives=[[9, 10], [11]])])
     assert 1 <= len(r.tokens) <= 3

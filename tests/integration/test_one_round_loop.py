@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from moa_serve.client import DeviceDrafter, RemoteGenerator, Transport
+from moa_serve.client import DeviceDrafter, LinkPolicy, RemoteGenerator, Transport
 from moa_serve.deployments.pools import PoolReply
 from moa_serve.deployments.router import Router
 from moa_serve.engine import round_loop
@@ -61,7 +61,9 @@ def test_client_server_rounds_run_in_the_round_loop(stories_path, stories_drafte
     device = DeviceDrafter.load(str(stories_drafter), str(stories_path), "float32", 512)
     ids = device.tokenizer.encode(PROMPTS[0])
     with serving(stories_path, stories_drafter) as (srv, uv):
-        gen = RemoteGenerator(device, Transport(http=http_client(uv.url), backoff_s=0.0), reconnect_backoff_s=0.0)
+        gen = RemoteGenerator(
+            device, Transport(http=http_client(uv.url), backoff_s=0.0), link=LinkPolicy(reconnect_backoff_s=0.0)
+        )
         res = gen.generate(ids, 24, ignore_eos=True)
         ref = plain_decoding(srv.runner, ids, 24)
     assert res.token_ids == ref

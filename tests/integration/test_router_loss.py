@@ -17,7 +17,7 @@ from moa_serve.engine.lanes import LaneHub, LaneLink
 from moa_serve.engine.session import Session
 from moa_serve.engine.stream_service import StreamService
 from moa_serve.sampling import SamplingParams
-from tests.engine.test_service_stubs import FakeVerifier, make_service, make_session, reference
+from tests.support.service_stubs import FakeVerifier, make_service, make_session, reference
 
 
 # ---------------------------------------------------------------------- the core, without Ray

@@ -59,7 +59,7 @@ def decode(runner: TorchTargetRunner, sessions: dict[str, list[int]], steps: int
 
 def test_prompts_longer_than_the_chunk_match_hf_greedy(target, hf):
     runner = TorchTargetRunner(
-        "unused", model=target, max_sessions=4, max_model_len=256, options=RunnerOptions(max_num_batched_tokens=40)
+        target, max_sessions=4, max_model_len=256, options=RunnerOptions(max_num_batched_tokens=40)
     )
     prompts = {"long": prompt_of(150, 1), "mid": prompt_of(70, 2), "short": prompt_of(9, 3)}
     got = decode(runner, prompts, 12)
@@ -69,7 +69,7 @@ def test_prompts_longer_than_the_chunk_match_hf_greedy(target, hf):
 
 def test_a_long_prefill_does_not_stall_a_decoding_session(target):
     runner = TorchTargetRunner(
-        "unused", model=target, max_sessions=4, max_model_len=256, options=RunnerOptions(max_num_batched_tokens=64)
+        target, max_sessions=4, max_model_len=256, options=RunnerOptions(max_num_batched_tokens=64)
     )
     short = prompt_of(8, 4)
     (r,) = runner.verify([VerifyRequest("d", short)])
@@ -83,7 +83,7 @@ def test_a_long_prefill_does_not_stall_a_decoding_session(target):
 
 def test_generation_up_to_the_context_limit(target, hf):
     limit = 48
-    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=limit)
+    runner = TorchTargetRunner(target, max_sessions=2, max_model_len=limit)
     prompt = prompt_of(30, 6)
     got = decode(runner, {"s": prompt}, limit - len(prompt))["s"]
     assert got == hf_greedy(hf, prompt, limit - len(prompt))
@@ -92,13 +92,13 @@ def test_generation_up_to_the_context_limit(target, hf):
 
 
 def test_unknown_session_with_a_delta_answers_resync(target):
-    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=128)
+    runner = TorchTargetRunner(target, max_sessions=2, max_model_len=128)
     (r,) = runner.verify([VerifyRequest("x", [5, 6], base=10)])
     assert r.resync and r.tokens == [] and "x" not in runner.sessions
 
 
 def test_full_cache_evicts_the_least_recently_used_idle_session(target, hf):
-    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=128)
+    runner = TorchTargetRunner(target, max_sessions=2, max_model_len=128)
     prompts = {sid: prompt_of(12, i) for i, sid in enumerate("abc")}
     first = {}
     for sid in "ab":
@@ -120,12 +120,7 @@ def test_skipped_features_are_recomputed_from_the_cache(target, stories_drafter)
 
     def run(skip: set[int]) -> torch.Tensor:
         runner = TorchTargetRunner(
-            "unused",
-            torch.float32,
-            model=target,
-            max_sessions=2,
-            max_model_len=256,
-            features=load_feature_source(str(stories_drafter)),
+            target, torch.float32, max_sessions=2, max_model_len=256, features=load_feature_source(str(stories_drafter))
         )
         prompt, held, feats = prompt_of(20, 3), 0, {}
         tokens = list(prompt)
@@ -157,7 +152,7 @@ def test_multi_step_decoding_gives_the_single_step_tokens(target, seed):
     params = SamplingParams() if seed is None else SamplingParams(temperature=0.9, seed=seed)
 
     def run(steps: int, stop: tuple[int, ...] = ()) -> tuple[list[int], int]:
-        runner = TorchTargetRunner("unused", torch.float32, model=target, max_sessions=2, max_model_len=256)
+        runner = TorchTargetRunner(target, torch.float32, max_sessions=2, max_model_len=256)
         tokens, held, calls, out = prompt_of(12, 7), 0, 0, []
         while len(out) < 24 and not (out and out[-1] in stop):
             (r,) = runner.verify(
@@ -192,7 +187,7 @@ def test_a_cut_ends_multi_step_decoding_after_the_forward_in_progress(target):
     """``cut_steps`` (another thread: a newcomer waits for the next call): the running call
     returns after its current forward, with the tokens so far, which are the tokens plain
     decoding gives; the cut is spent by that call, the next one decodes all its steps."""
-    runner = TorchTargetRunner("unused", torch.float32, model=target, max_sessions=2, max_model_len=256)
+    runner = TorchTargetRunner(target, torch.float32, max_sessions=2, max_model_len=256)
     tokens = prompt_of(12, 3)
     (r,) = runner.verify([VerifyRequest("s", tokens, want_features=False)])  # the prompt
     tokens += r.tokens
@@ -203,7 +198,7 @@ def test_a_cut_ends_multi_step_decoding_after_the_forward_in_progress(target):
     (full,) = runner.verify([VerifyRequest("s", [], base=len(tokens), want_features=False, decode_steps=4)])
     assert len(full.tokens) == 4 and runner.stats["steps_cut"] == 1
     tokens += full.tokens
-    plain = TorchTargetRunner("unused", torch.float32, model=target, max_sessions=2, max_model_len=256)
+    plain = TorchTargetRunner(target, torch.float32, max_sessions=2, max_model_len=256)
     assert decode(plain, {"s": tokens[:12]}, 6)["s"] == tokens[12:]
     runner.cut_steps()  # a call that fails spends the cut too
     with pytest.raises(ValueError):
@@ -216,7 +211,7 @@ def test_a_released_sessions_prefix_is_reused_and_decodes_the_same(target, hf):
     """Prefix caching: a new session whose prompt extends a finished one's tokens takes over its
     slot and prefills only the rest; the tokens equal Hugging Face greedy and a runner without it."""
     shared = prompt_of(40, 7)
-    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=256)
+    runner = TorchTargetRunner(target, max_sessions=2, max_model_len=256)
     first = decode(runner, {"a": shared}, 4)["a"]
     runner.release("a")
     assert runner.free_slots == 2 and len(runner.retained) == 1
@@ -226,16 +221,14 @@ def test_a_released_sessions_prefix_is_reused_and_decodes_the_same(target, hf):
     assert r.num_computed == 6 + 1
     assert runner.stats["prefix_hits"] == 1 and runner.stats["prefix_tokens"] == len(shared) + 3
     got = decode(runner, {"b": follow_up}, 6)["b"]  # "b" continues from what it holds
-    plain = TorchTargetRunner(
-        "unused", model=target, max_sessions=2, max_model_len=256, options=RunnerOptions(prefix_caching=False)
-    )
+    plain = TorchTargetRunner(target, max_sessions=2, max_model_len=256, options=RunnerOptions(prefix_caching=False))
     assert got == decode(plain, {"b": follow_up}, 6)["b"] == hf_greedy(hf, follow_up, 6)
     assert plain.stats["prefix_hits"] == 0 and not plain.retained
 
 
 def test_a_repeated_prompt_prefills_one_token(target, hf):
     prompt = prompt_of(30, 9)
-    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=128)
+    runner = TorchTargetRunner(target, max_sessions=2, max_model_len=128)
     (a,) = runner.verify([VerifyRequest("a", prompt, want_features=False)])
     runner.release("a")
     (b,) = runner.verify([VerifyRequest("b", prompt, want_features=False)])
@@ -245,7 +238,7 @@ def test_a_repeated_prompt_prefills_one_token(target, hf):
 def test_a_shared_prefix_is_copied_from_a_live_session(target, hf):
     system = prompt_of(24, 10)  # e.g. a chat template's system prompt
     prompts = {"a": system + prompt_of(5, 11), "b": system + prompt_of(7, 12)}
-    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=128)
+    runner = TorchTargetRunner(target, max_sessions=2, max_model_len=128)
     (ra,) = runner.verify([VerifyRequest("a", prompts["a"], want_features=False)])
     (rb,) = runner.verify([VerifyRequest("b", prompts["b"], want_features=False)])
     assert rb.num_computed == 7 and runner.stats["prefix_tokens"] == 24
@@ -261,7 +254,7 @@ def test_a_retained_prompt_outlives_prompts_that_share_only_its_system_prompt(ta
     repeat replaces its older copy instead of holding a second slot."""
     system = prompt_of(24, 10)
     a, b = system + prompt_of(9, 11), system + prompt_of(6, 12)
-    runner = TorchTargetRunner("unused", model=target, max_sessions=4, max_model_len=128)
+    runner = TorchTargetRunner(target, max_sessions=4, max_model_len=128)
     first = decode(runner, {"a": a}, 3)["a"]
     runner.release("a")
     (rb,) = runner.verify([VerifyRequest("b", b, want_features=False)])
@@ -276,7 +269,7 @@ def test_a_retained_prompt_outlives_prompts_that_share_only_its_system_prompt(ta
 
 
 def test_retained_slots_give_way_to_new_sessions(target):
-    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=128)
+    runner = TorchTargetRunner(target, max_sessions=2, max_model_len=128)
     for sid in "ab":
         runner.verify([VerifyRequest(sid, prompt_of(12, ord(sid)), want_features=False)])
         runner.release(sid)
@@ -297,9 +290,8 @@ def test_a_reused_prefix_still_sends_every_positions_features(target, stories_dr
     feats = {}
     for caching in (True, False):
         runner = TorchTargetRunner(
-            "unused",
+            target,
             torch.float32,
-            model=target,
             max_sessions=2,
             max_model_len=128,
             features=head,
@@ -327,9 +319,7 @@ def test_a_latest_only_feature_head_computes_only_each_spans_last_feature(target
     runs = {}
     for latest in (True, False):
         head.latest_only = latest
-        runner = TorchTargetRunner(
-            "unused", torch.float32, model=target, max_sessions=2, max_model_len=128, features=head
-        )
+        runner = TorchTargetRunner(target, torch.float32, max_sessions=2, max_model_len=128, features=head)
         assert runner.latest_feature_only is latest
         prompt = prompt_of(20, 7)
         (r0,) = runner.verify([VerifyRequest("s", prompt, want_features=True, features_from=0)])
@@ -349,7 +339,7 @@ def test_a_drafted_session_goes_on_decoding_after_its_drafts(target, hf):
     all), never past max_tokens; the same as plain greedy."""
     prompt = prompt_of(20, 14)
     want = hf_greedy(hf, prompt, 12)
-    runner = TorchTargetRunner("unused", model=target, max_sessions=2, max_model_len=128)
+    runner = TorchTargetRunner(target, max_sessions=2, max_model_len=128)
     miss = lambda t: (t + 1) % 512  # noqa: E731 - any other token
     # two accepted then a miss; a miss at once; a draft rejected here that the next step would match
     # (the steps after the drafts must not compare against them again)

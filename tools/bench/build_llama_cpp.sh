@@ -2,7 +2,7 @@
 # Builds llama.cpp's `llama-server` (the peer of the serving benchmark, docs/benchmarks.md#serving)
 # from the llama.cpp source vendored in the llama-cpp-python sdist on PyPI: no network beyond the
 # package registry. Cached outside the repository; prints the binary's path.
-#   bash tools/bench/build_llama_cpp.sh                  # ~7 min on 2 cores, then instant
+#   bash tools/bench/build_llama_cpp.sh                  # minutes the first time, then instant
 #   LLAMA_CPU=avx2 bash tools/bench/build_llama_cpp.sh   # AVX2 + FMA + F16C only (no AVX-512): the
 #       build an AVX2-only CPU runs, to compare against on a machine that has more
 #   LLAMA_TARGET=llama-bench bash tools/bench/build_llama_cpp.sh   # its step benchmark instead

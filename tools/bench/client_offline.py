@@ -1,15 +1,15 @@
 """Time from a link cut to the client's first offline token, client-server mode over ``moa netem``.
 
 The reported scenario in one process: the server's client-server stack (the Router's, without
-Ray: ``cs.local_server``) on 127.0.0.1, a ``netem`` proxy in front of it, and the device running
-``moa client generate``'s defaults (the hybrid+outputs drafter, ``--offline degrade``, branching
-auto, its transport's default deadline). The link is cut ``--cut-after`` seconds after the
-handshake (the first connection, as ``moa netem --cut-after`` counts) and restored
+Ray: ``moa_serve.commands.cs_local_stack``) on 127.0.0.1, a ``netem`` proxy in front of it, and the
+device running ``moa client generate``'s defaults (the hybrid+outputs drafter, ``--offline
+degrade``, branching auto, its transport's default deadline). The link is cut ``--cut-after``
+seconds after the handshake (the first connection, as ``moa netem --cut-after`` counts) and restored
 ``--restore-after`` seconds after the cut (0: never). Prints one JSON line: the time from the cut
 to the first offline token, whether the generation completed, how the tail was verified and
 corrected, and whether the output equals plain target decoding.
 
-    MOA_MODEL_DIR=/work/shared/models python3 tools/bench/client_offline.py --cut-mode blackhole
+    MOA_MODEL_DIR=DIR python3 tools/bench/client_offline.py --cut-mode blackhole   # DIR: the models folder
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from moa_serve.app.http import create_app
 from moa_serve.cli_args import DEFAULT_DRAFTER, DEFAULT_TARGET, prompt_tokens
 from moa_serve.client import DeviceDrafter, RemoteGenerator, Transport
 from moa_serve.client.generate import AUTO
+from moa_serve.commands.cs_bench import server_stack
+from moa_serve.commands.cs_local_stack import UvicornThread
+from moa_serve.commands.netem import netem_proxy
 from moa_serve.drafter.spec import DrafterSpec
 from moa_serve.engine.local import SpeculativeEngine
 from moa_serve.kernels.packed import pack_target
@@ -36,9 +39,6 @@ from moa_serve.model_files import (
 )
 from moa_serve.sampling import GREEDY
 from moa_serve.target_model import TargetModel
-from moa_serve.tools.cs_bench import server_stack
-from moa_serve.tools.cs_local_stack import UvicornThread
-from moa_serve.tools.netem import netem_proxy
 from moa_serve.verifier.torch_runner import TorchTargetRunner
 
 PORTS = (8400, 8500)
@@ -75,7 +75,7 @@ class Server:
         self.tok = load_tokenizer(path)
         stops = stop_token_ids(path, self.tok)
         self.plain = SpeculativeEngine(
-            TorchTargetRunner(str(path), dt, "cpu", 1, args.max_model_len, None, model=self.tm),
+            TorchTargetRunner(self.tm, dt, "cpu", 1, args.max_model_len, None),
             None,
             self.tok,
             stops,

@@ -10,10 +10,10 @@ drafts + [guess]. Prints the hit rate (docs/client-server.md).
 import json
 import sys
 
+from moa_serve.commands.bench import DEFAULT_QUESTIONS, load_questions
 from moa_serve.drafter.training.data import prompt_ids
 from moa_serve.engine.local import SpeculativeEngine
 from moa_serve.protocol import DraftRequest
-from moa_serve.tools.bench import DEFAULT_QUESTIONS, load_questions
 
 target = "HuggingFaceTB/SmolLM2-135M-Instruct"
 drafter, K = sys.argv[1], int(sys.argv[2])

@@ -7,7 +7,7 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
-MODELS_SRC="${MOA_MODEL_DIR:-/work/shared/models}"
+MODELS_SRC="${MOA_MODEL_DIR:-$ROOT/../shared/models}"   # the folder that holds stories260k
 
 mkdir -p "$HERE/models" "$HERE/wheels"
 rm -rf "$HERE/models/stories260k"

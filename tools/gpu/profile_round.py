@@ -28,18 +28,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_gpu as bench  # noqa: E402  (makes the project importable from the checkout)
+import bench_gpu  # noqa: E402, F401  (makes the project importable from the checkout)
 import torch  # noqa: E402
+
+from moa_serve.drafter.config import DrafterConfig  # noqa: E402
+from moa_serve.drafter.feature_sources import MoAFeatures  # noqa: E402
+from moa_serve.drafter.moa_model import TargetParts  # noqa: E402
+from moa_serve.drafter.proposer import MoAProposer  # noqa: E402
+from moa_serve.engine.local import SpeculativeEngine  # noqa: E402
+from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner  # noqa: E402
+from tools.gpu.harness import LLAMA3_8B, TOY_LLAMA, random_moa, random_target, sync  # noqa: E402
+from tools.gpu.production import prefill  # noqa: E402
 
 
 def kernel_table(fn, device: torch.device, rows: int = 18) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
-    bench.sync(device)
+    sync(device)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         fn()
-        bench.sync(device)
+        sync(device)
     return prof.key_averages().table(
         sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows, max_name_column_width=60
     )
@@ -64,29 +73,28 @@ def main(argv=None) -> int:
         (a.out / "profile_round.txt").write_text(report.getvalue())
 
     if a.toy:
-        d, dtype, shape, ctx = torch.device("cpu"), torch.float32, bench.TOY_LLAMA, 64
+        d, dtype, shape, ctx = torch.device("cpu"), torch.float32, TOY_LLAMA, 64
     else:
-        d, dtype, shape, ctx = torch.device("cuda"), torch.bfloat16, bench.LLAMA3_8B, 512
-    target = bench.random_target(shape, dtype, d)
-    moa = bench.random_moa(target, dtype, d)
+        d, dtype, shape, ctx = torch.device("cuda"), torch.bfloat16, LLAMA3_8B, 512
+    target = random_target(shape, dtype, d)
+    moa = random_moa(target, dtype, d)
     bmax = max(int(b) for b in a.batch_sizes.split(","))
     room = ctx + 64 * (a.rounds + 60)
-    runner = bench.TorchTargetRunner(
-        "",
+    runner = TorchTargetRunner(
+        target,
         dtype,
         str(d),
         max_sessions=bmax,
         max_model_len=room,
-        features=bench.MoAFeatures(moa.feature_head),
-        model=target,
-        options=bench.RunnerOptions(max_num_batched_tokens=8192, prefix_caching=False, static_forward="on"),
+        features=MoAFeatures(moa.feature_head),
+        options=RunnerOptions(max_num_batched_tokens=8192, prefix_caching=False, static_forward="on"),
     )
     g = random.Random(0)
     prompts = [[g.randrange(shape["vocab_size"]) for _ in range(ctx)] for _ in range(bmax)]
 
     # the forward's kernels: one verify call at 1 x 1 and 8 x 5 tokens
     ids = [f"p{i}" for i in range(bmax)]
-    bench._prefill(runner, {}, ids, prompts, d)
+    prefill(runner, {}, ids, prompts, d)
     for b, t in ((1, 1), (min(8, bmax), 5)):
         slots = [runner.sessions[i].slot for i in ids[:b]]
         args = (
@@ -102,14 +110,14 @@ def main(argv=None) -> int:
     for i in ids:
         runner.release(i)
 
-    proposer = bench.MoAProposer(
-        bench.DrafterConfig(target=target.arch),
+    proposer = MoAProposer(
+        DrafterConfig(target=target.arch),
         moa.draft_head,
-        bench.TargetParts(target, 0),
+        TargetParts(target, 0),
         max_sessions=bmax,
         max_model_len=room,
     )
-    engine = bench.SpeculativeEngine(runner, proposer, None, frozenset(), max_batch=bmax)
+    engine = SpeculativeEngine(runner, proposer, None, frozenset(), max_batch=bmax)
     for b in (int(x) for x in a.batch_sizes.split(",")):
         sessions = [
             engine.new_session(prompts[i][: ctx // 2], 10**6, num_speculative_tokens=4, ignore_eos=True)
@@ -121,12 +129,12 @@ def main(argv=None) -> int:
                 break
         for _ in range(4):  # compiles and captures of this batch's shapes happen here, not below
             engine.run_round(sessions)
-        bench.sync(d)
+        sync(d)
         d0, v0 = engine.timings["draft_s"], engine.timings["verify_s"]
         t = time.perf_counter()
         for _ in range(a.rounds):
             engine.run_round(sessions)
-        bench.sync(d)
+        sync(d)
         wall = (time.perf_counter() - t) / a.rounds * 1e3
         say(
             f"\n== engine round, {b} session(s), K = 4: {wall:.2f} ms per round; drafter "
@@ -137,7 +145,7 @@ def main(argv=None) -> int:
         prof.enable()
         for _ in range(a.rounds):
             engine.run_round(sessions)
-        bench.sync(d)
+        sync(d)
         prof.disable()
         for key in ("tottime", "cumulative"):
             buf = io.StringIO()

@@ -28,7 +28,7 @@ from moa_serve.verifier.vllm import model as vllm_model
 from moa_serve.verifier.vllm.backend import bind_worker, register_binding
 from moa_serve.verifier.vllm.feature_cache import PrefixFeatures
 from moa_serve.verifier.vllm.fixes import fix_cpu_expand_kernel
-from moa_serve.verifier.vllm.step_drafting import DraftSource, ProposerSource, StepDrafting
+from moa_serve.verifier.vllm.step_drafting import DraftSource, ProposerSource, StepDrafting, StepFeatures
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +180,9 @@ class VllmEngine:
             self.drafting = StepDrafting(
                 draft_source,
                 num_speculative_tokens,
-                needs_features=head is not None,
+                features=StepFeatures(needed=head is not None, prefix_cache=store),
                 retry_after_s=o.retry_after_s,
                 governor=SpeculationGovernor() if o.speculation_governor else None,
-                prefix_features=store,
             )
             self.llm.collective_rpc(bind_worker, args=(register_binding(self.drafting, head),))
         self._ids = itertools.count()

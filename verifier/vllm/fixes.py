@@ -7,9 +7,9 @@ hands the C++ op ``output.to(torch.int64)``, a *copy* whenever the output is not
 never copies back: the float32 temperatures of every draft position stay uninitialised memory.
 The rejection sampler then divides the target's logits by garbage, so with temperature > 0 every
 speculative method on CPU (vLLM's own n-gram included) accepts drafts with the wrong
-probability: on a 16-token test model the second sampled token followed the drafts 89% of the
-time where the target gives them 0.7% (measured; ``tests/verifier/vllm/test_vllm_backend.py`` checks the
-distribution against the exact one).
+probability: on a 16-token test model the second sampled token followed the drafts nearly always
+where the target gives them almost no probability (``tests/verifier/vllm/test_vllm_backend.py`` checks
+the distribution against the exact one).
 
 ``fix_cpu_expand_kernel()`` points vLLM's override of that kernel (the ``KernelOverride`` that
 every holder of the kernel already references) at a plain-PyTorch implementation. (Registering

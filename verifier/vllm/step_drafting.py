@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -180,44 +180,60 @@ class StepStats:
         return d
 
 
+@dataclass
+class StepFeatures:
+    """How a drafter's features reach ``StepDrafting``.
+
+    ``needed``: the drafter reads features (False: prompt lookup, an independent drafter).
+    ``fn``: lazy features: rows carry the feature head's inputs, and ``fn`` (batched over the
+    sessions of a draft call; None: the inputs are the features) turns them into features only for
+    sessions that draft. A session holding more than ``max_pending_positions`` inputs has them
+    computed while speculation is in force, and otherwise drops them (bounded memory) and decodes
+    without drafts to its end (``_bound_pending``).
+    ``latest_only``: the drafter reads only the freshest verified feature (MoA with
+    cross_attention_latest_only): only that position's input is kept, its feature computed when the
+    request drafts and sent alone (the drafter takes features past a gap).
+    ``prefix_cache``: the features of prefixes the verifier's prefix cache will skip (None: it has
+    none)."""
+
+    needed: bool = True
+    fn: Callable | None = None
+    latest_only: bool = False
+    max_pending_positions: int = 64
+    prefix_cache: PrefixFeatures | None = None
+
+
 class StepDrafting:
     def __init__(
         self,
         source: DraftSource,
         num_drafts: int,
-        needs_features: bool = True,
+        features: StepFeatures | None = None,
+        *,
+        governor=None,
         retry_after_s: float = 5.0,
         clock=time.monotonic,
-        governor=None,
-        feature_fn=None,
-        max_pending_positions: int = 64,
-        prefix_features: PrefixFeatures | None = None,
-        latest_feature_only: bool = False,
     ):
+        """``governor``: the speculation governor (None: every step drafts); ``retry_after_s``:
+        how long a failing draft source is left alone; ``clock``: seconds (tests pass their own)."""
         if num_drafts < 1:
             raise ValueError("num_drafts must be >= 1")
+        f = features or StepFeatures()
         self.source = source
         self.num_drafts = num_drafts
-        self.needs_features = needs_features
+        self.needs_features = f.needed
         self.retry_after_s = retry_after_s
         self.clock = clock
         self.tracks: dict[str, _Track] = {}
         self.stats = StepStats()
         self._down_until = float("-inf")
         self.governor = governor
-        # lazy features: rows carry the feature head's inputs; ``feature_fn`` (batched over the
-        # sessions of a draft call; None: the inputs are the features) turns them into features
-        # only for sessions that draft. A session holding more than ``max_pending_positions``
-        # inputs has them computed while speculation is in force, and otherwise drops them
-        # (bounded memory) and decodes without drafts to its end (``_bound_pending``)
-        self.feature_fn = feature_fn
-        self.max_pending_positions = max_pending_positions
-        # the drafter reads only the freshest verified feature (MoA with cross_attention_latest_only):
-        # only that position's input is kept, its feature computed when the request drafts and sent
-        # alone (the drafter takes features past a gap)
-        self.latest_feature_only = latest_feature_only
-        # the features of prefixes the verifier's prefix cache will skip (None: it has none)
-        self.prefix_features = prefix_features
+        # the worker binding (backend.bind_worker) sets feature_fn and latest_feature_only once the
+        # drafter's feature head is on the worker
+        self.feature_fn = f.fn
+        self.max_pending_positions = f.max_pending_positions
+        self.latest_feature_only = f.latest_only
+        self.prefix_features = f.prefix_cache
         # (time, batch, drafted, backlog seconds, draft seconds) of the previous step
         self._last: tuple[float, int, bool, float, float] | None = None
         self._backlog_s = 0.0  # this step's seconds computing features of positions verified before it

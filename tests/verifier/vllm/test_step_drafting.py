@@ -7,7 +7,7 @@ import torch
 from moa_serve.engine.governor import SpeculationGovernor
 from moa_serve.protocol import DraftResult
 from moa_serve.verifier.vllm.feature_cache import PrefixFeatures
-from moa_serve.verifier.vllm.step_drafting import FeatureBuffer, StepDrafting, StepRow
+from moa_serve.verifier.vllm.step_drafting import FeatureBuffer, StepDrafting, StepFeatures, StepRow
 
 
 class Source:
@@ -152,7 +152,7 @@ def test_prefix_cached_positions_get_their_features_from_the_store():
     "c" shares only one block with what was stored and starts at 8: no drafts for it."""
     src = Source()
     store = PrefixFeatures(block_size=4)
-    d = StepDrafting(src, num_drafts=1, feature_fn=lambda x: x * 10, prefix_features=store)
+    d = StepDrafting(src, num_drafts=1, features=StepFeatures(fn=lambda x: x * 10, prefix_cache=store))
     a = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
     d.step([StepRow("a", a + [1], 0, feature_input=feats(0, 10))])
     assert len(store) == 2  # blocks [0, 4) and [4, 8); positions 8, 9 are not a full block
@@ -180,7 +180,7 @@ def test_prefix_store_is_lru_bounded_and_chained():
 
 def test_sources_without_features_get_tokens_only():
     src = Source()
-    d = StepDrafting(src, num_drafts=2, needs_features=False)
+    d = StepDrafting(src, num_drafts=2, features=StepFeatures(needed=False))
     d.step([StepRow("a", [1, 2, 3])])
     (r,) = src.calls[-1]
     assert r.features is None and r.tokens == [1, 2, 3]
@@ -232,7 +232,7 @@ def test_lazy_features_run_the_head_only_for_sessions_that_draft():
         return x * 10
 
     gov = Switch(on=False)
-    d = StepDrafting(src, num_drafts=2, feature_fn=head, governor=gov)
+    d = StepDrafting(src, num_drafts=2, features=StepFeatures(fn=head), governor=gov)
     d.step([StepRow("a", [1, 2, 3, 4], 0, feature_input=feats(0, 3))])
     d.step([StepRow("a", [1, 2, 3, 4, 5], 3, feature_input=feats(3, 4))])
     assert calls == [] and src.calls == []
@@ -254,7 +254,7 @@ def test_a_latest_only_drafter_gets_the_head_run_on_each_requests_last_position_
         calls.append(x.shape[0])
         return x * 10
 
-    d = StepDrafting(src, num_drafts=2, feature_fn=head, latest_feature_only=True)
+    d = StepDrafting(src, num_drafts=2, features=StepFeatures(fn=head, latest_only=True))
     d.step(
         [
             StepRow("a", [1, 2, 3, 4, 5], 0, feature_input=feats(0, 4)),
@@ -289,7 +289,7 @@ def test_a_latest_only_drafter_resumes_after_any_pause_without_a_backlog():
 
     gov = Switch(on=False)
     d = StepDrafting(
-        src, num_drafts=1, feature_fn=head, latest_feature_only=True, governor=gov, max_pending_positions=4
+        src, num_drafts=1, features=StepFeatures(fn=head, latest_only=True, max_pending_positions=4), governor=gov
     )
     toks = list(range(1, 80))
     d.step([StepRow("a", toks, 0, feature_input=feats(0, 78))])  # a prefill far past the cap
@@ -318,10 +318,10 @@ def test_a_latest_only_drafter_skips_capture_while_the_governor_keeps_drafting_o
     governor will not draft next; if the governor then drafts anyway, a request whose newest
     position was not captured waits a step instead of drafting from a stale feature."""
     src, gov = Source(), Switch(on=False)
-    d = StepDrafting(src, num_drafts=1, feature_fn=lambda x: x, latest_feature_only=True, governor=gov)
+    d = StepDrafting(src, num_drafts=1, features=StepFeatures(fn=lambda x: x, latest_only=True), governor=gov)
     assert not d.wants_features(4)
-    assert StepDrafting(src, num_drafts=1, feature_fn=lambda x: x, governor=gov).wants_features(4)
-    assert StepDrafting(src, num_drafts=1, feature_fn=lambda x: x, latest_feature_only=True).wants_features(4)
+    assert StepDrafting(src, num_drafts=1, features=StepFeatures(fn=lambda x: x), governor=gov).wants_features(4)
+    assert StepDrafting(src, num_drafts=1, features=StepFeatures(fn=lambda x: x, latest_only=True)).wants_features(4)
     toks = [1, 2, 3, 4, 5]
     d.step([StepRow("a", toks, 0, feature_input=feats(0, 4))])
     gov.on = True
@@ -338,7 +338,9 @@ def test_a_latest_only_drafter_skips_capture_while_the_governor_keeps_drafting_o
 def test_lazy_features_are_dropped_past_the_cap():
     src = Source()
 
-    d = StepDrafting(src, num_drafts=1, feature_fn=lambda x: x, governor=Switch(on=False), max_pending_positions=4)
+    d = StepDrafting(
+        src, num_drafts=1, features=StepFeatures(fn=lambda x: x, max_pending_positions=4), governor=Switch(on=False)
+    )
     toks = [1, 2]
     for pos in range(0, 6):
         toks.append(9)
@@ -354,7 +356,9 @@ def test_a_long_prefill_keeps_its_features_while_speculation_is_in_force():
     src = Source()
     heads = []
     d = StepDrafting(
-        src, num_drafts=2, feature_fn=lambda x: heads.append(x.shape[0]) or x * 10, max_pending_positions=4
+        src,
+        num_drafts=2,
+        features=StepFeatures(fn=lambda x: heads.append(x.shape[0]) or x * 10, max_pending_positions=4),
     )
     prompt = list(range(1, 11))  # 10 positions > cap 4
     assert d.step([StepRow("a", prompt + [7], 0, feature_input=feats(0, 10))]) == [[111, 111]]
@@ -396,7 +400,7 @@ def test_the_governor_is_not_charged_for_catching_up_on_features():
             self.seen.append((drafted, seconds))
 
     gov = Gov()
-    d = StepDrafting(Source(), num_drafts=1, feature_fn=head, governor=gov, clock=lambda: now[0])
+    d = StepDrafting(Source(), num_drafts=1, features=StepFeatures(fn=head), governor=gov, clock=lambda: now[0])
     toks = [1, 2, 3]
     d.step([StepRow("a", list(toks), 0, feature_input=feats(0, 2))])  # prefill: 2 positions, no drafts
     for pos in (2, 3, 4):
@@ -484,7 +488,7 @@ def test_steps_that_carry_a_prompt_are_not_timed_and_drafting_steps_report_their
 
 
 def test_vllm_bench_configs_name_engines_and_their_scheduling():
-    from moa_serve.tools.vllm_bench import BenchConfig, _configs, markdown
+    from moa_serve.commands.vllm_bench import BenchConfig, _configs, markdown
 
     assert _configs("vllm,none, none@sync,ngram,x-moa,x-moa@fixed,none@eager,x-moa@hooks") == [
         BenchConfig("vllm", alone=True),

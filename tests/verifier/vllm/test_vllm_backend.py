@@ -588,7 +588,7 @@ def test_regenerate_with_the_vllm_backend_writes_the_torch_backends_replies(tmp_
     """``moa regenerate --backend vllm``: the same greedy float32 replies as the project's engine."""
     import json
 
-    from moa_serve.tools.regenerate import regenerate
+    from moa_serve.commands.regenerate import regenerate
 
     data = tmp_path / "data"
     data.mkdir()

@@ -1,0 +1,352 @@
+"""Self-distillation data: regenerate the assistant replies of training conversations with the
+target itself (greedy, through the batched engine with continuous batching), so the drafter
+learns the target's own distribution rather than the dataset authors'.
+
+``moa regenerate --target ID --data-dir ../shared/data/train --per-file 200 --out runs/selfdistill``
+writes two directories holding the *same* first-turn conversations, ready for ``data_dir`` of
+``moa train``:
+
+- ``<out>/self/regenerated*.jsonl``: the replies written by the target;
+- ``<out>/original/original*.jsonl``: the dataset's own replies (the control arm of a
+  self-distillation comparison at equal prompts and budget).
+
+``--all-turns`` answers every user turn of a multi-turn conversation, each in the context of the
+target's own earlier replies (turn by turn, batched across conversations); by default only the
+first turn. ``--system-prompt-share F`` renders that share of the conversations (chosen by a hash of
+their first prompt, so the choice is stable across runs) with the system prompt the chat template
+inserts when a request has none — the way a served chat request reaches the target — and keeps it
+in the written conversation; the paper's recipe (and the default) has no system prompt.
+
+It adds to what ``<out>`` already holds: prompts already answered there (by any run) are
+skipped and the new ones go to a new shard, written chunk by chunk, so an interrupted or
+time-boxed run (``--limit``) loses at most one chunk and the next one goes on from there. The
+sample is deterministic (``--per-file``, ``--seed``) and a larger ``--per-file`` holds the smaller
+one, so raising it only adds prompts.
+
+``--backend vllm`` writes the replies with stock vLLM (no drafter; ``pip install -e ".[vllm]"``)
+instead of the project's engine: its offline batching is the faster of the two on a CPU.
+
+``--pack FILE`` stores what ``<out>/self`` holds compactly (gzip): per conversation its source
+(file and row of the corpus), the system prompt if it had one and the target's replies — no text of
+the corpus, which stays where it is. ``--unpack FILE`` rebuilds ``<out>`` from it and the corpus
+(``--data-dir``), checking that each referenced row still holds the prompt it held, so a later
+session trains on hours of regenerated replies without regenerating them, and goes on from there.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from moa_serve.drafter.outputs import pack_replies
+from moa_serve.drafter.training.data import default_system_prompt, load_conversations, prompt_ids, read_rows
+from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.verifier.vllm.engine import VllmEngine, VllmOptions, release_process_state
+
+
+def _prompt_key(message: dict) -> str:
+    return f"{message.get('role')}\x00{message.get('content')}"
+
+
+def _first_user(messages: list[dict]) -> dict:
+    return next(m for m in messages if m["role"] == "user")
+
+
+def answered_prompts(self_dir: Path) -> set[str]:
+    """The first user messages of the conversations already regenerated into ``self_dir``."""
+    return {_prompt_key(_first_user(row["messages"])) for p in sorted(self_dir.glob("*.jsonl")) for row in read_rows(p)}
+
+
+def gets_system_prompt(message: dict, share: float) -> bool:
+    """Whether a conversation whose first user message is ``message`` is rendered with the default
+    system prompt: a hash of the message below ``share`` (stable across runs and sample sizes)."""
+    h = int(hashlib.sha256(("system\x00" + _prompt_key(message)).encode()).hexdigest()[:8], 16)
+    return h < share * 0x100000000
+
+
+def _dataset_turns(conv: list[dict], n: int) -> list[dict]:
+    """``conv``'s messages up to and including its ``n``-th assistant reply."""
+    out, seen = [], 0
+    for m in conv:
+        if seen == n:
+            break
+        out.append(m)
+        seen += m["role"] == "assistant"
+    return out
+
+
+def _new_shard(root: Path) -> tuple[Path, Path]:
+    """Paths of the next (self, original) shard pair under ``root`` (folders created)."""
+    (root / "self").mkdir(parents=True, exist_ok=True)
+    (root / "original").mkdir(parents=True, exist_ok=True)
+    shard = len(list((root / "self").glob("regenerated*.jsonl")))
+    suffix = "" if shard == 0 else f"-{shard:03d}"
+    return root / "self" / f"regenerated{suffix}.jsonl", root / "original" / f"original{suffix}.jsonl"
+
+
+def _digest(message: dict) -> str:
+    return hashlib.sha256(_prompt_key(message).encode()).hexdigest()[:16]
+
+
+def pack(out: str, path: str) -> int:
+    """Writes ``<out>/self``'s conversations as (source, prompt digest, [system,] replies) lines,
+    gzipped; returns how many (conversations without a recorded source are left out). A
+    first-turn conversation without a system prompt keeps the short line format (``reply``)."""
+    n = 0
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for shard in sorted(Path(out, "self").glob("*.jsonl")):
+            for row in read_rows(shard):
+                src, msgs = row.get("source"), row["messages"]
+                if src is None:
+                    continue
+                replies = [m["content"] for m in msgs if m["role"] == "assistant"]
+                system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
+                line = {**src, "prompt_sha": _digest(_first_user(msgs))}
+                if len(replies) == 1 and system is None:
+                    line["reply"] = replies[0]
+                else:
+                    line["replies"] = replies
+                    if system is not None:
+                        line["system"] = system
+                f.write(json.dumps(line) + "\n")
+                n += 1
+    return n
+
+
+def unpack(path: str, data_dir: str, out: str) -> Path:
+    """Rebuilds ``<out>/self`` and ``<out>/original`` from a pack and the corpus it refers to."""
+    root = Path(out)
+    self_path, orig_path = _new_shard(root)
+    sources: dict[str, list[dict]] = {}
+    with gzip.open(path, "rt", encoding="utf-8") as f, self_path.open("w") as f_self, orig_path.open("w") as f_orig:
+        for line_no, line in enumerate(f, 1):
+            e = json.loads(line)
+            if e["file"] not in sources:
+                src = Path(data_dir) / e["file"]
+                if not src.is_file():
+                    raise FileNotFoundError(f"{path} line {line_no}: the corpus file {src} is missing")
+                sources[e["file"]] = read_rows(src)
+            rows = sources[e["file"]]
+            conv = rows[e["row"]]["messages"] if e["row"] < len(rows) else None
+            if conv is None or _digest(_first_user(conv)) != e["prompt_sha"]:
+                raise ValueError(
+                    f"{path} line {line_no}: row {e['row']} of {e['file']} no longer holds the "
+                    "prompt that was answered (the corpus changed)"
+                )
+            replies = pack_replies(e)
+            users = [m for m in conv if m["role"] == "user"][: len(replies)]
+            if len(users) < len(replies):
+                raise ValueError(
+                    f"{path} line {line_no}: {len(replies)} replies for {len(users)} user turns "
+                    f"in row {e['row']} of {e['file']}"
+                )
+            system = [{"role": "system", "content": e["system"]}] if "system" in e else []
+            regenerated = [m for u, r in zip(users, replies) for m in (u, {"role": "assistant", "content": r})]
+            source = {"file": e["file"], "row": e["row"]}
+            f_self.write(json.dumps({"messages": system + regenerated, "source": source}) + "\n")
+            f_orig.write(json.dumps({"messages": system + _dataset_turns(conv, len(replies)), "source": source}) + "\n")
+    return root
+
+
+def _engine(backend: str, target: str, dtype: str, device: str, batch: int):
+    """The batched engine that writes the replies: ours (torch) or stock vLLM, no drafter."""
+    if backend == "vllm":
+        if device != "cpu":
+            raise ValueError("--backend vllm picks its platform itself: leave --device at cpu")
+        return VllmEngine(target, None, VllmOptions(dtype=dtype, max_model_len=2048, max_num_seqs=batch))
+    if backend != "torch":
+        raise ValueError(f"unknown backend {backend!r} (torch or vllm)")
+    return SpeculativeEngine.load(target, None, dtype, device, max_sessions=batch, max_model_len=2048)
+
+
+def answer(engine, convs: list[list[dict]], max_new_tokens: int) -> tuple[list[list[dict]], int]:
+    """The target's replies to each conversation's user turns, in order, each turn in the context of
+    its own earlier replies (a leading system message is kept); turn t of every conversation that
+    has one is one batched ``engine.generate``. Returns the conversations with the target's replies
+    in place of the dataset's, and the number of tokens written."""
+    heads = [[m for m in c[:1] if m["role"] == "system"] for c in convs]
+    users = [[m for m in c if m["role"] == "user"] for c in convs]
+    keep = engine.max_model_len - max_new_tokens - 1
+    tokens = 0
+    for turn in range(max(map(len, users), default=0)):
+        idx = [i for i, u in enumerate(users) if len(u) > turn]
+        prompts = [prompt_ids(engine.tokenizer, heads[i] + [users[i][turn]])[-keep:] for i in idx]
+        for i, res in zip(idx, engine.generate(prompts, max_new_tokens)):
+            heads[i] = heads[i] + [users[i][turn], {"role": "assistant", "content": res.text}]
+            tokens += res.num_tokens
+    return heads, tokens
+
+
+def regenerate(
+    target: str,
+    data_dir: str,
+    out: str,
+    per_file: int,
+    max_new_tokens: int = 256,
+    batch: int = 16,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    seed: int = 0,
+    limit: int = 0,
+    backend: str = "torch",
+    all_turns: bool = False,
+    system_prompt_share: float = 0.0,
+) -> Path:
+    from tqdm import tqdm
+
+    if per_file < 1 or max_new_tokens < 1 or batch < 1 or limit < 0:
+        raise ValueError("per_file, max_new_tokens and batch must be >= 1 and limit >= 0")
+    if not 0.0 <= system_prompt_share <= 1.0:
+        raise ValueError(f"system_prompt_share must be in [0, 1], got {system_prompt_share}")
+    root = Path(out)
+    done = answered_prompts(root / "self")
+    convs = [
+        (c if all_turns else _dataset_turns(c, 1), src)
+        for c, src in load_conversations(data_dir, per_file, seed, with_source=True)
+    ]
+    todo = [(c, src) for c, src in convs if _prompt_key(_first_user(c)) not in done]
+    already = len(convs) - len(todo)
+    if limit:
+        todo = todo[:limit]
+    print(
+        json.dumps(
+            {
+                "event": "regenerate",
+                "sampled": len(convs),
+                "already_answered": already,
+                "to_answer": len(todo),
+                "user_turns": sum(m["role"] == "user" for c, _ in todo for m in c),
+            }
+        ),
+        flush=True,
+    )
+    if not todo:
+        return root
+    engine = _engine(backend, target, dtype, device, batch)
+    try:
+        system = default_system_prompt(engine.tokenizer) if system_prompt_share > 0 else None
+        if system_prompt_share > 0 and system is None:
+            raise ValueError("--system-prompt-share: the target's chat template inserts no default system prompt")
+        self_path, orig_path = _new_shard(root)
+        chunk_size = batch * 4  # continuous batching inside a chunk; the chunk bounds lost work on interrupt
+        tokens, t0 = 0, time.perf_counter()
+        with (
+            self_path.open("w") as f_self,
+            orig_path.open("w") as f_orig,
+            tqdm(total=len(todo), desc="regenerate", unit="conv") as bar,
+        ):
+            for i in range(0, len(todo), chunk_size):
+                part = todo[i : i + chunk_size]
+                chunk = [
+                    (
+                        [{"role": "system", "content": system}]
+                        if system is not None and gets_system_prompt(_first_user(c), system_prompt_share)
+                        else []
+                    )
+                    + c
+                    for c, _ in part
+                ]
+                replies, n = answer(engine, chunk, max_new_tokens)
+                for c, r, (_, src) in zip(chunk, replies, part):
+                    f_self.write(json.dumps({"messages": r, "source": src}) + "\n")
+                    f_orig.write(json.dumps({"messages": c, "source": src}) + "\n")
+                tokens += n
+                f_self.flush()
+                f_orig.flush()
+                bar.update(len(chunk))
+                bar.set_postfix(tokens=tokens, tok_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
+    finally:
+        if backend == "vllm":
+            engine.close()
+    wall = time.perf_counter() - t0
+    print(
+        json.dumps(
+            {
+                "event": "done",
+                "answered": len(todo),
+                "tokens": tokens,
+                "wall_s": round(wall, 1),
+                "tokens_per_s": round(tokens / wall, 1),
+            }
+        ),
+        flush=True,
+    )
+    return root
+
+
+def register(sub) -> None:
+    p = sub.add_parser("regenerate", help="regenerate training replies with the target (self-distillation data)")
+    p.add_argument("--target", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument("--data-dir", default="../shared/data/train")
+    p.add_argument("--per-file", type=int, default=30)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--backend",
+        choices=["torch", "vllm"],
+        default="torch",
+        help="the engine that writes the replies: ours, or stock vLLM (pip install -e '.[vllm]')",
+    )
+    p.add_argument(
+        "--all-turns",
+        action="store_true",
+        help="answer every user turn of multi-turn conversations (default: the first turn only)",
+    )
+    p.add_argument(
+        "--system-prompt-share",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="render this share of the conversations (by prompt hash) with the chat template's "
+        "default system prompt, as served (default 0: none, the paper's recipe)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=0,
+        help="answer at most this many prompts not yet in --out (0: all); a later run goes on",
+    )
+    p.add_argument("--out", required=True)
+    p.add_argument(
+        "--pack",
+        metavar="FILE",
+        help="instead: store --out's regenerated replies compactly (gzip; sources + replies, no corpus text)",
+    )
+    p.add_argument("--unpack", metavar="FILE", help="instead: rebuild --out from a pack and --data-dir")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(a) -> int:
+    if a.pack and a.unpack:
+        raise SystemExit("moa regenerate: --pack and --unpack are exclusive")
+    if a.pack:
+        print(json.dumps({"event": "packed", "conversations": pack(a.out, a.pack), "file": a.pack}))
+    elif a.unpack:
+        print(unpack(a.unpack, a.data_dir, a.out))
+    else:
+        print(
+            regenerate(
+                a.target,
+                a.data_dir,
+                a.out,
+                a.per_file,
+                a.max_new_tokens,
+                a.batch,
+                a.dtype,
+                a.device,
+                a.seed,
+                a.limit,
+                a.backend,
+                a.all_turns,
+                a.system_prompt_share,
+            )
+        )
+        if a.backend == "vllm":
+            release_process_state()
+    return 0

@@ -1,0 +1,326 @@
+"""Running the sides one after the other: per side start the server, warm it up, run the closed-loop
+client (and the streaming TTFT probe) once per user level, stop it; clean up after an interrupt."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from tools.side_by_side.report import fmt, write_reports
+from tools.side_by_side.servers import (
+    Readiness,
+    Running,
+    Server,
+    SideError,
+    http_get,
+    kill_group,
+    log,
+    ray_pids,
+    run_client,
+)
+from tools.side_by_side.sides import VLLM_SERVED_NAME, safe_label
+
+
+def client_command(a, url: str, model: str, users: int) -> list[str]:
+    cmd = [
+        a.client_python,
+        str(a.client),
+        "--base",
+        url,
+        "--model",
+        model,
+        "--questions",
+        str(a.questions),
+        "--users",
+        str(users),
+        "--duration",
+        str(a.duration),
+        "--max-tokens",
+        str(a.max_tokens),
+    ]
+    if a.limit is not None:
+        cmd += ["--limit", str(a.limit)]
+    return cmd
+
+
+def ttft_command(a, url: str, model: str, users: int) -> list[str]:
+    """The streaming probe (``ttft_probe.py`` beside this file) at the same level, for ``--ttft-duration`` s."""
+    cmd = [
+        a.client_python,
+        str(Path(__file__).resolve().parent / "ttft_probe.py"),
+        "--base",
+        url,
+        "--model",
+        model,
+        "--questions",
+        str(a.questions),
+        "--users",
+        str(users),
+        "--duration",
+        str(a.ttft_duration),
+        "--max-tokens",
+        str(a.max_tokens),
+    ]
+    if a.limit is not None:
+        cmd += ["--limit", str(a.limit)]
+    return cmd
+
+
+def _nan_to_none(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nan_to_none(v) for v in x]
+    return x
+
+
+def parse_client_output(text: str) -> list[dict]:
+    """The JSON objects the client printed, one per line (it prints one per user level). Lines
+    that are not JSON are skipped; a line with a prefix before the object is read from its
+    first '{'; NaN/Infinity become null."""
+    found = []
+    for line in text.splitlines():
+        line = line.strip()
+        if "{" not in line:
+            continue
+        start = line.index("{")
+        try:
+            obj, _ = json.JSONDecoder().raw_decode(line[start:])
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            found.append(_nan_to_none(obj))
+    return found
+
+
+def _pick(d: dict, *names):
+    for n in names:
+        if n in d and d[n] is not None:
+            return d[n]
+    return None
+
+
+def normalize(level: dict) -> dict:
+    """The fields the tables show, whatever the client calls them (its raw line is kept too)."""
+    ttft_key = next(
+        (k for k in level if "ttft" in k.lower() and ("p50" in k.lower() or "mean" in k.lower())),
+        next((k for k in level if "ttft" in k.lower()), None),
+    )
+    ttft = level.get(ttft_key) if ttft_key else None
+    if isinstance(ttft, dict):
+        ttft = _pick(ttft, "p50", "median", "mean")
+    return {
+        "users": _pick(level, "users"),
+        "tok_per_s": _pick(level, "tok_per_s", "output_tokens_per_s", "tokens_per_s", "throughput"),
+        "tok_per_s_per_user": _pick(level, "tok_per_s_per_user", "output_tokens_per_s_per_user"),
+        "latency_p50_s": _pick(level, "latency_p50_s", "p50_s", "latency_p50"),
+        "latency_p99_s": _pick(level, "latency_p99_s", "p99_s", "latency_p99"),
+        "ttft": ttft,
+        "ttft_key": ttft_key,
+        "requests": _pick(level, "requests"),
+        "failures": _pick(level, "failures"),
+        "errors": _pick(level, "errors"),
+    }
+
+
+def first_model_id(url: str) -> str | None:
+    try:
+        code, body = http_get(url + "/v1/models", timeout=10)
+        if code == 200:
+            return json.loads(body)["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError, urllib.error.URLError):
+        pass
+    return None
+
+
+def warmup(url: str, model: str) -> str:
+    body = json.dumps(
+        {"model": model, "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "Hello"}]}
+    ).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            r.read()
+            return f"HTTP {r.status} in {time.monotonic() - t0:.1f} s"
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}"
+    except (OSError, urllib.error.URLError) as e:
+        return f"failed: {type(e).__name__}: {e}"
+
+
+def _run_level(a, s: dict, model: str, u: int, out: Path, level_timeout: float) -> dict:
+    """One user level against a started side: the shared client's summary (and the streaming TTFT
+    probe's); ``error`` set when the client failed or printed no JSON."""
+    load = round(os.getloadavg()[0], 2)
+    log(f"{s['label']} users={u} duration={a.duration:g}s max_tokens={a.max_tokens} (load avg {load}) ...")
+    cmd = client_command(a, s["url"], model, u)
+    rc, stdout, stderr = run_client(cmd, level_timeout, out / f"{safe_label(s['label'])}.client.log")
+    parsed = [o for o in parse_client_output(stdout) if "users" in o] or parse_client_output(stdout)
+    level = {
+        "users": u,
+        "loadavg_start": load,
+        "client_exit": rc,
+        "raw": None,
+        "error": None,
+        "summary": normalize({"users": u}),
+    }
+    if parsed:
+        level["raw"] = parsed[-1]
+        level["summary"] = normalize(parsed[-1])
+    if rc != 0 or not parsed:
+        level["error"] = (f"client exit {rc}" if rc != 0 else "no JSON in client output") + (
+            ": " + stderr.strip().splitlines()[-1][:300] if stderr.strip() else ""
+        )
+    if a.ttft_duration > 0:  # the shared client cannot see first tokens: a streaming probe
+        prc, pout, _ = run_client(
+            ttft_command(a, s["url"], model, u), level_timeout, out / f"{safe_label(s['label'])}.ttft.log"
+        )
+        probe = parse_client_output(pout)
+        level["ttft_probe"] = probe[-1] if probe else {"error": f"probe exit {prc}"}
+        level["summary"]["ttft"] = level["ttft_probe"].get("ttft_p50_s")
+    if s["kind"] == "ours":  # what the rounds did during the level (cumulative since the server started)
+        try:
+            code, body = http_get(s["url"] + "/v1/stats", timeout=10.0)
+            level["server_stats"] = json.loads(body) if code == 200 else {"error": f"HTTP {code}"}
+        except (OSError, ValueError) as exc:
+            level["server_stats"] = {"error": f"{type(exc).__name__}: {exc}"}
+    sm = level["summary"]
+    log(
+        f"{s['label']} users={u}: tok/s={fmt(sm['tok_per_s'])} "
+        f"per-user={fmt(sm['tok_per_s_per_user'])} p50={fmt(sm['latency_p50_s'])}s "
+        f"p99={fmt(sm['latency_p99_s'])}s TTFT p50={fmt(sm.get('ttft'), 3)}s requests={fmt(sm['requests'])} "
+        f"failures={fmt(sm['failures'])}" + (f" ERROR {level['error']}" if level["error"] else "")
+    )
+    return level
+
+
+class Progress:
+    """What the cleanup after the sides needs to know: whether ours ran, whether a level failed,
+    and the server still running (None between sides)."""
+
+    def __init__(self):
+        self.ours_started = False
+        self.failed = False
+        self.current: Server | None = None
+
+
+def _run_side(a, s: dict, r: dict, out: Path, level_timeout: float, results: dict, progress: Progress) -> None:
+    """Starts one side, warms it up, runs every user level against it and stops it."""
+    progress.current = Server(
+        s["label"],
+        s["cmd"],
+        s["env"],
+        Path(r["log"]),
+        Readiness(
+            s["url"] + s["ready_path"],
+            "127.0.0.1",
+            s["port"],
+            a.ready_timeout,
+            re.compile(r"DEPLOY_FAILED|Failed to update the deployments|Deploying app .* failed")
+            if s["kind"] == "ours"
+            else None,
+        ),
+    )
+    try:
+        progress.ours_started |= s["kind"] == "ours"
+        r["ready_s"] = round(progress.current.start(), 1)
+        model = s["model"] or first_model_id(s["url"]) or VLLM_SERVED_NAME
+        r["model"] = model
+        if not a.no_warmup:
+            r["warmup"] = warmup(s["url"], model)
+            log(f"{s['label']}: warm-up request: {r['warmup']}")
+        for u in a.users:
+            level = _run_level(a, s, model, u, out, level_timeout)
+            progress.failed |= level["error"] is not None
+            r["levels"].append(level)
+            write_reports(out, results)
+    except SideError as exc:
+        progress.failed = True
+        r["error"] = str(exc)
+        log(str(exc))
+    finally:
+        progress.current.stop()
+        progress.current = None
+
+
+def _clean_up(a, progress: Progress, ray_before: set[int]) -> None:
+    """Stops a server left running and, where ours ran, the Ray daemons this run started."""
+    if progress.current is not None:
+        progress.current.stop()
+    if progress.ours_started:
+        left = ray_pids() - ray_before
+        if a.ray_stop == "always" or (a.ray_stop == "auto" and left and not ray_before):
+            log("ray stop --force")
+            try:
+                subprocess.run(
+                    ["ray", "stop", "--force"],
+                    check=False,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    timeout=120,
+                )
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                log(f"ray stop --force failed: {exc}")
+        elif left:
+            log(f"WARNING: Ray daemons started during this run are still running: {sorted(left)}")
+
+
+class _Interrupted(KeyboardInterrupt):
+    pass
+
+
+def _install_signal_handlers() -> dict:
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def _raise(signum, frame):
+        raise _Interrupted(f"signal {signal.Signals(signum).name}")
+
+    for s in old:
+        signal.signal(s, _raise)
+    return old
+
+
+def run_sides(a, sides: list[dict], results: dict, out: Path, level_timeout: float) -> int:
+    """Every side in turn, the reports rewritten after every level; whatever happens, the servers
+    are stopped (and, where ours ran, the Ray daemons this run started). Returns the exit code:
+    0 when every side ran all its levels, 1 when a side failed, 130 when interrupted."""
+    old_handlers = _install_signal_handlers()
+    ray_before = ray_pids()
+    progress = Progress()
+    write_reports(out, results)
+    try:
+        for s, r in zip(sides, results["sides"]):
+            _run_side(a, s, r, out, level_timeout, results, progress)
+            write_reports(out, results)
+    except KeyboardInterrupt as exc:
+        results["meta"]["interrupted"] = True
+        log(f"interrupted ({exc}); stopping")
+        if Running.client is not None:
+            kill_group(Running.client)
+        return_code = 130
+    else:
+        return_code = 1 if progress.failed else 0
+    finally:
+        # cleanup must not be cut short by a second Ctrl-C
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        try:
+            _clean_up(a, progress, ray_before)
+            results["meta"]["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
+            write_reports(out, results)
+        finally:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+    return return_code

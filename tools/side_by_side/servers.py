@@ -1,0 +1,248 @@
+"""The servers and clients a side-by-side run starts: each in its own session, a server waited for
+until it answers, and stopped with everything it spawned."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+TAG = "[side-by-side]"
+
+
+def log(msg: str) -> None:
+    print(f"{TAG} {msg}", file=sys.stderr, flush=True)
+
+
+class SideError(RuntimeError):
+    """A side could not be measured (server not ready, client failed); other sides go on."""
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def _session_pids(sid: int) -> list[int]:
+    """PIDs of the processes in session ``sid`` (everything a server we started spawned)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid:  # after comm: state ppid pgrp session ...
+                pids.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return pids
+
+
+def ray_pids() -> set[int]:
+    """Ray daemons running on this machine (anyone's)."""
+    out = set()
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().strip() in ("gcs_server", "raylet"):
+                out.add(int(comm.parent.name))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def default_sigint() -> None:  # children get the ordinary Ctrl-C behaviour even if we ignore it
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _tail(path: Path, n: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, b""
+
+
+@dataclass
+class Readiness:
+    """When a server counts as started: ``url`` answers 200 within ``timeout`` seconds; it failed when
+    its log shows ``fail_pattern``; ``host``:``port`` must be free before and is waited free after."""
+
+    url: str
+    host: str
+    port: int
+    timeout: float
+    fail_pattern: re.Pattern | None = None
+
+
+class Server:
+    """A server process in its own session; ``stop()`` ends it and everything it spawned."""
+
+    def __init__(self, label: str, cmd: list[str], env: dict, log_path: Path, ready: Readiness):
+        self.label, self.cmd, self.env, self.log_path, self.ready = label, cmd, env, log_path, ready
+        self.host, self.port = ready.host, ready.port
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    def start(self) -> float:
+        """Start and wait until ``ready.url`` answers 200; return the seconds it took."""
+        if _port_open(self.host, self.port):
+            raise SideError(
+                f"{self.host}:{self.port} is already in use (someone else's server?); stop it or choose another port"
+            )
+        log(f"{self.label}: starting: {shlex.join(self.cmd)} (log: {self.log_path})")
+        self._log = open(self.log_path, "ab")
+        self._log.write(f"# {TAG} {_dt.datetime.now().isoformat(timespec='seconds')} {shlex.join(self.cmd)}\n".encode())
+        self._log.flush()
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=default_sigint,
+        )
+        t0 = time.monotonic()
+        last = 0.0
+        while True:
+            elapsed = time.monotonic() - t0
+            if self.proc.poll() is not None:
+                raise SideError(
+                    f"{self.label}: server exited with code {self.proc.returncode} before "
+                    f"it was ready; see {self.log_path}:\n{_tail(self.log_path)}"
+                )
+            if self.ready.fail_pattern is not None:
+                failed = self._log_match()
+                if failed:
+                    raise SideError(
+                        f"{self.label}: the application failed to deploy ({failed[:200]}); "
+                        f"see {self.log_path}:\n{_tail(self.log_path, 40)}"
+                    )
+            try:
+                code, _ = http_get(self.ready.url, timeout=5)
+                state = f"HTTP {code}"
+                if code == 200:
+                    log(f"{self.label}: ready after {elapsed:.0f} s")
+                    return elapsed
+            except (OSError, urllib.error.URLError) as exc:
+                state = type(exc).__name__
+            if elapsed > self.ready.timeout:
+                raise SideError(
+                    f"{self.label}: not ready after {self.ready.timeout:.0f} s ({state}); "
+                    f"see {self.log_path}:\n{_tail(self.log_path)}"
+                )
+            if elapsed - last >= 15:
+                log(f"{self.label}: waiting for {self.ready.url} ... {elapsed:.0f} s ({state})")
+                last = elapsed
+            time.sleep(1.0)
+
+    def _log_match(self) -> str | None:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                for line in f:
+                    if self.ready.fail_pattern.search(line):
+                        return line.strip()
+        except OSError:
+            pass
+        return None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        sid = self.proc.pid
+        log(f"{self.label}: stopping (process group {sid})")
+        for sig, wait in ((signal.SIGINT, 30.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(sid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                log(f"{self.label}: still running after {signal.Signals(sig).name} + {wait:.0f} s")
+        # whatever it spawned and left behind in its session (engine cores, raylets, workers)
+        deadline = time.monotonic() + 10
+        while (left := [p for p in _session_pids(sid) if p != os.getpid()]) and time.monotonic() < deadline:
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL if time.monotonic() > deadline - 5 else signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)
+        left = _session_pids(sid)
+        if left:
+            log(f"{self.label}: processes still left in its session: {left}")
+        t_end = time.monotonic() + 15
+        while _port_open(self.host, self.port) and time.monotonic() < t_end:
+            time.sleep(0.5)
+        if _port_open(self.host, self.port):
+            log(f"{self.label}: WARNING: something still listens on {self.host}:{self.port}")
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        self.proc = None
+
+
+class Running:
+    client: subprocess.Popen | None = None
+
+
+def run_client(cmd: list[str], timeout: float, log_path: Path) -> tuple[int, str, str]:
+    """Run the client in its own process group, bounded by ``timeout``; killed on interrupt."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        preexec_fn=default_sigint,
+    )
+    Running.client = proc
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        err += f"\n{TAG} client killed after {timeout:.0f} s"
+        rc = -9
+    except BaseException:
+        kill_group(proc)
+        raise
+    else:
+        rc = proc.returncode
+    finally:
+        Running.client = None
+    with open(log_path, "a") as f:
+        f.write(f"$ {shlex.join(cmd)}\n{out}{err}(exit {rc})\n")
+    return rc, out, err
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGINT, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
