@@ -28,7 +28,10 @@ def test_every_shipped_config_is_started_by_a_test():
     assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(
         STARTED_HERE + STARTED_BY_THE_LOAD_TEST + NEEDS_GPUS
     )
-    assert all(name in (REPO / "tests" / "test_loadtest_cluster.py").read_text() for name in STARTED_BY_THE_LOAD_TEST)
+    assert all(
+        name in (REPO / "tests" / "integration" / "test_loadtest_cluster.py").read_text()
+        for name in STARTED_BY_THE_LOAD_TEST
+    )
 
 
 @pytest.mark.parametrize("name", STARTED_HERE)
