@@ -30,49 +30,23 @@ from tools.side_by_side.servers import (
 from tools.side_by_side.sides import VLLM_SERVED_NAME, safe_label
 
 
-def client_command(a, url: str, model: str, users: int) -> list[str]:
-    cmd = [
-        a.client_python,
-        str(a.client),
-        "--base",
-        url,
-        "--model",
-        model,
-        "--questions",
-        str(a.questions),
-        "--users",
-        str(users),
-        "--duration",
-        str(a.duration),
-        "--max-tokens",
-        str(a.max_tokens),
-    ]
+def _load_command(a, script: str, url: str, model: str, users: int, duration: float) -> list[str]:
+    cmd = [a.client_python, script, "--base", url, "--model", model, "--questions", str(a.questions)]
+    cmd += ["--users", str(users), "--duration", str(duration), "--max-tokens", str(a.max_tokens)]
     if a.limit is not None:
         cmd += ["--limit", str(a.limit)]
     return cmd
+
+
+def client_command(a, url: str, model: str, users: int) -> list[str]:
+    """The closed-loop client at one level, for ``--duration`` s."""
+    return _load_command(a, str(a.client), url, model, users, a.duration)
 
 
 def ttft_command(a, url: str, model: str, users: int) -> list[str]:
     """The streaming probe (``ttft_probe.py`` beside this file) at the same level, for ``--ttft-duration`` s."""
-    cmd = [
-        a.client_python,
-        str(Path(__file__).resolve().parent / "ttft_probe.py"),
-        "--base",
-        url,
-        "--model",
-        model,
-        "--questions",
-        str(a.questions),
-        "--users",
-        str(users),
-        "--duration",
-        str(a.ttft_duration),
-        "--max-tokens",
-        str(a.max_tokens),
-    ]
-    if a.limit is not None:
-        cmd += ["--limit", str(a.limit)]
-    return cmd
+    probe = str(Path(__file__).resolve().parent / "ttft_probe.py")
+    return _load_command(a, probe, url, model, users, a.ttft_duration)
 
 
 def _nan_to_none(x):
