@@ -191,11 +191,8 @@ class Frontend:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.stop_token_ids = stop_token_ids
-        self.num_speculative_tokens = speculation.num_speculative_tokens
-        self.speculative = speculation.enabled
         self.model_name = model_name
-        self.adaptive_speculation = speculation.adaptive
-        self.drafter_needs_features = speculation.needs_features
+        self.speculation = speculation
         self._encode_lock = threading.Lock()  # one tokenizer, used from worker threads
 
     def encode_prompt(self, prompt: str | None, messages: list | None) -> tuple[list[int], str]:
@@ -250,16 +247,17 @@ class Frontend:
                 "(prompt plus at least one new token)",
                 field,
             )
-        k = num_speculative_tokens or self.num_speculative_tokens
+        spec = self.speculation
+        k = num_speculative_tokens or spec.num_speculative_tokens
         session = Session(
             uuid.uuid4().hex,
             ids,
             max_tokens,
             sampling,
-            k if self.speculative else 0,
+            k if spec.enabled else 0,
             frozenset() if ignore_eos else self.stop_token_ids,
             self.max_model_len,
-            adaptive_speculation=self.adaptive_speculation,
-            drafter_needs_features=self.drafter_needs_features,
+            adaptive_speculation=spec.adaptive,
+            drafter_needs_features=spec.needs_features,
         )
         return Generation(self, session, stops)

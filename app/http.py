@@ -208,7 +208,7 @@ def _ops_routes(api: FastAPI, readiness: Readiness) -> None:
             **fe.service.stats.as_dict(),
             "queue_depth": fe.service.queue_depth,
             "active_sessions": fe.service.active_sessions,
-            "speculative": fe.speculative,
+            "speculative": fe.speculation.enabled,
             **extra,
         }
 

@@ -27,10 +27,11 @@ MD_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 # A measured result in a comment or docstring (those belong in docs/benchmarks.md and benchmarks/;
 # the code says what a setting does and links the benchmark): two figures compared with a unit
-# ("21 vs 27 ms", "2.4 s instead of ~50 ms"), a throughput ("84 tok/s", "110 training tokens/s"),
-# a speed-up ("1.3x", "1.61×", "3x faster"), a timing something took ("took 123 ms", "near 75 ms"),
-# a gain or cost in percent ("gained 5-6 %"), a timing on a named machine ("0.6 ms on a 2-core
-# host"). Settings stay free: "timeout 30 s", "every 0.5 s instead of 10 s", "128 x 128 tiles".
+# ("N vs M ms", "N s instead of ~M ms"), a throughput ("N tok/s", "N training tokens/s"), a
+# speed-up ("N.Nx", "N.N×", "Nx faster"), a timing something took ("took N ms", "near N ms"), a
+# gain or cost in percent ("gained N-M %"), a timing on a named machine ("N ms on a 2-core host");
+# test_measured_number_patterns_catch_what_they_are_for lists examples. Settings stay free: "timeout N s",
+# "every N s instead of M s", "N x N tiles".
 _NUM = r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?"
 _TIME = r"(?:ms|µs|us)"
 _VS = r"\s+(?:vs\.?|versus|against|instead of)\s+~?"

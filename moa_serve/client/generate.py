@@ -171,9 +171,7 @@ class RemoteGenerator:
         link = link or LinkPolicy()
         self.device, self.transport = device, transport
         self.k_max, self.adaptive_k = num_speculative_tokens, adaptive_k
-        self.offline, self.feature_codec = link.offline, feature_codec
-        self.reconnect_backoff_s, self.max_backoff_s = link.reconnect_backoff_s, link.max_backoff_s
-        self.final_reconnects, self.offline_chunk = link.final_reconnects, link.offline_chunk
+        self.feature_codec, self.link = feature_codec, link
         # tree drafts (greedy): the drafter's runners-up per depth go with the chain, verified beside
         # it; "auto": AUTO_TREE while the round trip is long (a drafter that cannot branch: chains)
         branches = getattr(device.proposer, "branches", False)
@@ -318,7 +316,7 @@ class GenerationRun:
                 try:
                     yield from self._online_round()
                 except Unreachable as exc:
-                    if self.g.offline == "strict":
+                    if self.g.link.offline == "strict":
                         raise OfflineError(
                             f"the server became unreachable after {self.generated} verified tokens "
                             f"({exc}); --offline degrade would keep writing with the drafter"
@@ -363,13 +361,13 @@ class GenerationRun:
         """Writes with the drafter alone, probing the server with backoff; returns once a verify
         of the tail got through (or, when the output is complete, after the last probes failed)."""
         self.stats["disconnections"] += 1
-        backoff = self.g.reconnect_backoff_s
+        backoff = self.g.link.reconnect_backoff_s
         next_try, failed_at_end = time.monotonic() + backoff, 0
         while True:
             done = self.room <= 0 or bool(self.tail and self.tail[-1] in self.stops)
             if not done:
                 pos = self.generated + len(self.tail)
-                drafts, probs, _ = self._draft(min(self.g.offline_chunk, self.room))
+                drafts, probs, _ = self._draft(min(self.g.link.offline_chunk, self.room))
                 for i, tok in enumerate(drafts):
                     if tok in self.stops:
                         drafts = drafts[: i + 1]
@@ -392,11 +390,11 @@ class GenerationRun:
             try:
                 reply = self._verify(drafts, probs, attempts=1)
             except Unreachable:
-                backoff = min(self.g.max_backoff_s, 2 * backoff)
+                backoff = min(self.g.link.max_backoff_s, 2 * backoff)
                 next_try = time.monotonic() + backoff
                 if done:
                     failed_at_end += 1
-                    if failed_at_end >= self.g.final_reconnects:
+                    if failed_at_end >= self.g.link.final_reconnects:
                         self.finish = "offline"  # the tail stays unverified
                         return
                 continue
