@@ -20,10 +20,10 @@ The mode in force stays until a probe finds the other faster or its own estimate
 other's by more than ``margin``; every ``probe_every`` rounds the other mode is tried for a few
 rounds in a row, so that the estimate follows the load and the drafter: ``probe_rounds`` while τ
 is not yet known, then ``short_probe_rounds`` (a probe then only refreshes the bucket's round
-time). A mode whose probes keep losing clearly is probed less and less often (the interval
-doubles, up to ``max_probe_every``), so a drafter that never pays at a batch size costs almost
-nothing there; a larger batch size seen for the first time starts from that verdict
-(``_new_bucket``).
+time). A mode whose probes keep losing is probed less and less often (the interval doubles, or
+grows fourfold when the loss is by more than ``clear_ratio``, up to ``max_probe_every``), so a
+drafter that never pays at a batch size costs almost nothing there; a larger batch size seen for
+the first time starts from that verdict (``_new_bucket``).
 
 A probe is priced before it runs. Once τ rests on ``4 * probe_rounds`` speculative rounds and
 the draft call's seconds are known (from any bucket), speculation's best case in a bucket is a
@@ -217,9 +217,10 @@ class SpeculationGovernor:
         """A finished round: its wall time, the tokens it committed and, speculating, the seconds
         of its draft call (``draft_s``, which prices later probes). A probe's rounds are
         summed and, once all are in, replace the estimate of their mode; a probe that confirms
-        the other mode is clearly faster doubles the interval to the next probe (up to
-        ``max_probe_every``): a mode that keeps losing is tried less and less often; one that
-        comes close or wins brings the interval back to ``probe_every``."""
+        the other mode is faster by more than ``margin`` doubles the interval to the next probe
+        (by more than ``clear_ratio``: quadruples it; up to ``max_probe_every``): a mode that
+        keeps losing is tried less and less often; one that comes close or wins brings the
+        interval back to ``probe_every``."""
         if tokens <= 0 or seconds <= 0 or sessions <= 0:
             return
         if speculated:
@@ -242,7 +243,11 @@ class SpeculationGovernor:
                 if b.current is not None and new < other:
                     b.current = speculated  # the probe found its mode faster: it takes over
                 interval = b.interval or self.probe_every
-                b.interval = min(2 * interval, self.max_probe_every) if new > self.margin * other else self.probe_every
+                if new > self.margin * other:  # lost: back off, faster from a clear verdict
+                    grow = 4 if new > self.clear_ratio * other else 2
+                    b.interval = min(grow * interval, self.max_probe_every)
+                else:
+                    b.interval = self.probe_every
             return
         old_s, old_count = (b.on_s, b.on_sessions) if speculated else (b.off_s, b.off_tokens)
         if old_s is None:

@@ -59,6 +59,8 @@ class PoolCalls:
         groups = context.groups
         self.pending_release: dict[Hashable, dict[str, int]] = {g: {} for g in groups}  # id -> attempts
         self._release_backoff: dict[Hashable, tuple[int, float]] = {}  # group -> (failures in a row, retry at)
+        self._releasing: dict[Hashable, asyncio.Task] = {}  # group -> its release call in flight
+        self._release_first: dict[Hashable, set[str]] = {g: set() for g in groups}  # live sessions resent whole
 
     # ------------------------------------------------------------------ draft
     async def draft(
@@ -161,16 +163,47 @@ class PoolCalls:
             log.debug("cutting multi-step decoding short failed: %r", task.exception())
 
     # ------------------------------------------------------------------ release
-    def release_later(self, g: Hashable, session_id: str) -> None:
+    def release_later(self, g: Hashable, session_id: str, before_next_round: bool = False) -> None:
+        """Queues a session's release; ``before_next_round``: a live session that will be resent
+        whole, whose release must reach the pools before its next verify call."""
         self.pending_release[g].setdefault(session_id, 0)
+        if before_next_round:
+            self._release_first[g].add(session_id)
+
+    async def before_round(self, g: Hashable) -> None:
+        """Releases the group's live sessions to be resent whole (awaited: a release arriving after
+        the resend would drop it again) and starts the other pending releases in the background."""
+        first = self._release_first[g]
+        if first:
+            first.clear()
+            running = self._releasing.get(g)
+            if running is not None:
+                await asyncio.wait([running])
+            await self.flush_releases(g)
+        self.start_releases(g)
 
     @property
     def pending_releases(self) -> int:
         return sum(len(p) for p in self.pending_release.values())
 
+    def start_releases(self, g: Hashable) -> None:
+        """Sends the group's pending releases without waiting for them (one call in flight per
+        group; what finishes meanwhile goes with the next one)."""
+        if g in self._releasing or not self.pending_release[g]:
+            return
+        if time.monotonic() < self._release_backoff.get(g, (0, 0.0))[1]:
+            return  # a failing pool is not hammered every round
+        task = asyncio.ensure_future(self.flush_releases(g))
+        self._releasing[g] = task
+        task.add_done_callback(lambda _: self._releasing.pop(g, None))
+
+    async def settle_releases(self) -> None:
+        """Waits for the release calls in flight (a stopping service)."""
+        await asyncio.gather(*list(self._releasing.values()), return_exceptions=True)
+
     async def flush_releases(self, g: Hashable) -> None:
-        """Frees the caches of finished sessions. A failed release is kept and retried before the
-        group's later rounds, a bounded number of times (the pools also evict idle sessions)."""
+        """Frees the caches of finished sessions. A failed release is kept and retried later, a
+        bounded number of times (the pools also evict idle sessions)."""
         pending = self.pending_release[g]
         fails, retry_at = self._release_backoff.get(g, (0, 0.0))
         if not pending or time.monotonic() < retry_at:  # a failing pool is not hammered every round

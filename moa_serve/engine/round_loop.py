@@ -58,19 +58,19 @@ class RoundLoop:
         self._multi_step_in_flight: set[Hashable] = set()
 
     # ------------------------------------------------------------------ one round
-    async def run(self, g: Hashable, batch: list[Tracked], active: list[Tracked], release_s: float = 0.0) -> None:
+    async def run(self, g: Hashable, batch: list[Tracked], active: list[Tracked]) -> None:
         """One round of group ``g`` over ``batch`` (its sessions ready for a round; ``active``: all
         of the group's sessions)."""
         ahead = self.lookahead.take(g)
         if ahead is not None:
-            await self._ahead_round(g, batch, active, ahead, release_s)
+            await self._ahead_round(g, batch, active, ahead)
             return
         t0 = time.perf_counter()
         by_id = {t.session.id: t.session for t in batch}
         sessions = list(by_id.values())
         lookup_cap = round_steps.speculation_cap(self.options.speculation_token_budget, len(sessions))
         cap = self.cap(g, len(sessions), lookup_cap)
-        profile = RoundProfile(g, len(batch), speculation_cap=cap, release_s=release_s)
+        profile = RoundProfile(g, len(batch), speculation_cap=cap)
         remote = {t.session.id: t.pending.drafts for t in batch if t.remote and t.pending.drafts.drafts}
         matches: dict[str, int] = {}  # lookup-drafted sessions -> length of the n-gram they continue
         local = [t.session for t in batch if not t.remote]
@@ -106,7 +106,7 @@ class RoundLoop:
         self._publish(batch, round_steps.commit(by_id, results, drafts), profile)
         t3 = time.perf_counter()
         profile.draft_s, profile.verify_s, profile.commit_s = t1 - t0, t2 - t1, t3 - t2
-        profile.round_s = t3 - t0 + release_s
+        profile.round_s = t3 - t0
         self._record(profile)
         # rounds that prefilled a prompt say nothing about decoding speed in either mode
         # (nor rounds with remote drafts: the governor weighs this server's drafting, not a device's);
@@ -129,15 +129,13 @@ class RoundLoop:
         """Whether a round with these caps could draft (a drafter pool or prompt lookup)."""
         return (cap != 0 and self.calls.draft_fn is not None) or (lookup_cap != 0 and self.lookup is not None)
 
-    async def _ahead_round(
-        self, g: Hashable, batch: list[Tracked], active: list[Tracked], ahead: Ahead, release_s: float
-    ) -> None:
+    async def _ahead_round(self, g: Hashable, batch: list[Tracked], active: list[Tracked], ahead: Ahead) -> None:
         """Takes the results of the call sent ahead. If the round may look ahead again (its sessions
         are the call's, still decoding), the next call goes out before this one's results are
         awaited. A session's result is used only if it holds exactly what the call assumed."""
         t0 = time.perf_counter()
         live = [t for t in batch if t.session.id in ahead.bases and not t.session.finished]
-        profile = RoundProfile(g, len(live), speculation_cap=0, release_s=release_s)
+        profile = RoundProfile(g, len(live), speculation_cap=0)
         lookup_cap = round_steps.speculation_cap(self.options.speculation_token_budget, len(batch))
         cap = self.cap(g, len(batch), lookup_cap)
         if (
@@ -167,7 +165,7 @@ class RoundLoop:
             return
         t2 = time.perf_counter()
         profile.verify_s, profile.commit_s = t1 - t0, t2 - t1
-        profile.round_s = t2 - t0 + release_s
+        profile.round_s = t2 - t0
         self._record(profile)
 
     def admitted(self, g: Hashable) -> None:
@@ -321,7 +319,7 @@ class RoundLoop:
                 # released on both pools before the group's next round and resent whole
                 self.stats.resyncs += 1
                 t.session.forget_replicas()
-                self.calls.release_later(t.group, t.session.id)
+                self.calls.release_later(t.group, t.session.id, before_next_round=True)
             if c.prefill:
                 profile.prefill_sessions += 1
                 continue

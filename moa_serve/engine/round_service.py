@@ -124,6 +124,7 @@ class RoundService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         await self.rounds.lookahead.stop()
+        await self.calls.settle_releases()
 
     @property
     def queue_depth(self) -> int:
@@ -218,15 +219,13 @@ class RoundService:
     async def _group_loop(self, g: Hashable) -> None:
         while not self._stopping:
             self._drop_finished(g)
-            t0 = time.perf_counter()
-            await self.calls.flush_releases(g)
-            release_s = time.perf_counter() - t0
+            await self.calls.before_round(g)
             batch = [t for t in self._active[g] if t.ready]
             if not batch:
                 await self._idle(g)
                 continue
             try:
-                await self.rounds.run(g, batch, self._active[g], release_s)
+                await self.rounds.run(g, batch, self._active[g])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a round that cannot complete fails its own sessions, not the loop

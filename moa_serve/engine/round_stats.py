@@ -20,7 +20,6 @@ class RoundProfile:
     prefilled_sessions: int = 0  # sessions whose forward included prompt (or re-prefill) tokens
     resyncs: int = 0  # sessions a replica asked to resend whole (verifier or drafter)
     tokens: int = 0  # tokens committed
-    release_s: float = 0.0  # retrying pending releases before the round
     draft_s: float = 0.0
     verify_s: float = 0.0  # resync follow-up and retries included
     commit_s: float = 0.0  # committing, stop conditions, events
@@ -48,7 +47,6 @@ class ServiceStats:
     lookahead_failures: int = 0  # lookahead calls that failed (their sessions resync)
     steps_cut: int = 0  # multi-step verify calls asked to end early for a newcomer's prefill
     # cumulative seconds of the rounds' parts
-    release_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
     commit_s: float = 0.0
@@ -57,7 +55,7 @@ class ServiceStats:
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["mean_sessions_per_round"] = round(self.sessions_in_rounds / self.rounds, 3) if self.rounds else 0.0
-        for part in ("release", "draft", "verify", "commit", "round"):
+        for part in ("draft", "verify", "commit", "round"):
             d[f"{part}_s"] = round(d[f"{part}_s"], 6)
             d[f"mean_{part}_ms"] = round(1e3 * getattr(self, f"{part}_s") / self.rounds, 3) if self.rounds else 0.0
         return d
@@ -68,7 +66,7 @@ class ServiceStats:
         self.max_sessions_in_round = max(self.max_sessions_in_round, p.sessions)
         self.multi_session_rounds += p.sessions > 1
         self.prefill_rounds += p.prefill_sessions
-        for part in ("release", "draft", "verify", "commit", "round"):
+        for part in ("draft", "verify", "commit", "round"):
             setattr(self, f"{part}_s", getattr(self, f"{part}_s") + getattr(p, f"{part}_s"))
 
 

@@ -168,3 +168,21 @@ def test_failed_releases_are_retried_then_given_up():
     assert svc.stats.release_failures == 2 and svc.stats.releases_dropped == 0
     svc, release, _ = asyncio.run(run(fail=100, attempts=3))
     assert svc.pending_releases == 0 and svc.stats.releases_dropped == 3 and release.released == []
+
+
+def test_rounds_do_not_wait_for_a_slow_release_and_stop_lets_it_finish():
+    async def main():
+        verifier = FakeVerifier(delay=0.002)
+        svc, release = make_service(verifier, None, num_groups=1)
+        release.delay = 0.5  # a pool slow to answer: the next session's rounds go on meanwhile
+        first = await collect(svc, svc.submit(make_session(0, max_new=3)))
+        second = await collect(svc, svc.submit(make_session(1, max_new=6)))
+        released_while_second_ran = list(release.released)
+        await svc.stop()
+        return first, second, released_while_second_ran, release.released
+
+    first, second, early, released = asyncio.run(main())
+    assert first == (reference(make_session(0).prompt, 3), "length")
+    assert second == (reference(make_session(1).prompt, 6), "length")
+    assert early == []  # s1's rounds all ran while s0's release was still on its way
+    assert released == ["s0"]  # stopping waited for the release in flight

@@ -27,9 +27,9 @@ def rounds_run(monkeypatch):
     calls: list[list[str]] = []
     run = round_loop.RoundLoop.run
 
-    async def counted(self, g, batch, active, release_s=0.0):
+    async def counted(self, g, batch, active):
         calls.append([t.session.id for t in batch])
-        return await run(self, g, batch, active, release_s)
+        return await run(self, g, batch, active)
 
     monkeypatch.setattr(round_loop.RoundLoop, "run", counted)
     return calls

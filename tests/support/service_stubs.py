@@ -188,14 +188,14 @@ class FakeDrafter(_FakePool):
 
 
 class FakeRelease:
-    def __init__(self, *pools, fail: int = 0):
-        self.pools, self.fail = pools, fail
+    def __init__(self, *pools, fail: int = 0, delay: float = 0.001):
+        self.pools, self.fail, self.delay = pools, fail, delay
         self.released: list[str] = []
         self.calls = 0
 
     async def __call__(self, group, ids):
         self.calls += 1
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(self.delay)
         if self.fail:
             self.fail -= 1
             raise ConnectionError("release failed")
