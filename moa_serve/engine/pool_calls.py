@@ -188,11 +188,10 @@ class PoolCalls:
 
     def start_releases(self, g: Hashable) -> None:
         """Sends the group's pending releases without waiting for them (one call in flight per
-        group; what finishes meanwhile goes with the next one)."""
+        group; what finishes meanwhile goes with the next one; ``flush_releases`` keeps a failing
+        pool's backoff)."""
         if g in self._releasing or not self.pending_release[g]:
             return
-        if time.monotonic() < self._release_backoff.get(g, (0, 0.0))[1]:
-            return  # a failing pool is not hammered every round
         task = asyncio.ensure_future(self.flush_releases(g))
         self._releasing[g] = task
         task.add_done_callback(lambda _: self._releasing.pop(g, None))

@@ -186,7 +186,7 @@ def test_a_clear_loss_is_probed_briefly_before_tau_is_settled():
     starts = [i for i in range(16, len(modes)) if modes[i] and not modes[i - 1]]
     assert starts and all(modes[i : i + 3] == [True, True, False] for i in starts)
     # a loss by more than clear_ratio backs off fourfold: probes 12, 48, 192 rounds apart, then 768
-    assert sum(modes) <= 8 + 2 * 3  # 36 speculative rounds when τ first had to rest on 32 of them
+    assert sum(modes) <= 8 + 2 * 3  # the first probe, then three short ones within 600 rounds
     # a close race still gets long probes until τ is settled
     close = SpeculationGovernor(probe_every=12, probe_rounds=8, short_probe_rounds=2)
     near = drive(close, 1, on_ms=11, off_ms=10, rounds=200)
