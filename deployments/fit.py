@@ -228,10 +228,11 @@ def graph_pool_bytes(cfg: AppConfig, target: ModelShape) -> int:
     the largest captured forward's live activations, one layer's widest intermediates at a time
     (the fused gate/up output, its product, the fused q/k/v output, the attention output, the
     residual stream and its norm), the float32 partial sums of the widest split-K matmul
-    (``gpu_invariant.tile_config``) and the graph's output rows. 0 where nothing is captured."""
+    (``gpu_invariant.tile_config``), the graph's output rows and the chunked attention's scratch
+    (``gpu_invariant.attention_scratch_bytes``). 0 where nothing is captured."""
     if cfg.backend == "vllm" or cfg.device != "cuda":
         return 0
-    from moa_serve.kernels.gpu_invariant import tile_config
+    from moa_serve.kernels.gpu_invariant import attention_scratch_bytes, tile_config
     from moa_serve.verifier.static_forward import GRAPH_SIZES
 
     rows = max((s for s in GRAPH_SIZES if s <= cfg.verifier_pool.max_num_batched_tokens), default=0)
@@ -246,7 +247,9 @@ def graph_pool_bytes(cfg: AppConfig, target: ModelShape) -> int:
     ]  # (N, K) of q/k/v, o, gate/up, down
     partials = [t.split * n for n, k in weights if (t := tile_config(n, k, b)).split > 1]
     per_row += 4 * max(partials, default=0)
-    return rows * per_row
+    groups = target.heads // target.kv_heads
+    scratch = attention_scratch_bytes(rows, target.kv_heads, groups, target.head_dim, context_len(cfg, target) + 1)
+    return rows * per_row + scratch
 
 
 def kept_feature_bytes(cfg: AppConfig, target: ModelShape) -> int:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import heapq
 
 import torch
-import torch.nn.functional as F
 
 from moa_serve import kernels
 from moa_serve.kernels import gpu_invariant
+from moa_serve.layers import sdpa
 
 
 class SlotKVCache:
@@ -150,7 +150,7 @@ class PackedBatch:
         twins: list[list[int]] | None = None,
     ):
         """``kernel``: attend with the batch-invariant kernels (``moa_serve.kernels.attention`` on a
-        CPU cache of float32 or bfloat16, ``gpu_invariant.slot_attention`` on a GPU): every token alone
+        CPU cache of float32 or bfloat16, ``gpu_invariant.attention`` on a GPU): every token alone
         over its own slot, in a fixed order, so its output does not depend on the batch.
         ``twins``: per sequence, the chain index each of its trailing alternatives shares a position
         with (empty or None: a plain chain)."""
@@ -259,7 +259,7 @@ class PackedBatch:
                 )
                 keys = c.k[layer, p["lo"] : p["hi"], :, :total]
                 values = c.v[layer, p["lo"] : p["hi"], :, :total]
-                o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask)
+                o = sdpa(qp, keys, values, mask)
                 o = o.view(rows, kv_heads, groups, width, hd).permute(0, 3, 1, 2, 4).reshape(rows * width, heads, hd)
                 out[p["dest"]] = o[p["real"]]
             for p in self.long:
@@ -267,9 +267,7 @@ class PackedBatch:
                 ql = q[a : a + m].view(m, kv_heads, groups, hd).permute(1, 2, 0, 3).reshape(1, kv_heads, groups * m, hd)
                 mask = p["mask"][None, None].expand(1, groups, m, p["total"]).reshape(1, 1, groups * m, p["total"])
                 s = p["slot"]
-                o = F.scaled_dot_product_attention(
-                    ql, c.k[layer, s : s + 1, :, : p["total"]], c.v[layer, s : s + 1, :, : p["total"]], attn_mask=mask
-                )
+                o = sdpa(ql, c.k[layer, s : s + 1, :, : p["total"]], c.v[layer, s : s + 1, :, : p["total"]], mask)
                 out[a : a + m] = o.view(kv_heads, groups, m, hd).permute(2, 0, 1, 3).reshape(m, heads, hd)
             return out
 
@@ -289,7 +287,7 @@ def invariant_attention(
     CPU under Triton's interpreter, which is how the tests reach it)."""
     if q.device.type == "cpu" and not gpu_invariant.available("cpu"):
         return kernels.attention(q, k, v, slots, positions, store_at)
-    return gpu_invariant.slot_attention(q, k, v, slots, positions, store_at)
+    return gpu_invariant.attention(q, k, v, slots, positions, store_at)
 
 
 def _sees(k_pos: torch.Tensor, q_pos: torch.Tensor, q_at: torch.Tensor) -> torch.Tensor:

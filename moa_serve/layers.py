@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,19 @@ class Attention(nn.Module):
         return self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
 
 
+# SDPA's backends on a GPU, cuDNN left out: cuDNN builds an execution plan for every new shape
+# (hundreds of milliseconds of host time), and a drafter's context grows by a few tokens each round.
+_GPU_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with a boolean mask (True = may attend), never on cuDNN."""
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with sdpa_kernel(_GPU_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """q [B,H,T,hd], k/v [B,KVH,L,hd], mask bool [B or 1,1,T,L] (True = may attend) or None.
 
@@ -184,17 +198,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     kv_heads = k.shape[1]
     groups = heads // kv_heads
     if groups == 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return sdpa(q, k, v, mask)
     if mask is not None and mask.shape[1] != 1:  # a per-head mask: fall back to copying
-        return F.scaled_dot_product_attention(
-            q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), attn_mask=mask
-        )
+        return sdpa(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), mask)
     q = q.reshape(b, kv_heads, groups * t, hd)
     if mask is not None:
         mb, _, _, length = mask.shape
         mask = mask.unsqueeze(2).expand(mb, 1, groups, t, length).reshape(mb, 1, groups * t, length)
     # reshape, not view: on CUDA this SDPA output is not contiguous (its kernels choose the layout)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(b, heads, t, hd)
+    return sdpa(q, k, v, mask).reshape(b, heads, t, hd)
 
 
 class PreNormLayer(nn.Module):

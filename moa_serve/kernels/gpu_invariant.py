@@ -514,11 +514,51 @@ def slot_attention(
     return out
 
 
+# Tokens per launch of the chunked kernel: bounds its float32 scratch (tokens x KV heads x chunks x
+# query heads per KV head x (head_dim + 2) values); the largest captured forward is one launch.
+CHUNKED_MAX_TOKENS = 512
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    store_at: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The verifier's batch-invariant attention on a GPU, :func:`slot_attention`'s contract: the
+    chunked kernel (many programs per token, tensor-core products) where ``head_dim`` is 16 or
+    more, else the per-token kernel. The choice depends on the model alone, never on the batch,
+    and a long batch runs in launches of at most ``CHUNKED_MAX_TOKENS`` tokens, each token's
+    arithmetic the same in any of them."""
+    if q.shape[-1] < 16:
+        return slot_attention(q, k, v, slots, positions, store_at)
+    n = q.shape[0]
+    if n <= CHUNKED_MAX_TOKENS:
+        return chunked_slot_attention(q, k, v, slots, positions, store_at)
+    parts = []
+    for a in range(0, n, CHUNKED_MAX_TOKENS):
+        b = min(a + CHUNKED_MAX_TOKENS, n)
+        at = None if store_at is None else store_at[a:b]
+        parts.append(chunked_slot_attention(q[a:b], k, v, slots[a:b], positions[a:b], at))
+    return torch.cat(parts)
+
+
+def attention_scratch_bytes(tokens: int, kv_heads: int, groups: int, head_dim: int, cache_len: int) -> int:
+    """The float32 scratch one :func:`attention` launch of ``tokens`` tokens holds (0 for the
+    per-token kernel)."""
+    if head_dim < 16:
+        return 0
+    chunks = -(-cache_len // attention_chunk(cache_len))
+    return min(tokens, CHUNKED_MAX_TOKENS) * kv_heads * chunks * groups * (head_dim + 2) * 4
+
+
 def attention_chunk(cache_len: int) -> int:
     """Keys per program of :func:`chunked_slot_attention` for a cache of ``cache_len`` positions:
     256, or more so that a cache splits into at most 32 chunks. A function of the cache alone, so
     every call of a replica chunks a token's keys the same way (batch invariance)."""
-    return max(256, triton.next_power_of_2(triton.cdiv(cache_len, 32)))
+    return max(256, 1 << (-(-cache_len // 32) - 1).bit_length())
 
 
 def chunked_slot_attention(

@@ -95,8 +95,11 @@ def test_a_gpu_verifier_counts_its_cuda_graph_pool(tmp_path, monkeypatch):
     shape = fit.target_shape(gpu)
     pool = fit.graph_pool_bytes(gpu, shape)
     assert fit.graph_pool_bytes(cpu, shape) == 0
-    # the largest graph is 256 rows (the largest size within the 300-token budget)
-    assert pool == 256 * (3 * 896 + (256 + 2 * 64) + 256 + 5 * 256) * 2
+    # the largest graph is 256 rows (the largest size within the 300-token budget); its chunked
+    # attention keeps float32 (head_dim + 2) per row, KV head, chunk (257 positions: 2 of 256) and
+    # query head of a KV head
+    scratch = 256 * 2 * 2 * 4 * (32 + 2) * 4
+    assert pool == 256 * (3 * 896 + (256 + 2 * 64) + 256 + 5 * 256) * 2 + scratch
     assert fit.verifier_fit(gpu, shape).activations == 300 * 2048 * 4 + pool
     # at Llama-3-8B's width the narrow matmuls split K: their float32 partials are in the pool too
     import pytest
@@ -114,7 +117,9 @@ def test_a_gpu_verifier_counts_its_cuda_graph_pool(tmp_path, monkeypatch):
         max_positions=8192,
     )
     base_row = (3 * 14336 + 6144 + 4096 + 5 * 4096) * 2
-    assert fit.graph_pool_bytes(gpu, wide) == 256 * (base_row + 4 * 4 * 6144)  # q/k/v: 4 ranges of 6,144 columns
+    wide_scratch = 256 * 8 * 2 * 4 * (128 + 2) * 4
+    # q/k/v: 4 ranges of 6,144 columns
+    assert fit.graph_pool_bytes(gpu, wide) == 256 * (base_row + 4 * 4 * 6144) + wide_scratch
 
 
 def test_a_vllm_verifier_with_a_drafter_counts_the_feature_buffers_of_its_forward(tmp_path, monkeypatch):

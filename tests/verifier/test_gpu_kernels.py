@@ -29,7 +29,7 @@ def test_under_the_triton_interpreter():
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert re.search(r"\b7 passed", proc.stdout), proc.stdout[-2000:]
+    assert re.search(r"\b9 passed", proc.stdout), proc.stdout[-2000:]
 
 
 @interpreted
@@ -108,6 +108,66 @@ def test_interpreted_chunked_attention_matches_the_cpu_kernel_across_chunks():
             ),
             got[i : i + 1],
         )
+
+
+@interpreted
+def test_interpreted_attention_takes_the_chunked_kernel_from_head_dim_16_in_bounded_launches(monkeypatch):
+    """The verifier's GPU attention: the chunked kernel where head_dim allows tensor-core products
+    (16 or more), the per-token kernel below; a batch longer than one launch runs in slices whose
+    rows are bitwise the rows of a single launch."""
+    from moa_serve.kernels import gpu_invariant
+
+    g = torch.Generator().manual_seed(5)
+    for hd, kernel in ((16, gpu_invariant.chunked_slot_attention), (8, gpu_invariant.slot_attention)):
+        k = torch.randn(2, 2, 301, hd, generator=g)
+        v = torch.randn(2, 2, 301, hd, generator=g)
+        q = torch.randn(7, 4, hd, generator=g)
+        slots = torch.tensor([0, 1, 1, 0, 1, 0, 0])
+        positions = torch.tensor([0, 3, 255, 256, 299, 40, 41])
+        store_at = torch.tensor([0, 3, 255, 256, 299, 300, 41])  # token 5's own key in the scratch column
+        whole = gpu_invariant.attention(q, k, v, slots, positions, store_at)
+        assert torch.equal(whole, kernel(q, k, v, slots, positions, store_at))
+        monkeypatch.setattr(gpu_invariant, "CHUNKED_MAX_TOKENS", 3)  # 3 + 3 + 1 tokens
+        assert torch.equal(gpu_invariant.attention(q, k, v, slots, positions, store_at), whole)
+        monkeypatch.undo()
+    assert gpu_invariant.attention_scratch_bytes(9, 2, 2, 8, 301) == 0
+    assert gpu_invariant.attention_scratch_bytes(9, 2, 2, 16, 301) == 9 * 2 * 2 * 2 * 18 * 4  # 2 chunks of 256
+
+
+@interpreted
+def test_interpreted_verifier_on_the_chunked_attention_is_lossless():
+    """A target of head_dim 16 (the chunked attention kernel) on the Triton matmuls and the
+    fixed-shape forward: speculative greedy output at partial acceptance is the same runner's plain
+    greedy output, batched and alone."""
+    import random
+
+    from moa_serve.engine.local import SpeculativeEngine
+    from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
+    from tools.gpu.harness import TOY_LLAMA, random_target
+    from tools.gpu.replay import ReplayProposer
+
+    target = random_target(TOY_LLAMA, torch.bfloat16, torch.device("cpu"))
+    assert target.arch.head_dim == 16
+    runner = TorchTargetRunner(
+        target,
+        torch.bfloat16,
+        "cpu",
+        max_sessions=3,
+        max_model_len=64,
+        options=RunnerOptions(packed_weights="off", prefix_caching=False, static_forward="on"),
+    )
+    assert runner.attention_kernel and runner.packing["batch_invariant_matmuls"] > 0
+    g = random.Random(0)
+    prompts = [[g.randrange(512) for _ in range(n)] for n in (5, 9, 7)]
+    plain_engine = SpeculativeEngine(runner, None, None, frozenset(), max_batch=3)
+    plain = [o.token_ids for o in plain_engine.generate(prompts, 8, ignore_eos=True)]
+    assert [o.token_ids for o in plain_engine.generate(prompts[1:2], 8, ignore_eos=True)] == plain[1:2]
+    proposer = ReplayProposer(prompts, plain, 0.3, 512, seed=1)
+    spec = SpeculativeEngine(runner, proposer, None, frozenset(), max_batch=3)
+    outs = spec.generate(prompts, 8, num_speculative_tokens=3, ignore_eos=True)
+    assert [o.token_ids for o in outs] == plain
+    assert 1.0 < sum(o.mean_accepted_length for o in outs) / 3 < 4.0  # partial acceptance
+    assert runner.stats["static_calls"] > 0
 
 
 def test_tile_config_splits_k_only_for_weights_too_narrow_to_fill_the_gpu():

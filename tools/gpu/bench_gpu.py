@@ -78,7 +78,7 @@ from tools.gpu.correctness import correctness_section, env_section  # noqa: E402
 from tools.gpu.e2e import e2e_section  # noqa: E402
 from tools.gpu.harness import LLAMA3_8B, TOY_LLAMA, Run, free, random_moa, random_target  # noqa: E402
 from tools.gpu.memory_fit import fit_section  # noqa: E402
-from tools.gpu.production import production_section  # noqa: E402
+from tools.gpu.production import attention_section, production_section  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--toy", action="store_true", help="tiny shapes and lists (runs on a CPU in about a minute)")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--budget-s", type=float, default=None, help="whole run (default 540, toy 150)")
-    ap.add_argument("--sections", default="correctness,production,fit,e2e")
+    ap.add_argument("--sections", default="correctness,production,fit,e2e,attention")
     a = ap.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     a.out.mkdir(parents=True, exist_ok=True)
@@ -108,7 +108,8 @@ def main(argv=None) -> int:
         ("correctness", 0.13, lambda: correctness_section(run, ["float32", "bfloat16"])),
         ("production", 0.52, None),
         ("fit", 0.62, None),
-        ("e2e", 0.97, None),
+        ("e2e", 0.9, None),
+        ("attention", 0.97, None),  # last: a kernel fault there ends the process
     ]
     for name, until, fn in plan:
         if name not in wanted:
@@ -123,7 +124,12 @@ def main(argv=None) -> int:
                 if models is None:
                     models = {"target": random_target(shape, dtype, device)}
                     models["moa"] = random_moa(models["target"], dtype, device)
-                (fit_section(run, models) if name == "fit" else e2e_section(run, models, dtype))
+                if name == "fit":
+                    fit_section(run, models)
+                elif name == "e2e":
+                    e2e_section(run, models, dtype)
+                else:
+                    attention_section(run, models["target"].arch, dtype)
         except Exception:  # noqa: BLE001 - one section's failure is a result; the others still run
             sec = run.section(name)
             sec["status"] = "failed"

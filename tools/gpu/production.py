@@ -158,14 +158,17 @@ def _invariance_cost_rows(run: Run, sec: dict, runner: TorchTargetRunner, target
     cublas = None  # frees the captured graphs
 
 
-def _attention_rows(run: Run, sec: dict, arch: TargetArch, dtype: torch.dtype) -> None:
+def attention_section(run: Run, arch: TargetArch, dtype: torch.dtype) -> None:
     """The two batch-invariant attention kernels side by side at long contexts: B sessions x 1 token
     at context L over a cache of 8,192 positions (GPU microseconds from a CUDA graph), whether the
-    chunked kernel's rows are bitwise the same alone as in the batch, and how far the two differ."""
+    chunked kernel's rows are bitwise the same alone as in the batch, and how far the two differ.
+    The last section of a run: a kernel fault ends the process, and ``running`` then names the
+    kernel and cell it happened in."""
+    sec = run.section("attention")
     d = run.device
-    sec["attention"] = []
+    sec["rows"] = []
     if d.type != "cuda":
-        sec["attention_skipped"] = "needs CUDA"
+        sec["skipped"] = sec["status"] = "needs CUDA"
         return
     import triton.testing
 
@@ -174,7 +177,7 @@ def _attention_rows(run: Run, sec: dict, arch: TargetArch, dtype: torch.dtype) -
     k = torch.randn(64, kvh, length, hd, device=d, dtype=dtype, generator=gen)
     v = torch.randn(64, kvh, length, hd, device=d, dtype=dtype, generator=gen)
     q = torch.randn(64, heads, hd, device=d, dtype=dtype, generator=gen)
-    for row in _rows(run, sec["attention"], [{"B": b, "context": c} for c in (512, 2048, 8192) for b in (1, 8, 64)], 8):
+    for row in _rows(run, sec["rows"], [{"B": b, "context": c} for c in (512, 2048, 8192) for b in (1, 8, 64)], 8):
         b, c = row["B"], row["context"]
         slots = torch.arange(b, device=d)
         pos = torch.full((b,), c - 1, device=d, dtype=torch.long)
@@ -182,9 +185,14 @@ def _attention_rows(run: Run, sec: dict, arch: TargetArch, dtype: torch.dtype) -
             ("per_token_us", gpu_invariant.slot_attention),
             ("chunked_us", gpu_invariant.chunked_slot_attention),
         ):
+            sec["running"] = f"{fn.__name__} B={b} context={c}"
+            run.save()
+            fn(q[:b], k, v, slots, pos)
+            torch.cuda.synchronize(d)  # a fault surfaces here, with ``running`` saved
             row[name] = round(
                 1e3 * triton.testing.do_bench_cudagraph(lambda fn=fn: fn(q[:b], k, v, slots, pos), rep=20), 1
             )
+        sec.pop("running")
         row["chunked_speedup"] = round(row["per_token_us"] / row["chunked_us"], 2)
         full = gpu_invariant.chunked_slot_attention(q[:b], k, v, slots, pos)
         row["chunked_row_alone_bitwise"] = bool(
@@ -194,6 +202,7 @@ def _attention_rows(run: Run, sec: dict, arch: TargetArch, dtype: torch.dtype) -
             (full.float() - gpu_invariant.slot_attention(q[:b], k, v, slots, pos).float()).abs().max()
         )
         run.save()
+    sec["status"] = "done"
     k = v = None  # frees the cache tensors
 
 
@@ -280,7 +289,6 @@ def production_section(run: Run, shape: dict, dtype: torch.dtype) -> dict:
     prefill(runner, sec, ids, prompts, d)
     _verify_rows(run, sec, runner, target, ids, g, vocab)
     _invariance_cost_rows(run, sec, runner, target, ids)
-    _attention_rows(run, sec, target.arch, dtype)
     for i in ids:
         runner.release(i)
     proposer = MoAProposer(

@@ -101,23 +101,6 @@ def markdown(results: dict) -> str:
         if "invariance_cost_skipped" in p:
             lines.append(f"Not measured: {p['invariance_cost_skipped']}\n")
         lines.append(f"Runner statistics: {p.get('runner_stats', {})}\n")
-        lines += ["## Attention kernels: per token vs chunked (GPU us, B sessions x 1 token, 8,192-position cache)", ""]
-        lines.append(
-            _table(
-                p.get("attention", []),
-                [
-                    "B",
-                    "context",
-                    "per_token_us",
-                    "chunked_us",
-                    "chunked_speedup",
-                    "chunked_row_alone_bitwise",
-                    "max_abs_diff",
-                ],
-            )
-        )
-        if "attention_skipped" in p:
-            lines.append(f"Not measured: {p['attention_skipped']}\n")
         lines += ["## Drafting latency per K (paper-sized MoA draft head)", ""]
         lines.append(_table(p.get("draft", []), ["B", "K", "ms", "ms_per_step", "device_busy_ms", "host_overhead_ms"]))
         lines.append(f"Static draft steps (CUDA graphs): {p.get('draft_static_steps')}\n")
@@ -168,6 +151,15 @@ def markdown(results: dict) -> str:
             )
         )
         lines.append(e.get("note", "") + "\n")
+    a = s.get("attention", {})
+    if a:
+        lines += ["## Attention kernels: per token vs chunked (GPU us, B sessions x 1 token, 8,192-position cache)", ""]
+        cols = ["B", "context", "per_token_us", "chunked_us", "chunked_speedup", "chunked_row_alone_bitwise"]
+        lines.append(_table(a.get("rows", []), cols + ["max_abs_diff"]))
+        if "skipped" in a:
+            lines.append(f"Not measured: {a['skipped']}\n")
+        if "running" in a:
+            lines.append(f"The run ended inside `{a['running']}` (a kernel fault ends the process).\n")
     errs = {k: v["error"] for k, v in s.items() if isinstance(v, dict) and "error" in v}
     for k, v in errs.items():
         lines.append(f"**{k} failed**: `{v.splitlines()[-1] if v else v}`\n")
