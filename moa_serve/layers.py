@@ -229,19 +229,26 @@ class DecoderLayer(PreNormLayer):
     def forward_packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention) -> torch.Tensor:
         """The same layer over tokens of many sequences packed along one axis: x [N, hidden],
         cos/sin [N, 1, head_dim]; ``attention(q [N, H, hd], k [N, KVH, hd], v)`` stores this
-        step's keys/values and returns each token's attention output [N, H, hd]."""
+        step's keys/values and returns each token's attention output [N, H, hd]; where it has
+        ``from_qkv`` and q/k/v are fused, ``from_qkv(qkv [N, (H + 2 KVH) hd], cos, sin)`` ropes,
+        stores and attends instead."""
         n = x.shape[0]
         a, s = self.self_attn, self.self_attn.shape
         h = self.input_layernorm(x)
-        if a.qkv is not None:
-            kv = s.num_kv_heads * s.head_dim
-            q, k, v = a.qkv(h).split([s.num_heads * s.head_dim, kv, kv], dim=-1)
+        from_qkv = getattr(attention, "from_qkv", None)  # rope and the K/V store fused with attention
+        if a.qkv is not None and from_qkv is not None:
+            out = from_qkv(a.qkv(h), cos, sin)
         else:
-            q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
-        q = apply_rope(q.reshape(n, s.num_heads, s.head_dim), cos, sin)
-        k = apply_rope(k.reshape(n, s.num_kv_heads, s.head_dim), cos, sin)
-        v = v.reshape(n, s.num_kv_heads, s.head_dim)
-        x = x + a.o_proj(attention(q, k, v).reshape(n, -1))
+            if a.qkv is not None:
+                kv = s.num_kv_heads * s.head_dim
+                q, k, v = a.qkv(h).split([s.num_heads * s.head_dim, kv, kv], dim=-1)
+            else:
+                q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+            q = apply_rope(q.reshape(n, s.num_heads, s.head_dim), cos, sin)
+            k = apply_rope(k.reshape(n, s.num_kv_heads, s.head_dim), cos, sin)
+            v = v.reshape(n, s.num_kv_heads, s.head_dim)
+            out = attention(q, k, v)
+        x = x + a.o_proj(out.reshape(n, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x, cos, sin, kv_and_mask):

@@ -203,6 +203,8 @@ class TorchTargetRunner(TargetBackend):
             and hd <= 256
             and kernels.library() is not None
         )
+        if on_gpu_kernels and "fused_projections" not in self.packing:  # a CPU under the interpreter
+            self.packing["fused_projections"] = fuse_dense_projections(model.model.layers)
         if on_gpu_kernels:
             self.packing["batch_invariant_matmuls"] = use_matmul(model, gpu_invariant.matmul)
             self.packing["batch_invariant_norms"] = use_rms_norm(model, gpu_invariant.rms_norm)

@@ -150,6 +150,59 @@ if triton is not None:
         tl.store(y_ptr + row * sy + cols, (w * y).to(y_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
+    def _rope_store_kernel(
+        qkv_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        slots_ptr,
+        at_ptr,
+        sx,
+        sc,
+        sqn,
+        sqh,
+        sks,
+        skh,
+        skp,
+        HEADS,
+        KV_HEADS,
+        HALF: tl.constexpr,
+    ):
+        """Head j of token t from the fused q/k/v row: a query head roped into q, or a KV head's key
+        roped and its value copied into the cache at (slot, at). ``layers.apply_rope``'s arithmetic:
+        each product and the sum rounded to the model's dtype, as torch's elementwise ops round."""
+        t = tl.program_id(0)
+        j = tl.program_id(1)
+        d = tl.arange(0, HALF)
+        dt = q_ptr.dtype.element_ty
+        c1 = tl.load(cos_ptr + t * sc + d).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * sc + HALF + d).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * sc + d).to(tl.float32)
+        s2 = tl.load(sin_ptr + t * sc + HALF + d).to(tl.float32)
+        src = qkv_ptr + t * sx + j * (2 * HALF)
+        x1 = tl.load(src + d).to(tl.float32)
+        x2 = tl.load(src + HALF + d).to(tl.float32)
+        y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+        y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+        if j < HEADS:
+            dst = q_ptr + t * sqn + j * sqh
+            tl.store(dst + d, y1)
+            tl.store(dst + HALF + d, y2)
+        else:
+            h = j - HEADS
+            slot = tl.load(slots_ptr + t)
+            at = tl.load(at_ptr + t)
+            kdst = k_ptr + slot * sks + h * skh + at * skp
+            tl.store(kdst + d, y1.to(k_ptr.dtype.element_ty))
+            tl.store(kdst + HALF + d, y2.to(k_ptr.dtype.element_ty))
+            vsrc = qkv_ptr + t * sx + (HEADS + KV_HEADS + h) * (2 * HALF)
+            vdst = v_ptr + slot * sks + h * skh + at * skp
+            tl.store(vdst + d, tl.load(vsrc + d).to(v_ptr.dtype.element_ty))
+            tl.store(vdst + HALF + d, tl.load(vsrc + HALF + d).to(v_ptr.dtype.element_ty))
+
+    @triton.jit
     def _slot_attention_kernel(
         q_ptr,
         k_ptr,
@@ -451,6 +504,54 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             num_warps=min(16, max(1, block // 256)),
         )
     return out.reshape(x.shape)
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    store_at: torch.Tensor,
+) -> torch.Tensor:
+    """One kernel for what a layer does between its fused q/k/v projection and attention: qkv
+    [n, (H + 2 KVH) hd] (queries, keys, values of each token, heads in order), cos/sin [n, 1, hd];
+    writes each token's roped keys and its values into the cache layer k/v [slots, KVH, max_len,
+    hd] at (slots[i], store_at[i]) and returns the roped queries [n, H, hd]: ``apply_rope``'s
+    arithmetic and the cache writes in one launch instead of about a dozen."""
+    n, width = qkv.shape
+    kv_heads, hd = k.shape[1], k.shape[-1]
+    heads = width // hd - 2 * kv_heads
+    half = hd // 2
+    if hd % 2 or half & (half - 1) or qkv.stride(-1) != 1 or cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        raise ValueError("rope_store: head_dim must be twice a power of two, rows contiguous")
+    if k.stride() != v.stride():
+        raise ValueError("rope_store: the K and V cache layers must be laid out alike")
+    q = torch.empty(n, heads, hd, dtype=qkv.dtype, device=qkv.device)
+    if n:
+        _rope_store_kernel[(n, heads + kv_heads)](
+            qkv,
+            cos,
+            sin,
+            q,
+            k,
+            v,
+            slots,
+            store_at,
+            qkv.stride(0),
+            cos.stride(0),
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            heads,
+            kv_heads,
+            HALF=half,
+            num_warps=1,
+        )
+    return q
 
 
 def _attention_inputs(

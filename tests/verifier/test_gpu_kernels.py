@@ -29,7 +29,7 @@ def test_under_the_triton_interpreter():
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert re.search(r"\b9 passed", proc.stdout), proc.stdout[-2000:]
+    assert re.search(r"\b11 passed", proc.stdout), proc.stdout[-2000:]
 
 
 @interpreted
@@ -136,8 +136,8 @@ def test_interpreted_attention_takes_the_chunked_kernel_from_head_dim_16_in_boun
 
 @interpreted
 def test_interpreted_verifier_on_the_chunked_attention_is_lossless():
-    """A target of head_dim 16 (the chunked attention kernel) on the Triton matmuls and the
-    fixed-shape forward: speculative greedy output at partial acceptance is the same runner's plain
+    """A target of head_dim 16 (the chunked attention kernel) on the Triton matmuls, rope_store and
+    the fixed-shape forward: speculative greedy output at partial acceptance is the same runner's plain
     greedy output, batched and alone."""
     import random
 
@@ -157,6 +157,7 @@ def test_interpreted_verifier_on_the_chunked_attention_is_lossless():
         options=RunnerOptions(packed_weights="off", prefix_caching=False, static_forward="on"),
     )
     assert runner.attention_kernel and runner.packing["batch_invariant_matmuls"] > 0
+    assert runner.packing["fused_projections"] > 0  # rope and the K/V store in one kernel (rope_store)
     g = random.Random(0)
     prompts = [[g.randrange(512) for _ in range(n)] for n in (5, 9, 7)]
     plain_engine = SpeculativeEngine(runner, None, None, frozenset(), max_batch=3)
@@ -168,6 +169,36 @@ def test_interpreted_verifier_on_the_chunked_attention_is_lossless():
     assert [o.token_ids for o in outs] == plain
     assert 1.0 < sum(o.mean_accepted_length for o in outs) / 3 < 4.0  # partial acceptance
     assert runner.stats["static_calls"] > 0
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interpreted_rope_store_is_apply_rope_and_the_cache_writes(dtype):
+    from moa_serve.kernels import gpu_invariant
+    from moa_serve.layers import Rotary, apply_rope
+
+    g = torch.Generator().manual_seed(6)
+    n, heads, kv_heads, hd, slots_n, length = 5, 6, 2, 16, 3, 30
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * hd, generator=g).to(dtype)
+    positions = torch.tensor([0, 7, 8, 29, 3])
+    cos, sin = Rotary.plain(hd, 10000.0)(positions, dtype)  # [1, n, hd]
+    cos, sin = cos[0][:, None], sin[0][:, None]  # [n, 1, hd], as a layer gets them
+    slots = torch.tensor([2, 0, 0, 1, 2])
+    store_at = torch.tensor([0, 7, 8, 30, 4])  # token 3 writes the scratch column, token 4 past its position
+    k = torch.randn(slots_n, kv_heads, length + 1, hd, generator=g).to(dtype)
+    v = torch.randn(slots_n, kv_heads, length + 1, hd, generator=g).to(dtype)
+    want_k, want_v = k.clone(), v.clone()
+    q, kk, vv = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    want_q = apply_rope(q.reshape(n, heads, hd), cos, sin)
+    want_k[slots, :, store_at] = apply_rope(kk.reshape(n, kv_heads, hd), cos, sin)
+    want_v[slots, :, store_at] = vv.reshape(n, kv_heads, hd)
+    got_q = gpu_invariant.rope_store(qkv, cos, sin, k, v, slots, store_at)
+    assert torch.equal(v, want_v)  # the values are copied
+    if dtype == torch.float32:
+        assert torch.equal(got_q, want_q) and torch.equal(k, want_k)
+    else:  # the interpreter rounds float32 -> bfloat16 otherwise than a GPU and torch: within an ulp
+        torch.testing.assert_close(got_q, want_q, rtol=2**-7, atol=2**-7)
+        torch.testing.assert_close(k, want_k, rtol=2**-7, atol=2**-7)
 
 
 def test_tile_config_splits_k_only_for_weights_too_narrow_to_fill_the_gpu():
