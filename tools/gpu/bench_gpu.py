@@ -16,6 +16,8 @@ still leaves what it measured):
   shape next to ``deployments/fit.py``'s arithmetic for it.
 * ``e2e``: the in-process engine with a replaying proposer at controlled acceptance
   (tau ~ 1.5 / 2.5 / 3.5 / 4.5) against the same engine without speculation, B = 1 / 8 / 32 / 64.
+* ``attention``: the per-token and the chunked attention kernels side by side at long contexts
+  (last: a kernel fault ends the process).
 
 ``--toy`` runs every section at toy size (a tiny random Llama instead of the 8B shape, short
 lists of B and K) so that it runs on a CPU in about a minute (the CI test does).
@@ -25,8 +27,8 @@ Outputs under ``--out``: ``results.json`` (everything, machine-readable) and ``r
 
 This file is the command line and the plan of sections (each one's share of the budget); the
 sections are in ``correctness.py`` (``env``, ``correctness``, the invariance probe),
-``production.py``, ``memory_fit.py`` (``fit``) and ``e2e.py``, what they share in ``harness.py``,
-the tables in ``report.py``.
+``production.py`` (``production``, ``attention``), ``memory_fit.py`` (``fit``) and ``e2e.py``, what
+they share in ``harness.py``, the tables in ``report.py``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 import time
 import traceback
@@ -44,7 +47,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _import_project() -> None:
     """Makes ``moa_serve.<part>`` importable from this checkout when the project is not installed
-    (the GPU machine runs the checkout as it is): the package-dir mapping of pyproject.toml."""
+    (the GPU machine runs the checkout as it is): the package-dir mapping of pyproject.toml. The
+    packages ``run.sh`` installed from the carried wheels are found too, so the other scripts of
+    this folder run after it in the same device call."""
+    site = Path(os.environ.get("TMPDIR", "/tmp")) / "moa-gpu-site"
+    if importlib.util.find_spec("pydantic") is None and site.is_dir():
+        sys.path.insert(0, str(site))
     try:
         importlib.import_module("moa_serve.target_model")
         return
