@@ -234,13 +234,6 @@ class PackedBatch:
         with the Triton kernels it also has ``from_qkv`` (the layer's fused q/k/v output in, rope
         and the cache writes in one kernel)."""
 
-        def from_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            """The layer's fused q/k/v output [n, (H + 2 KVH) hd] to attention outputs: rope and the
-            cache writes in one kernel, then the batch-invariant attention."""
-            c = self.cache
-            q = gpu_invariant.rope_store(qkv, cos, sin, c.k[layer], c.v[layer], self.token_slots, self._write_at)
-            return invariant_attention(q, c.k[layer], c.v[layer], self.token_slots, self.positions, self.store_at)
-
         def attend_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             c = self.cache
             c.k[layer, self.token_slots, :, self._write_at] = k.to(c.k.dtype)  # a bf16 cache under a float32 model
@@ -280,8 +273,16 @@ class PackedBatch:
                 out[a : a + m] = o.view(kv_heads, groups, m, hd).permute(2, 0, 1, 3).reshape(m, heads, hd)
             return out
 
-        if self.kernel and gpu_invariant.available(self.cache.k.device):
-            attend_packed.from_qkv = from_qkv  # the Triton kernels: rope and cache writes fused
+        if self.kernel and gpu_invariant.available(self.cache.k.device):  # the Triton kernels
+
+            def from_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                """The layer's fused q/k/v output [n, (H + 2 KVH) hd] to attention outputs: rope and
+                the cache writes in one kernel, then the batch-invariant attention."""
+                c = self.cache
+                q = gpu_invariant.rope_store(qkv, cos, sin, c.k[layer], c.v[layer], self.token_slots, self._write_at)
+                return invariant_attention(q, c.k[layer], c.v[layer], self.token_slots, self.positions, self.store_at)
+
+            attend_packed.from_qkv = from_qkv
         return attend_packed
 
 

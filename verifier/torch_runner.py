@@ -170,8 +170,6 @@ class TorchTargetRunner(TargetBackend):
                 self.packing = pack_target(model, path, matmul_precision)
         elif packed_weights == "auto":
             self.packing = {"packed": 0, "reason": "the runner was given an already built model"}
-        if self.device.type != "cpu":  # torch's GEMMs on a GPU: fewer, larger ones per layer
-            self.packing["fused_projections"] = fuse_dense_projections(model.model.layers)
         # inference only: a forward outside inference mode (a benchmark's, a test's) must not make the
         # KV cache part of an autograd graph, which would keep every such forward's activations alive
         model.requires_grad_(False)
@@ -203,7 +201,8 @@ class TorchTargetRunner(TargetBackend):
             and hd <= 256
             and kernels.library() is not None
         )
-        if on_gpu_kernels and "fused_projections" not in self.packing:  # a CPU under the interpreter
+        if self.device.type != "cpu" or on_gpu_kernels:  # fewer, larger GEMMs per layer on a GPU, and
+            # the fused q/k/v that rope_store reads (on a CPU: under the interpreter, in the tests)
             self.packing["fused_projections"] = fuse_dense_projections(model.model.layers)
         if on_gpu_kernels:
             self.packing["batch_invariant_matmuls"] = use_matmul(model, gpu_invariant.matmul)

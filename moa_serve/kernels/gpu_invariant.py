@@ -618,6 +618,8 @@ def slot_attention(
 # Tokens per launch of the chunked kernel: bounds its float32 scratch (tokens x KV heads x chunks x
 # query heads per KV head x (head_dim + 2) values); the largest captured forward is one launch.
 CHUNKED_MAX_TOKENS = 512
+# The smallest head_dim the chunked kernel takes (tl.dot: 16 columns or more); below it, per token.
+CHUNKED_MIN_HEAD_DIM = 16
 
 
 def attention(
@@ -629,11 +631,11 @@ def attention(
     store_at: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The verifier's batch-invariant attention on a GPU, :func:`slot_attention`'s contract: the
-    chunked kernel (many programs per token, tensor-core products) where ``head_dim`` is 16 or
-    more, else the per-token kernel. The choice depends on the model alone, never on the batch,
-    and a long batch runs in launches of at most ``CHUNKED_MAX_TOKENS`` tokens, each token's
-    arithmetic the same in any of them."""
-    if q.shape[-1] < 16:
+    chunked kernel (many programs per token, tensor-core products) where ``head_dim`` is
+    ``CHUNKED_MIN_HEAD_DIM`` or more, else the per-token kernel. The choice depends on the model
+    alone, never on the batch, and a long batch runs in launches of at most ``CHUNKED_MAX_TOKENS``
+    tokens, each token's arithmetic the same in any of them."""
+    if q.shape[-1] < CHUNKED_MIN_HEAD_DIM:
         return slot_attention(q, k, v, slots, positions, store_at)
     n = q.shape[0]
     if n <= CHUNKED_MAX_TOKENS:
@@ -649,7 +651,7 @@ def attention(
 def attention_scratch_bytes(tokens: int, kv_heads: int, groups: int, head_dim: int, cache_len: int) -> int:
     """The float32 scratch one :func:`attention` launch of ``tokens`` tokens holds (0 for the
     per-token kernel)."""
-    if head_dim < 16:
+    if head_dim < CHUNKED_MIN_HEAD_DIM:
         return 0
     chunks = -(-cache_len // attention_chunk(cache_len))
     return min(tokens, CHUNKED_MAX_TOKENS) * kv_heads * chunks * groups * (head_dim + 2) * 4
@@ -676,8 +678,8 @@ def chunked_slot_attention(
     row at a long context keeps many programs busy where :func:`slot_attention` runs one per KV
     head. Query heads of a KV head are one tensor-core product (padded to 16 rows)."""
     n, hd, kv_heads, groups, q, store_at = _attention_inputs(
-        "chunked_slot_attention", q, k, v, positions, store_at, 16
-    )  # tl.dot: 16 columns or more
+        "chunked_slot_attention", q, k, v, positions, store_at, CHUNKED_MIN_HEAD_DIM
+    )
     cache_len = k.shape[2]
     out = torch.empty_like(q)
     if n:
