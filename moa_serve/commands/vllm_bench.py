@@ -10,6 +10,12 @@ reports tokens/s over the window, per-request latency, and τ (tokens per verify
 request). It measures the engine in-process — no HTTP, no Ray — so that the three ways of
 running vLLM differ only in how drafts are made.
 
+``--repeats R`` runs every (users, config) cell R times, the configurations in turn within each
+repeat, in reverse order every other repeat: a machine that slows or speeds up over minutes (a
+shared VM does, by tens of per cent) then weighs on every configuration alike. Each cell is
+compared with the reference's cell of the same repeat and users; the table gives the geometric
+mean of those ratios and their range.
+
 Writes ``--out`` (JSON) and the same name with ``.md``.
 """
 
@@ -143,52 +149,92 @@ class StockVllm:
         return {}
 
 
-def closed_loop(engine, prompts: list[list[int]], users: int, duration_s: float, max_new_tokens: int) -> dict:
-    """``users`` requests in flight for ``duration_s``: tokens/s over the window, latencies, τ."""
-    it = itertools.cycle(prompts)
-    live: dict[str, dict] = {}
+class _Load:
+    """One engine under closed-loop load: ``users`` requests in flight, a finished one replaced at
+    once by the user's next prompt (the same prompt sequence for every engine). Time is counted
+    over the engine's own steps, so that engines taking turns are each timed alone."""
 
-    def start():
-        rid = engine.add(next(it), max_new_tokens)
-        live[rid] = {"t0": time.perf_counter(), "tokens": 0, "steps": 0}
+    def __init__(self, engine, prompts: list[list[int]], users: int, max_new_tokens: int):
+        self.engine, self.users, self.max_new_tokens = engine, users, max_new_tokens
+        self.prompts = itertools.cycle(prompts)
+        self.live: dict[str, dict] = {}
+        self.done: list[dict] = []
+        self.tokens, self.busy_s = 0, 0.0
+        for _ in range(users):
+            self._start()
 
-    for _ in range(users):
-        start()
-    t0 = time.perf_counter()
-    tokens, done = 0, []
-    while time.perf_counter() - t0 < duration_s:
-        for rid, new, reason in engine.step():
-            r = live.get(rid)
+    def _start(self) -> None:
+        rid = self.engine.add(next(self.prompts), self.max_new_tokens)
+        self.live[rid] = {"t0": self.busy_s, "tokens": 0, "steps": 0}
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        moved = self.engine.step()
+        self.busy_s += time.perf_counter() - t0
+        for rid, new, reason in moved:
+            r = self.live.get(rid)
             if r is None:
                 continue
-            tokens += len(new)
+            self.tokens += len(new)
             r["tokens"] += len(new)
             r["steps"] += bool(new)
             if reason is not None:
-                r["latency_s"] = time.perf_counter() - r["t0"]
-                done.append(live.pop(rid))
-                start()
-    elapsed = time.perf_counter() - t0
-    engine.abort(list(live))
-    while engine.has_unfinished():  # drain the aborts before the next run
-        engine.step()
-    lat = sorted(r["latency_s"] for r in done)
-    every = done + list(live.values())
-    steps = sum(r["steps"] for r in every)
-    return {
-        "users": users,
-        "tokens": tokens,
-        "elapsed_s": round(elapsed, 2),
-        "tokens_per_s": round(tokens / elapsed, 2),
-        "requests": len(done),
-        "latency_p50_s": round(statistics.median(lat), 3) if lat else None,
-        "tau": round(sum(r["tokens"] for r in every) / steps, 3) if steps else None,
-    }
+                r["latency_s"] = self.busy_s - r["t0"]
+                self.done.append(self.live.pop(rid))
+                self._start()
+
+    def finish(self) -> dict:
+        """Aborts what is in flight; tokens/s over the engine's own step seconds, latencies, τ."""
+        self.engine.abort(list(self.live))
+        while self.engine.has_unfinished():  # drain the aborts before the next run
+            self.engine.step()
+        lat = sorted(r["latency_s"] for r in self.done)
+        every = self.done + list(self.live.values())
+        steps = sum(r["steps"] for r in every)
+        return {
+            "users": self.users,
+            "tokens": self.tokens,
+            "elapsed_s": round(self.busy_s, 2),
+            "tokens_per_s": round(self.tokens / self.busy_s, 2) if self.busy_s else 0.0,
+            "requests": len(self.done),
+            "latency_p50_s": round(statistics.median(lat), 3) if lat else None,
+            "tau": round(sum(r["tokens"] for r in every) / steps, 3) if steps else None,
+        }
+
+
+def closed_loop(engine, prompts: list[list[int]], users: int, duration_s: float, max_new_tokens: int) -> dict:
+    """``users`` requests in flight for ``duration_s``: tokens/s over the window, latencies, τ."""
+    load = _Load(engine, prompts, users, max_new_tokens)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < duration_s:
+        load.step()
+    return load.finish()
+
+
+def interleaved(
+    engines: dict, prompts: list[list[int]], users: int, duration_s: float, max_new_tokens: int
+) -> dict[str, dict]:
+    """Every engine under its own closed-loop load of ``users`` requests, the engines taking turns
+    one step each (the order reversed every turn) for ``duration_s`` in all: each engine's tokens/s
+    over the seconds of its own steps. Steps tens of milliseconds apart see the same machine, so a
+    shared VM's drift (tens of per cent over minutes) weighs on every engine alike and differences
+    of a per cent or two are resolved, where cells run one after the other cannot."""
+    loads = {name: _Load(e, prompts, users, max_new_tokens) for name, e in engines.items()}
+    order = list(loads.values())
+    t0 = time.perf_counter()
+    turn = 0
+    while time.perf_counter() - t0 < duration_s:
+        for load in order if turn % 2 == 0 else order[::-1]:
+            load.step()
+        turn += 1
+    return {name: load.finish() for name, load in loads.items()}
 
 
 def run(args) -> dict:
     users = [int(u) for u in str(args.users).split(",")]
     configs = _configs(args.configs)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, not {args.repeats}")
     questions = load_questions(args.questions, args.limit)  # before minutes of engine start-up
     if not questions:
         raise ValueError(f"no questions in {args.questions}")
@@ -219,25 +265,39 @@ def run(args) -> dict:
     for e in engines.values():  # warm-up outside the measurement
         e.generate(prompts[:2], 16)
     rows = []
-    bar = tqdm(total=len(users) * len(configs), desc="vllm-bench", dynamic_ncols=True)
-    for u in users:
-        for c in configs:
-            name, e = c.name, engines[c.name]
-            before = e.stats()
+    cells = args.repeats * len(users) * (1 if args.interleave else len(configs))
+    bar = tqdm(total=cells, desc="vllm-bench", dynamic_ncols=True)
+    for rep, u in itertools.product(range(args.repeats), users):
+        turn = configs if rep % 2 == 0 else configs[::-1]
+        before = {c.name: engines[c.name].stats() for c in configs}
+        if args.interleave:
+            at_once = {c.name: engines[c.name] for c in turn}
+            measured = interleaved(at_once, prompts, u, args.duration, args.max_new_tokens)
+        else:
+            measured = {}
+            for c in turn:
+                measured[c.name] = closed_loop(engines[c.name], prompts, u, args.duration, args.max_new_tokens)
+                bar.update(1)
+                bar.set_postfix_str(f"{c.name} x{u}: {measured[c.name]['tokens_per_s']} tok/s")
+        for c in turn:
+            e = engines[c.name]
             r = {
-                "config": name,
+                "config": c.name,
+                "repeat": rep,
+                "interleaved": args.interleave,
                 "async_scheduling": e.async_scheduling,
                 "compiled": not c.enforce_eager,
-                **closed_loop(e, prompts, u, args.duration, args.max_new_tokens),
+                **measured[c.name],
             }
-            after = e.stats()
+            after, b = e.stats(), before[c.name]
             if after:
-                r["governed_steps"] = after["governed_steps"] - before.get("governed_steps", 0)
-                r["drafting_steps"] = (after["steps"] - before.get("steps", 0)) - r["governed_steps"]
+                r["governed_steps"] = after["governed_steps"] - b.get("governed_steps", 0)
+                r["drafting_steps"] = (after["steps"] - b.get("steps", 0)) - r["governed_steps"]
             rows.append(r)
+        if args.interleave:
             bar.update(1)
-            bar.set_postfix_str(f"{name} x{u}: {r['tokens_per_s']} tok/s")
-            _write(args, rows)
+            bar.set_postfix_str(f"x{u}: " + ", ".join(f"{n} {m['tokens_per_s']}" for n, m in measured.items()))
+        _write(args, rows)
     bar.close()
     return _write(args, rows)
 
@@ -249,6 +309,8 @@ def _write(args, rows: list[dict]) -> dict:
         "num_speculative_tokens": args.num_speculative_tokens,
         "duration_s": args.duration,
         "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "interleave": args.interleave,
         "rows": rows,
     }
     out = Path(args.out)
@@ -260,22 +322,39 @@ def _write(args, rows: list[dict]) -> dict:
 
 def markdown(result: dict) -> str:
     """One row per (users, config), each against the reference in the same run: stock vLLM alone
-    (``vllm``) when measured, else ``none``."""
-    names = {r["config"] for r in result["rows"]}
+    (``vllm``) when measured, else ``none``. Repeated cells: the median tok/s, and the geometric
+    mean (min–max) of each repeat's ratio to the reference's cell of that repeat."""
+    rows = result["rows"]
+    names = list(dict.fromkeys(r["config"] for r in rows))
     ref = "vllm" if "vllm" in names else "none"
-    base = {r["users"]: r["tokens_per_s"] for r in result["rows"] if r["config"] == ref}
+    base = {(r["users"], r.get("repeat", 0)): r["tokens_per_s"] for r in rows if r["config"] == ref}
     lines = [
         f"| users | config | async scheduling | tok/s | vs {ref} | τ | p50 latency s | requests | "
         "drafting/governed steps |",
         "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    for r in result["rows"]:
-        vs = f"{r['tokens_per_s'] / base[r['users']]:.2f}×" if base.get(r["users"]) else ""
-        steps = f"{r['drafting_steps']}/{r['governed_steps']}" if "governed_steps" in r else ""
-        sched = {True: "on", False: "off"}.get(r.get("async_scheduling"), "")
+    for users, name in dict.fromkeys((r["users"], c) for r in rows for c in names):
+        cells = [r for r in rows if r["users"] == users and r["config"] == name]
+        if not cells:
+            continue
+        refs = [base.get((users, c.get("repeat", 0))) for c in cells]
+        ratios = [c["tokens_per_s"] / b for c, b in zip(cells, refs) if b]
+        vs = ""
+        if ratios:
+            vs = f"{statistics.geometric_mean(ratios):.2f}×"
+            if len(ratios) > 1:
+                vs += f" ({min(ratios):.2f}–{max(ratios):.2f})"
+        taus = [c["tau"] for c in cells if c["tau"] is not None]
+        lats = [c["latency_p50_s"] for c in cells if c["latency_p50_s"] is not None]
+        steps = ""
+        if all("governed_steps" in c for c in cells):
+            steps = f"{sum(c['drafting_steps'] for c in cells)}/{sum(c['governed_steps'] for c in cells)}"
+        sched = {True: "on", False: "off"}.get(cells[0].get("async_scheduling"), "")
+        tps = statistics.median(c["tokens_per_s"] for c in cells)
         lines.append(
-            f"| {r['users']} | {r['config']} | {sched} | {r['tokens_per_s']} | {vs} | {r['tau']} | "
-            f"{r['latency_p50_s']} | {r['requests']} | {steps} |"
+            f"| {users} | {name} | {sched} | {round(tps, 2)} | {vs} | "
+            f"{round(statistics.median(taus), 3) if taus else None} | "
+            f"{round(statistics.median(lats), 3) if lats else None} | {sum(c['requests'] for c in cells)} | {steps} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -290,7 +369,19 @@ def register(sub) -> None:
         "a drafter spec (governed); modifiers after '@': " + "; ".join(f"@{k}: {v}" for k, v in MODIFIERS.items()),
     )
     p.add_argument("--users", default="1,4,16", help="closed-loop users, comma-separated")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds per (users, config)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds per (users, config) cell")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every cell this many times, the configs in alternating order (drift weighs on all alike)",
+    )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run the configs at once, taking turns one engine step each; tok/s over each engine's own "
+        "steps (resolves a per cent or two on a machine whose speed drifts)",
+    )
     p.add_argument("--questions", default=DEFAULT_QUESTIONS)
     p.add_argument("--limit", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)

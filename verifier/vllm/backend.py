@@ -141,8 +141,7 @@ class KeptFeatures(StepFeatures):
         self.model, self.runner = model, runner
 
     def refresh(self, num_requests: int) -> None:
-        """The last step's layout; ``active``: whether its forward kept its features."""
-        self.active = self.model.keeping
+        """The last step's layout (every forward keeps its features)."""
         r = self.runner
         self.query_start_loc = r.query_start_loc.np[: num_requests + 1].tolist()
         self.seq_lens = r.optimistic_seq_lens_cpu[:num_requests].tolist()
@@ -329,13 +328,7 @@ class MoAStepProposer:
         batch = sum(r.sampled for r in rows)  # the governor's batch size, as StepDrafting counts it
         if self.capture is not None:
             self._attach_features(rows, batch)
-        drafts = self.drafting.step(rows)
-        if isinstance(self.capture, KeptFeatures):
-            # the next forward copies nothing (on CPU) while the governor will not draft after it;
-            # judged for this step's batch, so a request whose step then drafts after all waits one
-            # step for a fresh feature
-            self.model.keep_next(self.drafting.wants_features(batch))
-        return drafts
+        return self.drafting.step(rows)
 
     def _attach_features(self, rows: list[StepRow], batch: int) -> None:
         """The feature head's inputs for the positions each row's forward verified this step:
@@ -348,7 +341,7 @@ class MoAStepProposer:
             cap.refresh(len(rows))
             # a latest-only drafter needs no feature of a step after which the governor will not
             # draft (its request waits for a fresh one): nothing is gathered then
-            cap.active = cap.active and self.drafting.wants_features(batch)
+            cap.active = self.drafting.wants_features(batch)
         if not cap.active:  # the governor keeps drafting off: nothing was captured, none needed
             return
         if len(cap.query_start_loc) != len(rows) + 1:

@@ -64,6 +64,28 @@ class VllmOptions:
     feature_hooks: bool = False
 
 
+class StepClock:
+    """Seconds spent inside this engine's steps (``with clock: engine.step()``), read at any time,
+    also from within a step. The step drafter's clock: the governor compares the seconds of steps
+    with and without drafts, and time between steps (an idle server, the serving loop's own work,
+    another engine's steps in ``moa vllm-bench --interleave``) is neither."""
+
+    def __init__(self):
+        self.spent = 0.0
+        self._since: float | None = None
+
+    def __enter__(self) -> "StepClock":
+        self._since = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.spent += time.perf_counter() - self._since
+        self._since = None
+
+    def __call__(self) -> float:
+        return self.spent + (time.perf_counter() - self._since if self._since is not None else 0.0)
+
+
 class VllmEngine:
     """``drafter``: the drafter spec served (None: none, or vLLM's n-gram proposer with
     ``options.ngram``). Its two halves come from the caller (the composition root, which knows the
@@ -160,6 +182,7 @@ class VllmEngine:
         self.tokenizer = load_tokenizer(self.path)
         self.stop_ids = stop_token_ids(self.path, self.tokenizer)
         self.drafting: StepDrafting | None = None
+        self.step_clock = StepClock()
         if drafter is not None:
             if draft_source is None:
                 draft_source = ProposerSource(
@@ -183,6 +206,7 @@ class VllmEngine:
                 features=StepFeatures(needed=head is not None, prefix_cache=store),
                 retry_after_s=o.retry_after_s,
                 governor=SpeculationGovernor() if o.speculation_governor else None,
+                clock=self.step_clock,
             )
             self.llm.collective_rpc(bind_worker, args=(register_binding(self.drafting, head),))
         self._ids = itertools.count()
@@ -233,7 +257,8 @@ class VllmEngine:
         self._ended.clear()
         d0 = self.drafting.stats.draft_s if self.drafting else 0.0
         t0 = time.perf_counter()
-        outs = self.engine.step()
+        with self.step_clock:
+            outs = self.engine.step()
         spent = time.perf_counter() - t0
         drafted = (self.drafting.stats.draft_s - d0) if self.drafting else 0.0
         self.timings["draft_s"] += drafted

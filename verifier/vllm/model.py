@@ -10,12 +10,16 @@ what the stock class computes, and also copies, in every forward:
   to attention, into that layer's ``kept_k`` / ``kept_v`` rows [0, num_tokens);
 * ``hidden`` (EAGLE-style): the final norm's output into the model's ``kept_hidden``.
 
-The copies are the ops ``moa_serve::keep_kv`` / ``keep_rows``, declared as mutating their buffers,
-so torch.compile (vLLM's inductor pass on CPU, its piecewise compile on GPUs) keeps them in place
-and a CUDA graph records them: each replay writes the step's rows into the same buffers. The buffers hold
-``max_num_batched_tokens`` rows, what one step can carry (padding included). What the rows mean
-(which request, which position) the proposer reads after the step from the runner's own layout
-(``query_start_loc``, sequence lengths): nothing host-side runs inside the forward.
+The copies are plain in-place writes into module buffers (``kept[:n].copy_(rows)``): torch.compile
+(vLLM's inductor pass on CPU, its piecewise compile on GPUs) keeps the buffer mutation and fuses
+the write into the kernel that computes the rows, and a CUDA graph records it: each replay writes
+the step's rows into the same buffers. The buffers hold ``max_num_batched_tokens`` rows, what one
+step can carry (padding included). Every forward copies, drafts wanted or not: a decode step's
+rows are a few KiB per layer, and a custom op that skipped its copy in steps without drafts cost
+more than the copy, one Python dispatch per layer per forward (``docs/benchmarks.md#vllm-backend``).
+What the rows mean (which request, which position) the proposer reads after the step from the
+runner's own layout (``query_start_loc``, sequence lengths): nothing host-side runs inside the
+forward.
 """
 
 from __future__ import annotations
@@ -26,44 +30,6 @@ ARCHITECTURE = "MoALlamaForCausalLM"
 BASE_ARCHITECTURE = "LlamaForCausalLM"
 KINDS = ("per_layer_kv", "hidden")
 CONFIG_KEY = "moa_kept_features"  # hf_config attribute naming the kind (set through hf_overrides)
-
-
-# The copies are ops of their own, declared as writing their buffers (``Tensor(a!)``): torch.compile
-# keeps them in place (no clone of a buffer), a CUDA graph records their kernels. Defined with
-# ``torch.library.Library`` rather than ``torch.library.custom_op``: one call, with far less dispatch
-# overhead, instead of two costlier ones for the two copies of a layer, paid per layer per forward.
-_LIB = torch.library.Library("moa_serve", "DEF")
-_LIB.define("keep_kv(Tensor k, Tensor v, Tensor(a!) k_out, Tensor(b!) v_out) -> ()")
-_LIB.define("keep_rows(Tensor rows, Tensor(a!) out) -> ()")
-
-
-# CPU buffers (by data pointer) whose model keeps nothing in its next forwards: there the copy is
-# skipped (on CPU the op runs on every call). A CUDA graph replays its recorded copies whatever
-# this says, so CUDA buffers always keep.
-_PAUSED: set[int] = set()
-
-
-def _keep_kv(k: torch.Tensor, v: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-    """``k_out[:n] = k``, ``v_out[:n] = v``, flattened to 2-D; n = the step's tokens (padding included)."""
-    if k_out.data_ptr() in _PAUSED:
-        return
-    n = k.shape[0]
-    k_out[:n].copy_(k.reshape(n, -1))
-    v_out[:n].copy_(v.reshape(n, -1))
-
-
-def _keep_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
-    if out.data_ptr() in _PAUSED:
-        return
-    n = rows.shape[0]
-    out[:n].copy_(rows.reshape(n, -1))
-
-
-for _device in ("CPU", "CUDA"):
-    _LIB.impl("keep_kv", _keep_kv, _device)
-    _LIB.impl("keep_rows", _keep_rows, _device)
-torch.library.register_fake("moa_serve::keep_kv", lambda k, v, k_out, v_out: None, lib=_LIB)
-torch.library.register_fake("moa_serve::keep_rows", lambda rows, out: None, lib=_LIB)
 
 
 def kind_of(features) -> str:
@@ -92,6 +58,12 @@ def supports(architectures: list[str] | None) -> bool:
     return list(architectures or []) == [BASE_ARCHITECTURE]
 
 
+def _keep(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[:n] = rows`` flattened to 2-D; n = the step's tokens (padding included)."""
+    n = rows.shape[0]
+    out[:n].copy_(rows.reshape(n, -1))
+
+
 def _rows_buffer(rows: int, width: int) -> torch.Tensor:
     # built inside vLLM's model construction: default dtype and device are the model's
     return torch.zeros(rows, width)
@@ -109,7 +81,8 @@ def _classes():
             qkv, _ = self.qkv_proj(hidden_states)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q, k = self.rotary_emb(positions, q, k)
-            torch.ops.moa_serve.keep_kv(k, v, self.kept_k, self.kept_v)
+            _keep(k, self.kept_k)
+            _keep(v, self.kept_v)
             attn_output = self.attn(q, k, v)
             output, _ = self.o_proj(attn_output)
             return output
@@ -119,7 +92,7 @@ def _classes():
 
         def forward(self, x, residual=None):
             out = super().forward(x, residual)
-            torch.ops.moa_serve.keep_rows(out[0] if isinstance(out, tuple) else out, self.kept_hidden)
+            _keep(out[0] if isinstance(out, tuple) else out, self.kept_hidden)
             return out
 
     class MoALlamaForCausalLM(LlamaForCausalLM):
@@ -147,29 +120,6 @@ def _classes():
                     self.model.norm.register_buffer(
                         "kept_hidden", _rows_buffer(rows, config.hidden_size), persistent=False
                     )
-            self.keeping: bool | None = None  # what the next forward does: set by keep_next
-            self.keep_next(True)  # a buffer may sit where a closed engine's paused one was
-
-        def _kept_buffers(self) -> list[torch.Tensor]:
-            if self.kept_kind == "hidden":
-                return [self.model.norm.kept_hidden]
-            return [b for layer in self.model.layers for b in (layer.self_attn.kept_k, layer.self_attn.kept_v)]
-
-        def keep_next(self, on: bool) -> None:
-            """Whether the next forwards keep their features. Only a CPU model can stop: a CUDA
-            graph replays its copies anyway. ``keeping`` says what the next forward will do."""
-            if on == self.keeping:
-                return
-            buffers = self._kept_buffers()
-            if buffers[0].device.type != "cpu":
-                self.keeping = True
-                return
-            pointers = [b.data_ptr() for b in buffers]
-            if on:
-                _PAUSED.difference_update(pointers)
-            else:
-                _PAUSED.update(pointers)
-            self.keeping = on
 
         def kept(self, num_tokens: int):
             """The last forward's kept rows [0, num_tokens): per layer (keys, values) [num_tokens,

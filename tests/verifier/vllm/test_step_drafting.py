@@ -514,3 +514,83 @@ def test_vllm_bench_configs_name_engines_and_their_scheduling():
         }
     )
     assert "| 16 | none | on | 10.0 | 1.00× |" in md and "| 16 | none@sync | off | 9.0 | 0.90× |" in md
+    # repeated cells: each compared with the reference's cell of its own repeat (a machine that
+    # slowed down in the second repeat slowed both), the ratios' geometric mean and range
+    md = markdown(
+        {
+            "rows": [
+                {**row, "config": "none", "repeat": 0, "tokens_per_s": 10.0},
+                {**row, "config": "x", "repeat": 0, "tokens_per_s": 9.0, "drafting_steps": 1, "governed_steps": 9},
+                {**row, "config": "x", "repeat": 1, "tokens_per_s": 8.8, "drafting_steps": 0, "governed_steps": 9},
+                {**row, "config": "none", "repeat": 1, "tokens_per_s": 8.0, "requests": 2},
+            ]
+        }
+    )
+    assert "| 16 | none |  | 9.0 | 1.00× (1.00–1.00) | 1.0 | 1.0 | 5 |  |" in md
+    assert "| 16 | x |  | 8.9 | 0.99× (0.90–1.10) | 1.0 | 1.0 | 6 | 1/18 |" in md
+
+
+class _CountingEngine:
+    """add/step/abort/has_unfinished as the bench drives them: each step gives every running
+    request ``per_step`` tokens, a request ends after ``length``; ``log`` records whose step ran."""
+
+    def __init__(self, name: str, log: list, per_step: int = 1, length: int = 3):
+        self.name, self.log, self.per_step, self.length = name, log, per_step, length
+        self.running: dict[str, int] = {}
+        self.ids = 0
+
+    def add(self, prompt, max_new_tokens):
+        self.ids += 1
+        self.running[f"{self.name}{self.ids}"] = 0
+        return f"{self.name}{self.ids}"
+
+    def step(self):
+        self.log.append(self.name)
+        out = []
+        for rid in list(self.running):
+            self.running[rid] += self.per_step
+            done = self.running[rid] >= self.length
+            out.append((rid, [7] * self.per_step, "length" if done else None))
+            if done:
+                del self.running[rid]
+        return out
+
+    def abort(self, request_ids):
+        for rid in request_ids:
+            self.running.pop(rid, None)
+
+    def has_unfinished(self):
+        return bool(self.running)
+
+
+def test_vllm_bench_interleaves_engines_one_step_each_and_times_each_alone():
+    from moa_serve.commands.vllm_bench import interleaved
+
+    log = []
+    a, b = _CountingEngine("a", log), _CountingEngine("b", log, per_step=2, length=4)
+    rows = interleaved({"a": a, "b": b}, [[1, 2]], users=2, duration_s=0.05, max_new_tokens=8)
+    # turns alternate a,b then b,a: never more than two steps of one engine in a row
+    assert len(log) >= 4 and "aaa" not in "".join(log) and "bbb" not in "".join(log)
+    assert log[:4] == ["a", "b", "b", "a"]
+    # every step moved each engine's 2 requests: tokens = steps x users x per_step; the time is the
+    # engine's own steps, not the turns of the other
+    steps_a, steps_b = log.count("a"), log.count("b")
+    assert rows["a"]["tokens"] == 2 * steps_a and rows["b"]["tokens"] == 4 * steps_b
+    assert rows["a"]["tau"] == 1.0 and rows["b"]["tau"] == 2.0
+    assert rows["a"]["requests"] >= 2 * (steps_a // 3) and not a.running and not b.running
+
+
+def test_the_step_clock_counts_only_seconds_inside_engine_steps():
+    import time
+
+    from moa_serve.verifier.vllm.engine import StepClock
+
+    clock = StepClock()
+    with clock:
+        time.sleep(0.02)
+        inside = clock()  # read from within a step (the proposer's moment)
+    time.sleep(0.05)  # between steps: an idle server, another engine's step
+    assert 0.02 <= inside and clock() == clock.spent and clock.spent < 0.045
+    with clock:
+        time.sleep(0.01)
+    assert 0.03 <= clock() < 0.075

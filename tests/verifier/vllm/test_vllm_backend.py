@@ -377,23 +377,33 @@ def assert_alternating_drafting_stays_lossless(engine: VllmEngine, plain: VllmEn
     assert spec_lens and min(spec_lens) > 0  # never for a step without drafts
 
 
-def test_the_kept_path_copies_nothing_while_the_governor_keeps_drafting_off(moa_latest, plain, prompts):
-    """On CPU the forward before a step after which the governor will not draft keeps no features
-    (the copy ops skip); drafting stays lossless with the newest feature alone."""
-    model = model_of(moa_latest)
-    decided, keep_next = [], model.keep_next
+def test_the_kept_path_gathers_nothing_while_the_governor_keeps_drafting_off(moa_latest, plain, prompts):
+    """Every compiled forward keeps its rows, but a step the governor runs without drafts reads
+    none of them back (no gather, no feature head); drafting stays lossless with the newest
+    feature alone."""
+    from moa_serve.verifier.vllm.backend import KeptFeatures
 
-    def recording(on):
-        decided.append(on)
-        keep_next(on)
+    cap = proposer_of(moa_latest).capture
+    assert isinstance(cap, KeptFeatures)
+    steps, gathered, attach = [], [], proposer_of(moa_latest)._attach_features
+    rows_at = cap.rows_at
 
-    model.keep_next = recording
+    def attaching(rows, batch):
+        steps.append(len(gathered))
+        return attach(rows, batch)
+
+    def reading(tokens):
+        gathered.append(tokens)
+        return rows_at(tokens)
+
+    proposer_of(moa_latest)._attach_features, cap.rows_at = attaching, reading
     try:
         assert_alternating_drafting_stays_lossless(moa_latest, plain, prompts)
     finally:
-        del model.keep_next
-        model.keep_next(True)
-    assert True in decided and False in decided  # some forwards kept, some did not
+        del proposer_of(moa_latest)._attach_features, cap.rows_at
+    # some steps gathered (one read for the step), some read nothing back
+    reads = [b - a for a, b in zip(steps, steps[1:] + [len(gathered)])]
+    assert 0 in reads and 1 in reads and set(reads) <= {0, 1}
 
 
 def test_hooks_capture_nothing_while_the_governor_keeps_drafting_off(moa_latest_hooked, plain, prompts):
