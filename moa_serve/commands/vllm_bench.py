@@ -325,18 +325,15 @@ def markdown(result: dict) -> str:
     (``vllm``) when measured, else ``none``. Repeated cells: the median tok/s, and the geometric
     mean (min–max) of each repeat's ratio to the reference's cell of that repeat."""
     rows = result["rows"]
-    names = list(dict.fromkeys(r["config"] for r in rows))
-    ref = "vllm" if "vllm" in names else "none"
+    ref = "vllm" if any(r["config"] == "vllm" for r in rows) else "none"
     base = {(r["users"], r.get("repeat", 0)): r["tokens_per_s"] for r in rows if r["config"] == ref}
     lines = [
         f"| users | config | async scheduling | tok/s | vs {ref} | τ | p50 latency s | requests | "
         "drafting/governed steps |",
         "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    for users, name in dict.fromkeys((r["users"], c) for r in rows for c in names):
+    for users, name in dict.fromkeys((r["users"], r["config"]) for r in rows):
         cells = [r for r in rows if r["users"] == users and r["config"] == name]
-        if not cells:
-            continue
         refs = [base.get((users, c.get("repeat", 0))) for c in cells]
         ratios = [c["tokens_per_s"] / b for c, b in zip(cells, refs) if b]
         vs = ""

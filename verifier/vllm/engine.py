@@ -256,10 +256,10 @@ class VllmEngine:
             self._internal.pop(rid, None)
         self._ended.clear()
         d0 = self.drafting.stats.draft_s if self.drafting else 0.0
-        t0 = time.perf_counter()
+        t0 = self.step_clock.spent
         with self.step_clock:
             outs = self.engine.step()
-        spent = time.perf_counter() - t0
+        spent = self.step_clock.spent - t0
         drafted = (self.drafting.stats.draft_s - d0) if self.drafting else 0.0
         self.timings["draft_s"] += drafted
         self.timings["verify_s"] += spent - drafted
