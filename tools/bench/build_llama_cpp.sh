@@ -21,7 +21,9 @@ if [[ -x "$BIN" ]]; then echo "$BIN"; exit 0; fi
 mkdir -p "$CACHE"
 cd "$CACHE"
 if [[ ! -d src ]]; then
-  python3 -m pip download --no-deps --no-binary :all: --dest sdist llama-cpp-python >&2
+  # the sdist only (its build dependencies as wheels: `--no-binary :all:` would build them from source too)
+  ls sdist/llama_cpp_python-*.tar.gz >/dev/null 2>&1 ||
+    python3 -m pip download --no-deps --no-binary llama-cpp-python --dest sdist llama-cpp-python >&2
   mkdir -p src && tar -xzf sdist/llama_cpp_python-*.tar.gz -C src --strip-components 1
 fi
 cd src/vendor/llama.cpp
