@@ -21,6 +21,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,7 @@ GATE_BEFORE_MODEL = (3, 0.5)
 _MULT = 1_000_003
 _MASK = (1 << 64) - 1
 _SEP = -1  # between sequences: no n-gram spans it, no continuation crosses it
+_FEW = 48  # occurrences counted in Python rather than NumPy (outputs._walk)
 PACKED = Path(__file__).resolve().parent / "selfdistill"
 
 
@@ -133,11 +135,17 @@ class OutputStore:
         for n in range(min(self.max_n, len(tokens)), lowest - 1, -1):
             hashes, ends = self._index[n]
             v = _hash(tokens[-n:])
-            lo, hi = np.searchsorted(hashes, v, "left"), np.searchsorted(hashes, v, "right")
+            # the Router looks up every session every round: one search where the suffix is absent
+            # (most longer suffixes), the method rather than np.searchsorted's wrapper
+            lo = int(hashes.searchsorted(v, "left"))
+            if lo == len(hashes) or hashes[lo] != v:
+                continue
+            hi = int(hashes.searchsorted(v, "right"))
             if hi - lo < self.min_support:
                 continue
-            # the latest occurrences when there are very many (a common bigram)
-            starts = np.sort(ends[lo:hi])[-self.max_candidates :]
+            starts = ends[lo:hi]
+            if hi - lo > self.max_candidates:  # the latest occurrences when there are very many (a common bigram)
+                starts = np.sort(starts)[-self.max_candidates :]
             drafts, alternatives = self._walk(starts, k, conf, widths, min_value)
             if drafts:
                 return drafts, n, alternatives
@@ -147,10 +155,16 @@ class OutputStore:
     def _walk(
         self, starts: np.ndarray, k: int, min_confidence: float, widths: tuple[int, ...] = (), min_value: float = 0.0
     ) -> tuple[list[int], list[list[int]]]:
+        """The drafts (and runners-up) that the occurrences ending at ``starts`` continue with.
+        Once few occurrences are left (most suffixes have few), they are counted in Python: a
+        dozen NumPy calls per draft token cost more than the counting."""
         drafts: list[int] = []
         alternatives: list[list[int]] = []
         reach = 1.0
         for j in range(k):
+            if len(starts) <= _FEW:
+                few = starts.tolist()
+                return self._walk_few(few, j, k, min_confidence, widths, min_value, reach, drafts, alternatives)
             nxt = self.data[starts + j]
             keep = nxt != _SEP
             starts, nxt = starts[keep], nxt[keep]
@@ -173,6 +187,44 @@ class OutputStore:
             )
             reach *= float(share[best])
             starts = starts[nxt == values[best]]
+        return drafts, alternatives
+
+    def _walk_few(
+        self,
+        starts: list[int],
+        j0: int,
+        k: int,
+        min_confidence: float,
+        widths: tuple[int, ...],
+        min_value: float,
+        reach: float,
+        drafts: list[int],
+        alternatives: list[list[int]],
+    ) -> tuple[list[int], list[list[int]]]:
+        """``_walk`` from draft ``j0`` on, over a few occurrences held in a list: the same drafts."""
+        data = self.data
+        for j in range(j0, k):
+            nxt = [int(data[i + j]) for i in starts]
+            starts = [i for i, t in zip(starts, nxt) if t != _SEP]
+            nxt = [t for t in nxt if t != _SEP]
+            if not nxt:
+                break
+            counts = Counter(nxt)
+            order = sorted(counts, key=lambda t: (-counts[t], t))  # most frequent first, the smaller id on ties
+            best = order[0]
+            if counts[best] < self.min_support or counts[best] < min_confidence * len(nxt):
+                break
+            drafts.append(best)
+            width = widths[j] if j < len(widths) else 1
+            alternatives.append(
+                [
+                    t
+                    for t in order[1:width]
+                    if counts[t] >= self.min_support and reach * (counts[t] / len(nxt)) >= min_value
+                ]
+            )
+            reach *= counts[best] / len(nxt)
+            starts = [i for i, t in zip(starts, nxt) if t == best]
         return drafts, alternatives
 
     @classmethod

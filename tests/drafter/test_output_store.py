@@ -76,6 +76,28 @@ def test_the_hashed_index_agrees_with_a_brute_force_count():
             assert got_n == n and follow[drafts[0]] == top
 
 
+def test_few_occurrences_counted_in_python_draft_as_numpy_counts_them(monkeypatch):
+    """The walk counts a suffix's occurrences with NumPy while they are many and in Python once
+    they are few: drafts, runners-up and their order are the same whichever counts."""
+    import random
+
+    from moa_serve.drafter import outputs
+
+    rng = random.Random(3)
+    # a small vocabulary: suffixes with hundreds of occurrences, ties, replies ending mid-walk
+    store = OutputStore([[rng.randrange(6) for _ in range(rng.randrange(2, 40))] for _ in range(300)], min_n=2, max_n=4)
+    contexts = [[rng.randrange(6) for _ in range(rng.randrange(2, 8))] for _ in range(300)]
+    settings = [((), 0.0, None, None), ((), 0.0, 3, 0.5), ((4, 3, 2), 0.02, None, None), ((6, 2), 0.0, 2, 0.3)]
+
+    def proposals(few: int) -> list:
+        monkeypatch.setattr(outputs, "_FEW", few)
+        return [store.propose_tree(c, 5, *s) for s in settings for c in contexts]
+
+    numpy_only, python_soon, python_only = proposals(-1), proposals(outputs._FEW), proposals(10**9)
+    assert numpy_only == python_soon == python_only
+    assert sum(bool(d) for d, _, _ in numpy_only) > 200 and sum(any(a) for _, _, a in numpy_only) > 50
+
+
 def test_replies_are_read_from_packs_and_chat_files(tmp_path):
     packed = tmp_path / "packs" / "m-replies.jsonl.gz"
     packed.parent.mkdir()
