@@ -68,6 +68,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from tools.side_by_side import together
 from tools.side_by_side.report import initial_results
 from tools.side_by_side.run import client_command, run_sides
 from tools.side_by_side.servers import SideError, log
@@ -188,6 +189,7 @@ def build_parser(repo: Path) -> argparse.ArgumentParser:
         type=float,
         help="bound on one client run (default duration + 660 s: its request timeout is 600 s)",
     )
+    together.add_arguments(p)
     p.add_argument("--out", type=Path, help="output folder (default <repo>/runs/side-by-side/<time>)")
     p.add_argument("--dry-run", action="store_true", help="write derived configs, print commands, start nothing")
     return p
@@ -208,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         if not pth.is_file():
             log(f"--{attr}: {pth} not found")
             return 2
+    why = together.check_arguments(a)
+    if why:
+        log(why)
+        return 2
     started = _dt.datetime.now()
     out = a.out or repo / "runs" / "side-by-side" / started.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)

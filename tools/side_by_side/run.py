@@ -7,7 +7,6 @@ import datetime as _dt
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import time
@@ -15,17 +14,21 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tools.side_by_side import together
 from tools.side_by_side.report import fmt, write_reports
 from tools.side_by_side.servers import (
+    DEPLOY_FAILED,
     Readiness,
     Running,
     Server,
     SideError,
+    cpu_ticks,
     http_get,
     kill_group,
     log,
     ray_pids,
     run_client,
+    steal_percent,
 )
 from tools.side_by_side.sides import VLLM_SERVED_NAME, safe_label
 
@@ -134,17 +137,23 @@ def warmup(url: str, model: str) -> str:
         return f"failed: {type(e).__name__}: {e}"
 
 
-def _run_level(a, s: dict, model: str, u: int, out: Path, level_timeout: float) -> dict:
+def _run_level(a, s: dict, model: str, u: int, out: Path, level_timeout: float, slice_of: int | None = None) -> dict:
     """One user level against a started side: the shared client's summary (and the streaming TTFT
-    probe's); ``error`` set when the client failed or printed no JSON."""
+    probe's); ``error`` set when the client failed or printed no JSON. ``slice_of``: the pass
+    this level is a slice of (``--together``)."""
     load = round(os.getloadavg()[0], 2)
-    log(f"{s['label']} users={u} duration={a.duration:g}s max_tokens={a.max_tokens} (load avg {load}) ...")
+    shown = s["label"] + ("" if slice_of is None else f" pass {slice_of + 1}")
+    log(f"{shown} users={u} duration={a.duration:g}s max_tokens={a.max_tokens} (load avg {load}) ...")
     cmd = client_command(a, s["url"], model, u)
+    ticks = cpu_ticks()
     rc, stdout, stderr = run_client(cmd, level_timeout, out / f"{safe_label(s['label'])}.client.log")
+    steal = steal_percent(ticks, cpu_ticks())
     parsed = [o for o in parse_client_output(stdout) if "users" in o] or parse_client_output(stdout)
     level = {
         "users": u,
+        **({} if slice_of is None else {"pass": slice_of}),
         "loadavg_start": load,
+        "steal_percent": steal,  # of the machine's CPU time during the client's run: taken by the hypervisor
         "client_exit": rc,
         "raw": None,
         "error": None,
@@ -172,49 +181,58 @@ def _run_level(a, s: dict, model: str, u: int, out: Path, level_timeout: float) 
             level["server_stats"] = {"error": f"{type(exc).__name__}: {exc}"}
     sm = level["summary"]
     log(
-        f"{s['label']} users={u}: tok/s={fmt(sm['tok_per_s'])} "
+        f"{shown} users={u}: tok/s={fmt(sm['tok_per_s'])} "
         f"per-user={fmt(sm['tok_per_s_per_user'])} p50={fmt(sm['latency_p50_s'])}s "
         f"p99={fmt(sm['latency_p99_s'])}s TTFT p50={fmt(sm.get('ttft'), 3)}s requests={fmt(sm['requests'])} "
-        f"failures={fmt(sm['failures'])}" + (f" ERROR {level['error']}" if level["error"] else "")
+        f"failures={fmt(sm['failures'])} steal={fmt(steal, 1)}%"
+        + (f" ERROR {level['error']}" if level["error"] else "")
     )
     return level
 
 
 class Progress:
     """What the cleanup after the sides needs to know: whether ours ran, whether a level failed,
-    and the server still running (None between sides)."""
+    and the servers still running (none between sides)."""
 
     def __init__(self):
         self.ours_started = False
         self.failed = False
-        self.current: Server | None = None
+        self.running: list[Server] = []
+
+    def stop_all(self) -> None:
+        while self.running:
+            self.running.pop().stop()
+
+
+def _server_of(a, s: dict, r: dict) -> Server:
+    """The server of one side (not started)."""
+    ready = Readiness(
+        s["url"] + s["ready_path"],
+        "127.0.0.1",
+        s["port"],
+        a.ready_timeout,
+        DEPLOY_FAILED if s["kind"] == "ours" else None,
+    )
+    return Server(s["label"], s["cmd"], s["env"], Path(r["log"]), ready)
+
+
+def _warm_up(a, s: dict, r: dict) -> str:
+    """The model name the side serves (noted in ``r``), after one short warm-up request."""
+    model = r["model"] = s["model"] or first_model_id(s["url"]) or VLLM_SERVED_NAME
+    if not a.no_warmup:
+        r["warmup"] = warmup(s["url"], model)
+        log(f"{s['label']}: warm-up request: {r['warmup']}")
+    return model
 
 
 def _run_side(a, s: dict, r: dict, out: Path, level_timeout: float, results: dict, progress: Progress) -> None:
     """Starts one side, warms it up, runs every user level against it and stops it."""
-    progress.current = Server(
-        s["label"],
-        s["cmd"],
-        s["env"],
-        Path(r["log"]),
-        Readiness(
-            s["url"] + s["ready_path"],
-            "127.0.0.1",
-            s["port"],
-            a.ready_timeout,
-            re.compile(r"DEPLOY_FAILED|Failed to update the deployments|Deploying app .* failed")
-            if s["kind"] == "ours"
-            else None,
-        ),
-    )
+    server = _server_of(a, s, r)
+    progress.running.append(server)
     try:
         progress.ours_started |= s["kind"] == "ours"
-        r["ready_s"] = round(progress.current.start(), 1)
-        model = s["model"] or first_model_id(s["url"]) or VLLM_SERVED_NAME
-        r["model"] = model
-        if not a.no_warmup:
-            r["warmup"] = warmup(s["url"], model)
-            log(f"{s['label']}: warm-up request: {r['warmup']}")
+        r["ready_s"] = round(server.start(), 1)
+        model = _warm_up(a, s, r)
         for u in a.users:
             level = _run_level(a, s, model, u, out, level_timeout)
             progress.failed |= level["error"] is not None
@@ -225,14 +243,45 @@ def _run_side(a, s: dict, r: dict, out: Path, level_timeout: float, results: dic
         r["error"] = str(exc)
         log(str(exc))
     finally:
-        progress.current.stop()
-        progress.current = None
+        progress.stop_all()
+
+
+def _run_together(
+    a, sides: list[dict], rs: list[dict], out: Path, level_timeout: float, results: dict, progress: Progress
+) -> None:
+    """Every side served at once (``together.py``): our configs as applications of one ``serve
+    run``, each peer its own server; then per level ``--slices`` passes of one slice per side,
+    the order reversed every other pass."""
+    ours = [(s, r) for s, r in zip(sides, rs) if s["kind"] == "ours"]
+    try:
+        if ours:
+            progress.ours_started = True
+            progress.running.append(together.start(a, [s for s, _ in ours], [r for _, r in ours], out))
+            together.wait_all_ready([s for s, _ in ours], a.ready_timeout)
+        for s, r in zip(sides, rs):
+            if s["kind"] != "ours":
+                server = _server_of(a, s, r)
+                progress.running.append(server)
+                r["ready_s"] = round(server.start(), 1)
+        models = {s["label"]: _warm_up(a, s, r) for s, r in zip(sides, rs)}
+        result_of = {s["label"]: r for s, r in zip(sides, rs)}
+        for u, k, s in together.slices(a, sides):
+            level = _run_level(a, s, models[s["label"]], u, out, level_timeout, slice_of=k)
+            progress.failed |= level["error"] is not None
+            result_of[s["label"]]["levels"].append(level)
+            write_reports(out, results)
+    except SideError as exc:
+        progress.failed = True
+        for r in rs:
+            r["error"] = str(exc)
+        log(str(exc))
+    finally:
+        progress.stop_all()
 
 
 def _clean_up(a, progress: Progress, ray_before: set[int]) -> None:
     """Stops a server left running and, where ours ran, the Ray daemons this run started."""
-    if progress.current is not None:
-        progress.current.stop()
+    progress.stop_all()
     if progress.ours_started:
         left = ray_pids() - ray_before
         if a.ray_stop == "always" or (a.ray_stop == "auto" and left and not ray_before):
@@ -275,7 +324,9 @@ def run_sides(a, sides: list[dict], results: dict, out: Path, level_timeout: flo
     progress = Progress()
     write_reports(out, results)
     try:
-        for s, r in zip(sides, results["sides"]):
+        if a.together:
+            _run_together(a, sides, results["sides"], out, level_timeout, results, progress)
+        for s, r in [] if a.together else zip(sides, results["sides"]):
             _run_side(a, s, r, out, level_timeout, results, progress)
             write_reports(out, results)
     except KeyboardInterrupt as exc:
