@@ -187,6 +187,15 @@ class RouterConfig(_Strict):
     multi_step_max_sessions: int = Field(
         4, ge=1, description="multi-step decoding applies to rounds of at most this many sessions"
     )
+    verify_row_tile: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="rows the verifier's matmuls multiply together (the CPU's packed kernels: 4, a forward of "
+        "5 to 8 rows costs what one of 8 does): prompt-lookup drafts fill the rows a round's last tile holds "
+        "anyway, and open a further tile only where their chances of acceptance pay for all its rows (1 = "
+        "every row priced alike)",
+    )
     cut_steps_for_newcomers: bool = Field(
         True,
         description="a session admitted while a multi-step verify call runs "

@@ -184,6 +184,7 @@ class RouterCore:
             decode_steps=r.decode_steps,
             multi_step_max_sessions=r.multi_step_max_sessions,
             lookahead=r.lookahead,
+            verify_row_tile=r.verify_row_tile,
         )
         # MoA features come from the verifier's K/V cache: skipped ones can be recomputed later;
         # devices of a client drafter the Router does not draft with get features all the same

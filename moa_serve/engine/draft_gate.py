@@ -151,12 +151,19 @@ class DraftGate:
     """How many of a session's lookup drafts to verify this round (see the module docstring)."""
 
     def __init__(
-        self, probe_every: int = 16, cost: VerifyCost | None = None, acceptance: AcceptanceStats | None = None
+        self,
+        probe_every: int = 16,
+        cost: VerifyCost | None = None,
+        acceptance: AcceptanceStats | None = None,
+        row_tile: int = 1,
     ):
+        if row_tile < 1:
+            raise ValueError("row_tile must be >= 1")
         self.probe_every = probe_every
         self.cost = cost or VerifyCost()
         self.acceptance = acceptance or AcceptanceStats()
-        self.stats = {"offered": 0, "kept": 0, "probes": 0}
+        self.row_tile = row_tile
+        self.stats = {"offered": 0, "kept": 0, "probes": 0, "tile_trimmed": 0}
 
     def bar(self, sessions: int, steps: int) -> float | None:
         """The chance of acceptance a draft token needs at this batch: row cost / token cost
@@ -189,6 +196,39 @@ class DraftGate:
             rec.since_draft = 0
         self.stats["kept"] += k
         return k
+
+    def keep_round(self, offers: list[tuple[str, int, int]], sessions: int, bar: float | None) -> dict[str, int]:
+        """``keep`` for every session of a round (``offers``: session id, match length, drafts
+        offered), then, where the verifier multiplies ``row_tile`` rows at a time (a CPU's packed
+        matmul kernels: a forward of 5 to 8 rows costs what one of 8 does), the drafts that fit
+        the last tile the round's ``sessions`` rows leave part-empty are kept, the likeliest
+        first, and each further tile only where its drafts' chances of acceptance sum to at least
+        ``row_tile`` x ``bar`` (the tokens it is expected to add pay for its rows)."""
+        kept = {sid: self.keep(sid, match, offered, bar) for sid, match, offered in offers}
+        if self.row_tile <= 1:
+            return kept
+        matches = {sid: match for sid, match, _ in offers}
+        # every kept draft with the chance that it and the ones before it are accepted, likeliest first
+        candidates = sorted(
+            (
+                (-(self.acceptance.alpha(sid, matches[sid]) ** j), j, sid)
+                for sid, k in kept.items()
+                for j in range(1, k + 1)
+            )
+        )
+        take = min(len(candidates), -sessions % self.row_tile)  # the rows the last tile holds anyway
+        while take < len(candidates):
+            tile = candidates[take : take + self.row_tile]
+            if bar is not None and -sum(c[0] for c in tile) < self.row_tile * bar:
+                break
+            take += len(tile)
+        out = dict.fromkeys(kept, 0)
+        for _, _, sid in candidates[:take]:
+            out[sid] += 1
+        trimmed = len(candidates) - take
+        self.stats["kept"] -= trimmed
+        self.stats["tile_trimmed"] += trimmed
+        return out
 
     def observe_call(self, forwards: int, rows: int, seconds: float) -> None:
         self.cost.observe(forwards, rows, seconds)

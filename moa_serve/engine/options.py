@@ -46,10 +46,14 @@ class RoundOptions(CallLimits):
     multi_step_max_sessions: int = 4
     # pipelined verify calls for draft-free rounds (pipeliner.py)
     lookahead: bool = False
+    # rows the verifier's matmuls multiply together (draft_gate.DraftGate.keep_round); 1: none
+    verify_row_tile: int = 1
 
     def __post_init__(self):
         if self.decode_steps < 1:
             raise ValueError("decode_steps must be >= 1")
+        if self.verify_row_tile < 1:
+            raise ValueError("verify_row_tile must be >= 1")
 
 
 @dataclass

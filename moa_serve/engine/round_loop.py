@@ -53,7 +53,11 @@ class RoundLoop:
         self.governors = (
             {g: SpeculationGovernor() for g in groups} if options.speculation_governor and drafter_pool else {}
         )
-        self.gates = {g: DraftGate() for g in groups} if options.speculation_governor and lookup is not None else {}
+        self.gates = (
+            {g: DraftGate(row_tile=options.verify_row_tile) for g in groups}
+            if options.speculation_governor and lookup is not None
+            else {}
+        )
         # groups whose verify call in flight decodes several steps and was not cut short yet
         self._multi_step_in_flight: set[Hashable] = set()
 
@@ -222,16 +226,19 @@ class RoundLoop:
             return {}
         gate = self.gates.get(g)
         bar = gate.bar(len(sessions), steps) if gate is not None else None
-        out, keep = {}, {s.id for s in sessions}
+        offered, keep = {}, {s.id for s in sessions}
         for s in sessions:
             k = s.speculation_length(cap, needs_features=False)
             if k > 0:
-                drafts, match = self.lookup.draft_match(s.id, s.tokens, k, keep)
-                if gate is not None:
-                    drafts = drafts[: gate.keep(s.id, match, len(drafts), bar)]
-                if drafts:
-                    out[s.id] = DraftResult(s.id, drafts)
-                    matches[s.id] = match
+                offered[s.id] = self.lookup.draft_match(s.id, s.tokens, k, keep)
+        if gate is not None and offered:
+            kept = gate.keep_round([(sid, m, len(d)) for sid, (d, m) in offered.items()], len(sessions), bar)
+            offered = {sid: (d[: kept[sid]], m) for sid, (d, m) in offered.items()}
+        out = {}
+        for sid, (drafts, match) in offered.items():
+            if drafts:
+                out[sid] = DraftResult(sid, drafts)
+                matches[sid] = match
         return out
 
     def _observe_gate(

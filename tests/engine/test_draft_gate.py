@@ -91,6 +91,37 @@ def test_the_bar_rises_with_the_batch_and_drafts_are_kept_while_they_pay():
     assert gate.keep("good", 4, 0, b1) == 0
 
 
+def test_drafts_fill_the_last_row_tile_and_open_another_only_when_they_pay_for_it():
+    def gate_with(alphas: dict[str, float]) -> DraftGate:
+        gate = DraftGate(row_tile=4)
+        for sid, a in alphas.items():  # per-session records only: match lengths left at the prior
+            rec = gate.acceptance.record(sid)
+            rec.accepted, rec.trials = a * 1e6, 1e6
+        return gate
+
+    alphas = {"a": 0.9, "b": 0.6, "c": 0.5}
+    offers = [(sid, 3, 4) for sid in alphas]
+    # 3 sessions leave one row of their tile free: it goes to the likeliest draft (a's first);
+    # the next tile takes a's 2nd-4th and b's 1st (chances .81 + .73 + .66 + .6 >= 4 x .45), and
+    # c's one draft (.5) alone cannot pay for a third
+    assert gate_with(alphas).keep_round(offers, 3, bar=0.45) == {"a": 4, "b": 1, "c": 0}
+    # where keep() leaves only a's .9 and .81, the free row takes the first, the second cannot pay a tile
+    assert gate_with(alphas).keep_round(offers, 3, bar=0.8) == {"a": 1, "b": 0, "c": 0}
+    # 4 sessions fill their tile: the same two drafts would open a second one, and do not pay for it
+    assert gate_with(alphas).keep_round([*offers, ("d", 3, 4)], 4, bar=0.8) == {"a": 0, "b": 0, "c": 0, "d": 0}
+    # a drafted session's k-th draft always follows its k-1 first ones, and row_tile 1 is keep()
+    kept = gate_with({"a": 0.95, "b": 0.7}).keep_round([("a", 3, 4), ("b", 3, 4)], 2, bar=0.2)
+    assert kept == {"a": 4, "b": 2}
+    plain = gate_with(alphas)
+    plain.row_tile = 1
+    assert plain.keep_round(offers, 3, bar=0.45) == {sid: plain.keep(sid, 3, 4, 0.45) for sid in alphas}
+    gate = gate_with(alphas)
+    gate.keep_round(offers, 3, bar=0.45)
+    assert gate.stats["tile_trimmed"] == 1 and gate.stats["kept"] == 5
+    with pytest.raises(ValueError):
+        DraftGate(row_tile=0)
+
+
 def test_a_declining_session_probes_one_draft_every_probe_every_offers():
     gate = _gate_with_costs()
     for _ in range(30):
