@@ -38,7 +38,7 @@ GATE_BEFORE_MODEL = (3, 0.5)
 _MULT = 1_000_003
 _MASK = (1 << 64) - 1
 _SEP = -1  # between sequences: no n-gram spans it, no continuation crosses it
-_FEW = 48  # occurrences counted in Python rather than NumPy (outputs._walk)
+_FEW = 48  # occurrences counted in Python rather than NumPy (OutputStore._continuations)
 PACKED = Path(__file__).resolve().parent / "selfdistill"
 
 
@@ -155,77 +155,50 @@ class OutputStore:
     def _walk(
         self, starts: np.ndarray, k: int, min_confidence: float, widths: tuple[int, ...] = (), min_value: float = 0.0
     ) -> tuple[list[int], list[list[int]]]:
-        """The drafts (and runners-up) that the occurrences ending at ``starts`` continue with.
-        Once few occurrences are left (most suffixes have few), they are counted in Python: a
-        dozen NumPy calls per draft token cost more than the counting."""
+        """The drafts (and runners-up) that the occurrences ending at ``starts`` continue with."""
         drafts: list[int] = []
         alternatives: list[list[int]] = []
         reach = 1.0
         for j in range(k):
-            if len(starts) <= _FEW:
-                few = starts.tolist()
-                return self._walk_few(few, j, k, min_confidence, widths, min_value, reach, drafts, alternatives)
-            nxt = self.data[starts + j]
-            keep = nxt != _SEP
-            starts, nxt = starts[keep], nxt[keep]
+            width = widths[j] if j < len(widths) else 1
+            starts, nxt, ranked = self._continuations(starts, j, max(1, width))
             if not len(nxt):
                 break
-            values, counts = np.unique(nxt, return_counts=True)
-            order = np.argsort(-counts, kind="stable")  # most frequent first, the smaller id on ties
-            best = int(order[0])
-            if counts[best] < self.min_support or counts[best] < min_confidence * len(nxt):
-                break
-            drafts.append(int(values[best]))
-            width = widths[j] if j < len(widths) else 1
-            share = counts / len(nxt)
-            alternatives.append(
-                [
-                    int(values[i])
-                    for i in order[1:width]
-                    if counts[i] >= self.min_support and reach * share[i] >= min_value
-                ]
-            )
-            reach *= float(share[best])
-            starts = starts[nxt == values[best]]
-        return drafts, alternatives
-
-    def _walk_few(
-        self,
-        starts: list[int],
-        j0: int,
-        k: int,
-        min_confidence: float,
-        widths: tuple[int, ...],
-        min_value: float,
-        reach: float,
-        drafts: list[int],
-        alternatives: list[list[int]],
-    ) -> tuple[list[int], list[list[int]]]:
-        """``_walk`` from draft ``j0`` on, over a few occurrences held in a list: the same drafts."""
-        data = self.data
-        for j in range(j0, k):
-            nxt = [int(data[i + j]) for i in starts]
-            starts = [i for i, t in zip(starts, nxt) if t != _SEP]
-            nxt = [t for t in nxt if t != _SEP]
-            if not nxt:
-                break
-            counts = Counter(nxt)
-            order = sorted(counts, key=lambda t: (-counts[t], t))  # most frequent first, the smaller id on ties
-            best = order[0]
-            if counts[best] < self.min_support or counts[best] < min_confidence * len(nxt):
+            total = len(nxt)
+            best, most = ranked[0]
+            if most < self.min_support or most < min_confidence * total:
                 break
             drafts.append(best)
-            width = widths[j] if j < len(widths) else 1
             alternatives.append(
-                [
-                    t
-                    for t in order[1:width]
-                    if counts[t] >= self.min_support and reach * (counts[t] / len(nxt)) >= min_value
-                ]
+                [t for t, c in ranked[1:width] if c >= self.min_support and reach * (c / total) >= min_value]
             )
-            reach *= counts[best] / len(nxt)
-            starts = [i for i, t in zip(starts, nxt) if t == best]
+            reach *= most / total
+            if isinstance(starts, np.ndarray):
+                starts = starts[nxt == best]
+            else:
+                starts = [i for i, t in zip(starts, nxt) if t == best]
         return drafts, alternatives
+
+    def _continuations(self, starts, j: int, top: int) -> tuple:
+        """(the occurrences that go on past ``j`` tokens, the token each goes on with, the ``top``
+        most frequent of those as (token, count), the smaller id first on ties). Once few
+        occurrences are left (most suffixes have few) they are counted in Python: a dozen NumPy
+        calls per draft token cost more than the counting."""
+        if len(starts) <= _FEW:
+            data = self.data
+            starts = starts.tolist() if isinstance(starts, np.ndarray) else starts
+            nxt = [int(data[i + j]) for i in starts]
+            if _SEP in nxt:
+                starts = [i for i, t in zip(starts, nxt) if t != _SEP]
+                nxt = [t for t in nxt if t != _SEP]
+            counts = Counter(nxt)
+            return starts, nxt, sorted(counts.items(), key=lambda tc: (-tc[1], tc[0]))[:top]
+        nxt = self.data[starts + j]
+        keep = nxt != _SEP
+        starts, nxt = starts[keep], nxt[keep]
+        values, counts = np.unique(nxt, return_counts=True)
+        order = np.argsort(-counts, kind="stable")[:top]  # most frequent first, the smaller id on ties
+        return starts, nxt, [(int(values[i]), int(counts[i])) for i in order]
 
     @classmethod
     def from_texts(cls, texts: list[str], tokenizer, **kw) -> "OutputStore":
