@@ -81,17 +81,26 @@ print(json.dumps({"users": users, "tok_per_s": 10.0 * users, "latency_p50_s": 0.
 """
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _script(path, source: str):
+    """An executable Python script at ``path``."""
+    path.write_text(f"#!{sys.executable}\n" + source)
+    path.chmod(0o755)
+    return path
+
+
 def test_a_whole_run_starts_measures_and_stops_each_side(tmp_path):
-    server = tmp_path / "llama-server"
-    server.write_text(f"#!{sys.executable}\n" + FAKE_SERVER)
-    server.chmod(0o755)
+    server = _script(tmp_path / "llama-server", FAKE_SERVER)
     client = tmp_path / "client.py"
     client.write_text(FAKE_CLIENT)
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"turns": ["q"], "category": "qa"}) + "\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     out = tmp_path / "out"
     argv = ["--llama-server", str(server), "--llama-gguf", "G.gguf", "--llama-port", str(port)]
     argv += ["--client", str(client), "--questions", str(questions), "--users", "1,4", "--duration", "1"]
@@ -191,22 +200,13 @@ def test_a_together_run_serves_every_side_at_once_and_moves_the_load_in_passes(t
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "python").symlink_to(sys.executable)
-    serve = fake_bin / "serve"
-    serve.write_text(f"#!{sys.executable}\n" + FAKE_SERVE)
-    serve.chmod(0o755)
+    _script(fake_bin / "serve", FAKE_SERVE)
     client = tmp_path / "client.py"
     client.write_text(FAKE_SLICE_CLIENT)
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"turns": ["q"], "category": "qa"}) + "\n")
-    llama = tmp_path / "llama-server"
-    llama.write_text(f"#!{sys.executable}\n" + FAKE_SERVER)
-    llama.chmod(0o755)
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    port, llama_port = ports
+    llama = _script(tmp_path / "llama-server", FAKE_SERVER)
+    ports = port, llama_port = _free_port(), _free_port()
     repo, out = sides.repo_root(), tmp_path / "out"
     argv = _together_args(repo, out, "--port", str(port), "--ours-python", str(fake_bin / "python"), "--slices", "3")
     argv += ["--llama-server", str(llama), "--llama-gguf", "G.gguf", "--llama-port", str(llama_port)]

@@ -118,10 +118,10 @@ def write_reports(out: Path, results: dict) -> None:
         lines += ["| users | " + " | ".join(s["label"] for s in sides) + " |", "|---|" + "---|" * len(sides)]
 
         def tps(side, u):
-            slices = [lv for lv in side["levels"] if lv["summary"]["users"] == u]
-            if len(slices) > 1:  # --together: tokens over seconds of the level's slices
+            levels = [lv for lv in side["levels"] if lv["summary"]["users"] == u]
+            if levels and "pass" in levels[0]:  # --together: tokens over seconds of the level's slices
                 return _tokens_over_seconds(_per_pass(side, u))
-            return slices[0]["summary"]["tok_per_s"] if slices else None
+            return levels[0]["summary"]["tok_per_s"] if levels else None
 
         for u in results["meta"]["users"]:
             cells = []

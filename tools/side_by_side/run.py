@@ -326,9 +326,10 @@ def run_sides(a, sides: list[dict], results: dict, out: Path, level_timeout: flo
     try:
         if a.together:
             _run_together(a, sides, results["sides"], out, level_timeout, results, progress)
-        for s, r in [] if a.together else zip(sides, results["sides"]):
-            _run_side(a, s, r, out, level_timeout, results, progress)
-            write_reports(out, results)
+        else:
+            for s, r in zip(sides, results["sides"]):
+                _run_side(a, s, r, out, level_timeout, results, progress)
+                write_reports(out, results)
     except KeyboardInterrupt as exc:
         results["meta"]["interrupted"] = True
         log(f"interrupted ({exc}); stopping")

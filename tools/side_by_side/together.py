@@ -20,6 +20,7 @@ pass holds) and their geometric mean, with the range over passes.
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 from pathlib import Path
 
@@ -91,14 +92,13 @@ def start(a, sides: list[dict], results: list[dict], out: Path) -> Server:
     ready_s = server.start()
     for s, r in zip(sides, results):
         r["url"], r["log"], r["served_config"] = s["url"], str(out / "together.log"), str(cfg)
-        r["command"] = f"MOA_MODEL_DIR={env.get('MOA_MODEL_DIR', '')} {' '.join(cmd)}"
+        r["command"] = f"MOA_MODEL_DIR={shlex.quote(env.get('MOA_MODEL_DIR', ''))} {shlex.join(cmd)}"
         r["ready_s"] = round(ready_s, 1)
     return server
 
 
-def wait_all_ready(sides: list[dict], timeout: float, sleep=None) -> None:
+def wait_all_ready(sides: list[dict], timeout: float) -> None:
     """Every application's ``/readyz`` answers 200 (the server waited for the first only)."""
-    sleep = sleep or time.sleep
     deadline = time.monotonic() + timeout
     for s in sides:
         while True:
@@ -109,7 +109,7 @@ def wait_all_ready(sides: list[dict], timeout: float, sleep=None) -> None:
                 pass
             if time.monotonic() > deadline:
                 raise SideError(f"{s['label']}: {s['url']}/readyz not 200 after {timeout:.0f} s")
-            sleep(1.0)
+            time.sleep(1.0)
 
 
 def slices(a, sides: list[dict]) -> list[tuple[int, int, dict]]:
