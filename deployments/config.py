@@ -135,7 +135,8 @@ class VerifierPoolConfig(PoolConfig):
     enforce_eager: bool = Field(
         False,
         description="backend vllm: run vLLM's forward uncompiled (vLLM's enforce_eager: "
-        "no torch.compile, no CUDA graphs). Off by default: the drafter features are kept "
+        "no torch.compile, no CUDA graphs). Off by default: a MoA drafter's K/V are read from "
+        "vLLM's paged cache after the compiled step, an EAGLE-style drafter's hidden states kept "
         "inside the compiled forward for Llama-family targets (other architectures fall back "
         "to forward hooks, which turn this on themselves). On, a replica starts in seconds "
         "where compiling takes minutes on a small CPU",

@@ -253,14 +253,15 @@ def graph_pool_bytes(cfg: AppConfig, target: ModelShape) -> int:
 
 
 def kept_feature_bytes(cfg: AppConfig, target: ModelShape) -> int:
-    """Backend vllm with a drafter checkpoint: the buffers in which the registered model class
-    (``verifier/vllm/model.py``) keeps the drafter's features inside the forward, one step's tokens
-    (``max_num_batched_tokens``) of every layer's keys and values (MoA's per-layer K/V; an
-    EAGLE-style drafter's final hidden states take less)."""
+    """Backend vllm with an EAGLE-style drafter: the buffer in which the registered model class
+    (``verifier/vllm/model.py``) keeps the final hidden states inside the forward, one step's
+    tokens (``max_num_batched_tokens``). A MoA drafter's per-layer K/V are read from vLLM's paged
+    cache after the step: nothing is kept for it."""
     if cfg.backend != "vllm" or cfg.drafter_checkpoint is None:
         return 0
-    b = dtype_bytes(cfg.dtype, cfg.device)
-    return target.layers * cfg.verifier_pool.max_num_batched_tokens * 2 * target.kv_width * b
+    if drafter_shape(cfg.drafter_checkpoint, target).kind != "eagle":
+        return 0
+    return cfg.verifier_pool.max_num_batched_tokens * target.hidden * dtype_bytes(cfg.dtype, cfg.device)
 
 
 def verifier_fit(cfg: AppConfig, target: ModelShape) -> Fit:

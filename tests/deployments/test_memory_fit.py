@@ -122,9 +122,10 @@ def test_a_gpu_verifier_counts_its_cuda_graph_pool(tmp_path, monkeypatch):
     assert fit.graph_pool_bytes(gpu, wide) == 256 * (base_row + 4 * 4 * 6144) + wide_scratch
 
 
-def test_a_vllm_verifier_with_a_drafter_counts_the_feature_buffers_of_its_forward(tmp_path, monkeypatch):
-    """Backend vllm keeps the drafter's features inside the forward: one step's tokens of every
-    layer's keys and values, counted with the verifier's activations (none without a drafter)."""
+def test_a_vllm_verifier_counts_the_hidden_states_an_eagle_drafter_keeps_in_its_forward(tmp_path, monkeypatch):
+    """Backend vllm keeps an EAGLE-style drafter's final hidden states inside the forward, one
+    step's tokens, counted with the verifier's activations; a MoA drafter's K/V come from the paged
+    cache (nothing kept), and nothing is kept without a drafter."""
     model_dir = tmp_path / "reduced-llama"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(REDUCED))
@@ -139,8 +140,10 @@ def test_a_vllm_verifier_with_a_drafter_counts_the_feature_buffers_of_its_forwar
     }
     plain = AppConfig.model_validate({**base, "drafter": None})
     moa = AppConfig.model_validate({**base, "drafter": "smollm2-135m-instruct-moa"})
+    eagle = AppConfig.model_validate({**base, "drafter": "smollm2-135m-instruct-eagle"})
     shape = fit.target_shape(plain)
     assert fit.kept_feature_bytes(plain, shape) == 0
-    kept = fit.kept_feature_bytes(moa, shape)
-    assert kept == 3 * 300 * 2 * (2 * 32) * 4  # layers x tokens x (K, V) x KV width x float32
-    assert fit.verifier_fit(moa, shape).activations == fit.verifier_fit(plain, shape).activations + kept
+    assert fit.kept_feature_bytes(moa, shape) == 0  # its K/V are read from vLLM's paged cache
+    kept = fit.kept_feature_bytes(eagle, shape)
+    assert kept == 300 * shape.hidden * 4  # tokens x hidden x float32
+    assert fit.verifier_fit(eagle, shape).activations == fit.verifier_fit(plain, shape).activations + kept

@@ -4,15 +4,18 @@ vLLM keeps its scheduler, paged KV cache, continuous batching and rejection samp
 through vLLM's ``custom_class`` speculative method (``speculative_config={"method":
 "custom_class", "model": "moa_serve.verifier.vllm.backend.MoAStepProposer"}``):
 
-* ``MoAStepProposer.load_model`` receives the target ``nn.Module``. For a Llama-family target it
-  is the registered class of :mod:`moa_serve.verifier.vllm.model`, whose forward — compiled, or
-  captured in CUDA graphs — keeps every layer's post-RoPE keys and values (or, for an
-  EAGLE-style drafter, the final norm's output) in buffers; ``KeptFeatures`` reads them after
-  the step, with the step's ``query_start_loc``/sequence lengths from the runner, so each row is
-  a (request, position). Any other target falls back to ``HookedFeatures``: forward hooks, which
-  need ``enforce_eager``.
+* ``MoAStepProposer.load_model`` receives the target ``nn.Module``, vLLM's own class, compiled or
+  captured in CUDA graphs as vLLM builds it. A MoA drafter's features — every layer's post-RoPE
+  keys and values — are where the forward put them, in vLLM's paged KV cache: ``CachedFeatures``
+  gathers them after the step through the step's slot mapping (:mod:`.paged_kv`), with the
+  step's ``query_start_loc``/sequence lengths from the runner, so each row is a (request,
+  position). An EAGLE-style drafter's final-norm output is in no cache: a Llama-family target is
+  then served by the registered class of :mod:`moa_serve.verifier.vllm.model`, which keeps it in
+  a buffer inside the forward (``KeptFeatures``). Where neither serves, an eager engine falls back
+  to ``HookedFeatures``: forward hooks.
 * After each verify forward vLLM calls ``propose(sampled_token_ids, num_tokens_no_spec,
-  token_ids_cpu)`` once for the whole batch (rows in ``input_batch.req_ids`` order). The proposer
+  token_ids_cpu, slot_mappings=)`` once for the whole batch (rows in ``input_batch.req_ids``
+  order). The proposer
   hands every row, with the captured K/V of the positions the step verified, to
   ``StepDrafting``: one batched call to the draft source. The checkpoint's feature head (LSA +
   Ekv2E) runs on those K/V only when a request drafts (batched over the call's requests), so
@@ -39,22 +42,25 @@ import torch
 
 from moa_serve.verifier.api import FeatureSource
 from moa_serve.verifier.vllm import model as vllm_model
+from moa_serve.verifier.vllm import paged_kv
 from moa_serve.verifier.vllm.step_drafting import StepDrafting, StepRow
 
 log = logging.getLogger(__name__)
 
 PROPOSER_CLASS = "moa_serve.verifier.vllm.backend.MoAStepProposer"
 
-# binding key -> (StepDrafting, feature source or None); filled before bind()
+# binding key -> (StepDrafting, feature source or None, hooks); filled before bind()
 _BINDINGS: dict[str, tuple] = {}
 _keys = itertools.count()
 _lock = threading.Lock()
 
 
-def register_binding(drafting: StepDrafting, features: FeatureSource | None) -> str:
+def register_binding(drafting: StepDrafting, features: FeatureSource | None, hooks: bool = False) -> str:
+    """``hooks``: the drafter's features through forward hooks (the eager fallback) whatever else
+    the engine could do."""
     with _lock:
         key = f"moa-binding-{next(_keys)}"
-        _BINDINGS[key] = (drafting, features)
+        _BINDINGS[key] = (drafting, features, hooks)
     return key
 
 
@@ -65,8 +71,8 @@ def bind_worker(worker, key: str) -> str:
     proposer = getattr(runner, "drafter", None)
     if not isinstance(proposer, MoAStepProposer):
         raise TypeError(f"the engine's proposer is {type(proposer).__name__}, not MoAStepProposer")
-    drafting, features = _BINDINGS.pop(key)
-    proposer.bind(runner, drafting, features)
+    drafting, features, hooks = _BINDINGS.pop(key)
+    proposer.bind(runner, drafting, features, hooks=hooks)
     sample_plainly_without_drafts(runner)
     return type(runner).__name__
 
@@ -127,37 +133,70 @@ class StepFeatures:
         return kv.transpose(0, 1).reshape(n, layers, -1)
 
 
-class KeptFeatures(StepFeatures):
-    """The default: the registered model class (:mod:`moa_serve.verifier.vllm.model`) keeps every
-    token's features in buffers inside its forward, compiled or graph-captured; after the step
-    ``refresh`` reads the step's query layout from the runner (the CPU-side arrays vLLM built the
-    step's attention metadata from: ``query_start_loc`` and the sequence lengths, exact with
-    vLLM's asynchronous scheduling off, as it is for a ``custom_class`` proposer)."""
+class AfterStepFeatures(StepFeatures):
+    """Features read after the step, with the step's query layout from the runner (the CPU-side
+    arrays vLLM built the step's attention metadata from: ``query_start_loc`` and the sequence
+    lengths, exact with vLLM's asynchronous scheduling off, as it is for a ``custom_class``
+    proposer). Nothing host-side runs inside the forward."""
 
-    def __init__(self, model, runner, kind: str, num_kv_heads: int, head_dim: int):
+    def __init__(self, runner, kind: str, num_kv_heads: int, head_dim: int):
         super().__init__(kind, num_kv_heads, head_dim)
-        if getattr(model, "kept_kind", None) != kind:
-            raise ValueError(f"the model keeps {getattr(model, 'kept_kind', None)!r}, the drafter reads {kind!r}")
-        self.model, self.runner = model, runner
+        self.runner = runner
 
-    def refresh(self, num_requests: int) -> None:
-        """The last step's layout (every forward keeps its features)."""
+    def refresh(self, num_requests: int, slot_mappings=None) -> None:
+        """The last step's layout (``slot_mappings``: what vLLM hands its proposer)."""
         r = self.runner
         self.query_start_loc = r.query_start_loc.np[: num_requests + 1].tolist()
         self.seq_lens = r.optimistic_seq_lens_cpu[:num_requests].tolist()
         self.num_tokens = self.query_start_loc[-1] if num_requests else 0
 
-    def rows_at(self, tokens: list[int]) -> torch.Tensor:
+    def _check(self, tokens: list[int]) -> None:
         if any(t < 0 or t >= self.num_tokens for t in tokens):
             raise IndexError(f"tokens {tokens} are not all among the step's {self.num_tokens}")
+
+
+class CachedFeatures(AfterStepFeatures):
+    """The default for MoA ("per_layer_kv"): every layer's post-RoPE K/V gathered from vLLM's paged
+    cache through the step's slot mapping (:mod:`moa_serve.verifier.vllm.paged_kv`), on vLLM's own
+    model class, compiled or graph-captured: the forward computes nothing extra."""
+
+    def __init__(self, model, runner, num_kv_heads: int, head_dim: int):
+        super().__init__(runner, "per_layer_kv", num_kv_heads, head_dim)
+        layers = paged_kv.attention_layers(model)
+        self.layer_name = layers[0].layer_name if layers else None
+        self.cache = paged_kv.PagedKV(layers, num_kv_heads, head_dim, runner.kv_cache_config.num_blocks)
+        self.slot_mapping: torch.Tensor | None = None
+
+    def refresh(self, num_requests: int, slot_mappings=None) -> None:
+        super().refresh(num_requests, slot_mappings)
+        if isinstance(slot_mappings, list):  # one dict per micro-batch (ubatching); never on CPU
+            raise RuntimeError("micro-batched steps: the drafter's features cannot follow their slots")
+        if slot_mappings is None:  # the runner's own (what vLLM builds the step's mappings from)
+            self.slot_mapping = self.runner.input_batch.block_table[0].slot_mapping.gpu
+        else:
+            self.slot_mapping = slot_mappings[self.layer_name]
+
+    def rows_at(self, tokens: list[int]) -> torch.Tensor:
+        self._check(tokens)
+        idx = torch.tensor(tokens, dtype=torch.long, device=self.slot_mapping.device)
+        return self.cache.gather(self.slot_mapping.index_select(0, idx))
+
+
+class KeptFeatures(AfterStepFeatures):
+    """An EAGLE-style drafter's final hidden states ("hidden"), which no cache holds: the
+    registered model class (:mod:`moa_serve.verifier.vllm.model`) keeps every token's in a buffer
+    inside its forward, compiled or graph-captured; read after the step."""
+
+    def __init__(self, model, runner, kind: str, num_kv_heads: int, head_dim: int):
+        super().__init__(runner, kind, num_kv_heads, head_dim)
+        if getattr(model, "kept_kind", None) != kind:
+            raise ValueError(f"the model keeps {getattr(model, 'kept_kind', None)!r}, the drafter reads {kind!r}")
+        self.model = model
+
+    def rows_at(self, tokens: list[int]) -> torch.Tensor:
+        self._check(tokens)
         kept = self.model.kept(self.num_tokens)
-        if self.kind == "hidden":
-            return kept.index_select(0, torch.tensor(tokens, dtype=torch.long, device=kept.device))
-        idx = torch.tensor(tokens, dtype=torch.long, device=kept[0][0].device)
-        return self._layout(
-            torch.stack([k.index_select(0, idx) for k, _ in kept]),
-            torch.stack([v.index_select(0, idx) for _, v in kept]),
-        )
+        return kept.index_select(0, torch.tensor(tokens, dtype=torch.long, device=kept.device))
 
 
 class HookedFeatures(StepFeatures):
@@ -277,32 +316,49 @@ class MoAStepProposer:
     def load_model(self, target_model) -> None:
         self.model = target_model
 
-    def bind(self, runner, drafting: StepDrafting, features: FeatureSource | None) -> None:
+    def bind(self, runner, drafting: StepDrafting, features: FeatureSource | None, hooks: bool = False) -> None:
+        """Where the drafter's features come from: a MoA drafter's per-layer K/V from the paged
+        cache (``CachedFeatures``), an EAGLE-style drafter's hidden states from the registered
+        class's forward (``KeptFeatures``); with ``hooks``, or where neither can serve an eager
+        engine, from forward hooks (``HookedFeatures``)."""
         if drafting.num_drafts != self.num_drafts:
             raise ValueError(f"drafting asks {drafting.num_drafts} drafts, the engine {self.num_drafts}")
         self.runner, self.drafting = runner, drafting
-        if features is not None:
-            if self.model is None:
-                raise RuntimeError("bind before load_model: the engine did not hand over its model")
-            p = next(self.model.parameters())
-            self.features = features.prepared(p.device, p.dtype)
-            kind = vllm_model.kind_of(features)
-            latest = features.from_cache and features.latest_only
-            if getattr(self.model, "kept_kind", None) is not None:  # the registered class
-                self.capture = KeptFeatures(self.model, runner, kind, self.num_kv_heads, self.head_dim)
-            elif self.eager:
-                self.capture = HookedFeatures(
-                    self.model, kind, self.num_kv_heads, self.head_dim, tail=self.num_drafts + 1 if latest else None
-                )
-                if latest:  # nothing to capture in a step after which the governor will not draft
-                    self.capture.wanted = self._wants_capture
-            else:
+        if features is None:
+            return
+        if self.model is None:
+            raise RuntimeError("bind before load_model: the engine did not hand over its model")
+        p = next(self.model.parameters())
+        self.features = features.prepared(p.device, p.dtype)
+        kind = vllm_model.kind_of(features)
+        latest = features.from_cache and features.latest_only
+        self.capture = None if hooks else self._after_step_features(kind)
+        if self.capture is None:
+            if not self.eager:
                 raise RuntimeError(
-                    f"{type(self.model).__name__} keeps no drafter features and the engine "
-                    "is compiled: forward hooks need enforce_eager"
+                    f"{type(self.model).__name__} keeps no {kind} features after a compiled step: "
+                    "forward hooks need enforce_eager"
                 )
-            drafting.feature_fn = self._features
-            drafting.latest_feature_only = latest
+            self.capture = HookedFeatures(
+                self.model, kind, self.num_kv_heads, self.head_dim, tail=self.num_drafts + 1 if latest else None
+            )
+            if latest:  # nothing to capture in a step after which the governor will not draft
+                self.capture.wanted = self._wants_capture
+        drafting.feature_fn = self._features
+        drafting.latest_feature_only = latest
+
+    def _after_step_features(self, kind: str) -> StepFeatures | None:
+        if kind == "hidden":
+            if getattr(self.model, "kept_kind", None) == "hidden":  # the registered class
+                return KeptFeatures(self.model, self.runner, kind, self.num_kv_heads, self.head_dim)
+            return None
+        try:
+            return CachedFeatures(self.model, self.runner, self.num_kv_heads, self.head_dim)
+        except paged_kv.CacheLayoutError as exc:
+            if not self.eager:
+                raise RuntimeError(f"the drafter's K/V cannot be read from vLLM's paged cache: {exc}") from exc
+            log.warning("the drafter's K/V cannot be read from vLLM's paged cache (%s): forward hooks", exc)
+            return None
 
     def _wants_capture(self, seq_lens: list[int]) -> bool:
         """Before a forward: whether the drafts asked after it may need its features. The step's
@@ -327,18 +383,18 @@ class MoAStepProposer:
         ]
         batch = sum(r.sampled for r in rows)  # the governor's batch size, as StepDrafting counts it
         if self.capture is not None:
-            self._attach_features(rows, batch)
+            self._attach_features(rows, batch, slot_mappings)
         return self.drafting.step(rows)
 
-    def _attach_features(self, rows: list[StepRow], batch: int) -> None:
+    def _attach_features(self, rows: list[StepRow], batch: int, slot_mappings=None) -> None:
         """The feature head's inputs for the positions each row's forward verified this step:
         from where its query began up to the last accepted token (rejected drafts' positions are
         dropped; mid-prefill, the whole chunk), or only the last of them for a drafter that reads
         the latest feature alone. ``StepDrafting`` runs the head on them only when the request
         drafts."""
         cap = self.capture
-        if isinstance(cap, KeptFeatures):
-            cap.refresh(len(rows))
+        if isinstance(cap, AfterStepFeatures):
+            cap.refresh(len(rows), slot_mappings)
             # a latest-only drafter needs no feature of a step after which the governor will not
             # draft (its request waits for a fresh one): nothing is gathered then
             cap.active = self.drafting.wants_features(batch)

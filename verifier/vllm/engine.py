@@ -139,25 +139,26 @@ class VllmEngine:
                 "prompt_lookup_max": 4,
             }
         folder = hf_folder(self.path)
-        # the drafter's features: kept inside the forward by the registered model class (compiled
-        # and graph-captured forwards keep them too), or else through hooks, which need eager mode
+        # the drafter's features: a MoA drafter's K/V read back from vLLM's paged cache (vLLM's own
+        # model class, compiled); an EAGLE-style drafter's hidden states kept inside the forward by
+        # the registered model class (Llama family); otherwise through hooks, which need eager mode
         kind = None if head is None else vllm_model.kind_of(head)
         model_class = {}
-        self.features_in_forward = False
-        if kind is not None:
+        self.feature_hooks = kind is not None and o.feature_hooks
+        if kind == "hidden" and not o.feature_hooks:
             architectures = json.loads((folder / "config.json").read_text()).get("architectures")
-            self.features_in_forward = vllm_model.supports(architectures) and not o.feature_hooks
-            if self.features_in_forward:
+            if vllm_model.supports(architectures):
                 vllm_model.register()
                 model_class = {"hf_overrides": vllm_model.overrides(kind)}
-            elif not o.enforce_eager and not o.feature_hooks:
+            else:
+                self.feature_hooks = True
                 log.warning(
-                    "%s has no vLLM model class that keeps drafter features (%s only): features "
-                    "through forward hooks, vLLM in eager mode",
+                    "%s has no vLLM model class that keeps the final hidden states (%s only): "
+                    "features through forward hooks, vLLM in eager mode",
                     architectures,
                     vllm_model.BASE_ARCHITECTURE,
                 )
-        self.eager = o.enforce_eager or (kind is not None and not self.features_in_forward)
+        self.eager = o.enforce_eager or self.feature_hooks
         self.llm = LLM(
             model=str(folder),
             dtype=str(self.dtype).removeprefix("torch."),
@@ -208,7 +209,7 @@ class VllmEngine:
                 governor=SpeculationGovernor() if o.speculation_governor else None,
                 clock=self.step_clock,
             )
-            self.llm.collective_rpc(bind_worker, args=(register_binding(self.drafting, head),))
+            self.llm.collective_rpc(bind_worker, args=(register_binding(self.drafting, head, self.feature_hooks),))
         self._ids = itertools.count()
         self._internal: dict[str, str] = {}  # our request id -> vLLM's internal one
         self._ended: list[str] = []  # finished or aborted in the last step

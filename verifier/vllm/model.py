@@ -1,25 +1,22 @@
-"""vLLM's Llama with the drafter's features written inside the forward, so that a compiled or
-CUDA-graph-captured forward still produces them (the vLLM backend's default path).
+"""vLLM's Llama with the final norm's output kept inside the forward, for an EAGLE-style drafter,
+so that a compiled or CUDA-graph-captured forward still produces it.
 
-``MoALlamaForCausalLM`` subclasses vLLM's ``LlamaForCausalLM`` and is registered with vLLM's
-``ModelRegistry``; ``VllmEngine`` selects it through ``hf_overrides={"architectures": [...]}``
-for a target whose architecture is ``LlamaForCausalLM`` (Llama, SmolLM2, ...). It computes exactly
-what the stock class computes, and also copies, in every forward:
+A MoA drafter's features — every layer's post-RoPE keys and values — need no model class: the
+forward writes them into vLLM's paged KV cache, and the proposer gathers them from there after
+the step (:mod:`moa_serve.verifier.vllm.paged_kv`). The final norm's output (``hidden``) is in
+no cache. ``MoALlamaForCausalLM`` subclasses vLLM's ``LlamaForCausalLM`` and is registered with
+vLLM's ``ModelRegistry``; ``VllmEngine`` selects it through ``hf_overrides={"architectures":
+[...]}`` for an EAGLE-style drafter on a target whose architecture is ``LlamaForCausalLM``
+(Llama, SmolLM2, ...). It computes exactly what the stock class computes, and also copies, in
+every forward, the final norm's output into the model's ``kept_hidden`` rows [0, num_tokens).
 
-* ``per_layer_kv`` (MoA): each layer's post-RoPE keys and its values, the tensors the layer hands
-  to attention, into that layer's ``kept_k`` / ``kept_v`` rows [0, num_tokens);
-* ``hidden`` (EAGLE-style): the final norm's output into the model's ``kept_hidden``.
-
-The copies are plain in-place writes into module buffers (``kept[:n].copy_(rows)``): torch.compile
+The copy is a plain in-place write into a module buffer (``kept[:n].copy_(rows)``): torch.compile
 (vLLM's inductor pass on CPU, its piecewise compile on GPUs) keeps the buffer mutation and fuses
 the write into the kernel that computes the rows, and a CUDA graph records it: each replay writes
-the step's rows into the same buffers. The buffers hold ``max_num_batched_tokens`` rows, what one
-step can carry (padding included). Every forward copies, drafts wanted or not: a decode step's
-rows are a few KiB per layer, and a custom op that skipped its copy in steps without drafts cost
-more than the copy, one Python dispatch per layer per forward (``docs/benchmarks.md#vllm-backend``).
-What the rows mean (which request, which position) the proposer reads after the step from the
-runner's own layout (``query_start_loc``, sequence lengths): nothing host-side runs inside the
-forward.
+the step's rows into the same buffer. The buffer holds ``max_num_batched_tokens`` rows, what one
+step can carry (padding included). What the rows mean (which request, which position) the
+proposer reads after the step from the runner's own layout (``query_start_loc``, sequence
+lengths): nothing host-side runs inside the forward.
 """
 
 from __future__ import annotations
@@ -28,20 +25,20 @@ import torch
 
 ARCHITECTURE = "MoALlamaForCausalLM"
 BASE_ARCHITECTURE = "LlamaForCausalLM"
-KINDS = ("per_layer_kv", "hidden")
+KINDS = ("per_layer_kv", "hidden")  # what a drafter reads; the registered class keeps "hidden"
 CONFIG_KEY = "moa_kept_features"  # hf_config attribute naming the kind (set through hf_overrides)
 
 
 def kind_of(features) -> str:
-    """What the forward must keep for a drafter's ``FeatureSource``: the per-layer K/V it reads
-    back from the cache (MoA), or the final hidden state (EAGLE-style)."""
+    """What a drafter's ``FeatureSource`` reads of the target: the per-layer K/V (MoA; from vLLM's
+    paged cache), or the final hidden state (EAGLE-style; kept by the registered class)."""
     return "per_layer_kv" if features.from_cache else "hidden"
 
 
 def overrides(kind: str) -> dict:
     """The ``hf_overrides`` that make vLLM build ``MoALlamaForCausalLM`` keeping ``kind``."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown feature kind {kind!r}; one of {KINDS}")
+    if kind != "hidden":
+        raise ValueError(f"the registered class keeps the final hidden states, not {kind!r}")
     return {"architectures": [ARCHITECTURE], CONFIG_KEY: kind}
 
 
@@ -70,22 +67,9 @@ def _rows_buffer(rows: int, width: int) -> torch.Tensor:
 
 
 def _classes():
-    """The subclasses, built on first use (vLLM is an optional dependency)."""
+    """The subclass, built on first use (vLLM is an optional dependency)."""
     from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-
-    class KeepingAttention(LlamaAttention):
-        """vLLM's ``LlamaAttention.forward`` with the post-RoPE K and V kept before attention."""
-
-        def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-            qkv, _ = self.qkv_proj(hidden_states)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k = self.rotary_emb(positions, q, k)
-            _keep(k, self.kept_k)
-            _keep(v, self.kept_v)
-            attn_output = self.attn(q, k, v)
-            output, _ = self.o_proj(attn_output)
-            return output
+    from vllm.model_executor.models.llama import LlamaForCausalLM
 
     class KeepingNorm(RMSNorm):
         """The final norm, its output kept."""
@@ -98,39 +82,20 @@ def _classes():
     class MoALlamaForCausalLM(LlamaForCausalLM):
         def __init__(self, *, vllm_config, prefix: str = ""):
             config = vllm_config.model_config.hf_config
-            kind = getattr(config, CONFIG_KEY, "per_layer_kv")
-            if kind not in KINDS:
-                raise ValueError(f"{CONFIG_KEY}={kind!r}; one of {KINDS}")
+            kind = getattr(config, CONFIG_KEY, "hidden")
+            if kind != "hidden":
+                raise ValueError(f"{CONFIG_KEY}={kind!r}: the class keeps the final hidden states only")
             rows = vllm_config.scheduler_config.max_num_batched_tokens
-
-            class Layer(LlamaDecoderLayer):
-                def __init__(self, vllm_config, prefix: str = ""):
-                    attention = KeepingAttention if kind == "per_layer_kv" else LlamaAttention
-                    super().__init__(vllm_config=vllm_config, prefix=prefix, attn_layer_type=attention)
-                    if kind == "per_layer_kv":
-                        a = self.self_attn
-                        a.register_buffer("kept_k", _rows_buffer(rows, a.kv_size), persistent=False)
-                        a.register_buffer("kept_v", _rows_buffer(rows, a.kv_size), persistent=False)
-
-            super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=Layer)
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
             self.kept_kind = kind
-            if kind == "hidden":
-                if isinstance(self.model.norm, RMSNorm):  # the last pipeline rank holds it
-                    self.model.norm = KeepingNorm(config.hidden_size, eps=config.rms_norm_eps)
-                    self.model.norm.register_buffer(
-                        "kept_hidden", _rows_buffer(rows, config.hidden_size), persistent=False
-                    )
+            if isinstance(self.model.norm, RMSNorm):  # the last pipeline rank holds it
+                self.model.norm = KeepingNorm(config.hidden_size, eps=config.rms_norm_eps)
+                self.model.norm.register_buffer("kept_hidden", _rows_buffer(rows, config.hidden_size), persistent=False)
 
-        def kept(self, num_tokens: int):
-            """The last forward's kept rows [0, num_tokens): per layer (keys, values) [num_tokens,
-            KVH * head_dim] each, or the final hidden states [num_tokens, hidden]. Views into the
-            buffers: read them before the next forward."""
-            if self.kept_kind == "hidden":
-                return self.model.norm.kept_hidden[:num_tokens]
-            return [
-                (layer.self_attn.kept_k[:num_tokens], layer.self_attn.kept_v[:num_tokens])
-                for layer in self.model.layers
-            ]
+        def kept(self, num_tokens: int) -> torch.Tensor:
+            """The last forward's final hidden states [num_tokens, hidden]: a view into the buffer
+            (read it before the next forward)."""
+            return self.model.norm.kept_hidden[:num_tokens]
 
     return MoALlamaForCausalLM
 

@@ -52,10 +52,10 @@ def speculative_engine(drafter: str, **kw) -> VllmEngine:
 
 
 def hooked_engine(drafter: str, **kw) -> VllmEngine:
-    """The fallback for targets without a registered model class: features through forward hooks,
-    vLLM in eager mode."""
+    """The fallback where neither the paged cache nor the registered class gives the features:
+    forward hooks, vLLM in eager mode."""
     engine = speculative_engine(drafter, feature_hooks=True, **kw)
-    assert engine.eager and not engine.features_in_forward
+    assert engine.eager and engine.feature_hooks
     return engine
 
 
@@ -138,24 +138,23 @@ def test_greedy_moa_on_vllm_equals_plain_vllm_and_the_torch_backend(plain, moa, 
     assert moa.stats()["accepted"] > 0
 
 
-def test_the_default_path_keeps_features_inside_a_compiled_forward_without_hooks(moa):
-    """A Llama target is served by the registered class: vLLM compiles its forward (no
-    enforce_eager), the features are kept inside it, and no module of the target has a hook."""
+def test_the_default_path_reads_the_kv_from_the_paged_cache_after_a_compiled_forward(moa):
+    """A MoA drafter's K/V come from vLLM's paged cache: vLLM's own model class, its forward
+    compiled (no enforce_eager), nothing kept inside it, and no module of the target has a hook."""
     from vllm.config import CompilationMode
 
-    from moa_serve.verifier.vllm.backend import KeptFeatures
+    from moa_serve.verifier.vllm.backend import CachedFeatures
 
-    assert not moa.eager and moa.features_in_forward
+    assert not moa.eager and not moa.feature_hooks
     config = moa.engine.vllm_config
     assert not config.model_config.enforce_eager
     assert config.compilation_config.mode != CompilationMode.NONE
     assert config.compilation_config.backend == "inductor"
     model = model_of(moa)
-    assert type(model).__name__ == "MoALlamaForCausalLM" and model.kept_kind == "per_layer_kv"
-    # one step's tokens per layer (what deployments/fit.py counts)
-    attention = model.model.layers[0].self_attn
-    assert attention.kept_k.shape == (config.scheduler_config.max_num_batched_tokens, attention.kv_size)
-    assert isinstance(proposer_of(moa).capture, KeptFeatures)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not [name for name, _ in model.named_buffers() if name.rsplit(".", 1)[-1].startswith("kept")]
+    cap = proposer_of(moa).capture
+    assert isinstance(cap, CachedFeatures) and len(cap.cache.layers) == config.model_config.hf_config.num_hidden_layers
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     assert hooks == 0
 
@@ -298,9 +297,9 @@ def test_a_latest_only_drafter_gets_the_newest_feature_alone_and_needs_no_prefix
     path, latest_drafter, plain, prompts, long_prompt, request
 ):
     """With a drafter that reads only the freshest feature, each draft call carries one feature:
-    the newest verified position's, equal to the torch backend's there — features kept inside the
-    inductor-compiled forward (the shipped drafter), in an eager one, and through the eager
-    fallback's hooks alike. Output stays plain vLLM's, and
+    the newest verified position's, equal to the torch backend's there — features read from the
+    paged cache after the inductor-compiled forward (the shipped drafter), after an eager one, and
+    through the eager fallback's hooks alike. Output stays plain vLLM's, and
     a prefix-cache hit needs no stored features (the request still drafts, with the same
     acceptance as the first run)."""
     from moa_serve.engine.local import SpeculativeEngine
@@ -377,20 +376,19 @@ def assert_alternating_drafting_stays_lossless(engine: VllmEngine, plain: VllmEn
     assert spec_lens and min(spec_lens) > 0  # never for a step without drafts
 
 
-def test_the_kept_path_gathers_nothing_while_the_governor_keeps_drafting_off(moa_latest, plain, prompts):
-    """Every compiled forward keeps its rows, but a step the governor runs without drafts reads
-    none of them back (no gather, no feature head); drafting stays lossless with the newest
-    feature alone."""
-    from moa_serve.verifier.vllm.backend import KeptFeatures
+def test_the_cached_path_gathers_nothing_while_the_governor_keeps_drafting_off(moa_latest, plain, prompts):
+    """A step the governor runs without drafts reads nothing back from the paged cache (no
+    gather, no feature head); drafting stays lossless with the newest feature alone."""
+    from moa_serve.verifier.vllm.backend import CachedFeatures
 
     cap = proposer_of(moa_latest).capture
-    assert isinstance(cap, KeptFeatures)
+    assert isinstance(cap, CachedFeatures)
     steps, gathered, attach = [], [], proposer_of(moa_latest)._attach_features
     rows_at = cap.rows_at
 
-    def attaching(rows, batch):
+    def attaching(rows, batch, *slot_mappings):
         steps.append(len(gathered))
-        return attach(rows, batch)
+        return attach(rows, batch, *slot_mappings)
 
     def reading(tokens):
         gathered.append(tokens)
