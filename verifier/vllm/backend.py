@@ -92,6 +92,7 @@ def sample_plainly_without_drafts(runner) -> None:
     speculation."""
     sample, metadata = runner._sample, runner._calc_spec_decode_metadata
     empty = torch.zeros(0, dtype=torch.int32, device=runner.device)
+    constant: dict[int, tuple] = {}
 
     def _sample(logits, spec_decode_metadata):
         if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
@@ -104,12 +105,15 @@ def sample_plainly_without_drafts(runner) -> None:
         from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
         n = len(num_draft_tokens)
-        rows = torch.arange(n, dtype=torch.int32, device=runner.device)
+        if n not in constant:  # what does not change between steps of n requests
+            rows = torch.arange(n, dtype=torch.int32, device=runner.device)
+            constant[n] = ([0] * n, torch.zeros_like(rows), rows + 1, rows)
+        zeros, cu_drafts, cu_sampled, rows = constant[n]
         return SpecDecodeMetadata(
             draft_token_ids=empty,
-            num_draft_tokens=[0] * n,
-            cu_num_draft_tokens=torch.zeros(n, dtype=torch.int32, device=runner.device),
-            cu_num_sampled_tokens=rows + 1,
+            num_draft_tokens=zeros,
+            cu_num_draft_tokens=cu_drafts,
+            cu_num_sampled_tokens=cu_sampled,
             target_logits_indices=empty,
             bonus_logits_indices=rows,
             logits_indices=torch.from_numpy(cu_num_scheduled_tokens - 1).to(runner.device),
