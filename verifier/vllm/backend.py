@@ -15,8 +15,7 @@ through vLLM's ``custom_class`` speculative method (``speculative_config={"metho
   to ``HookedFeatures``: forward hooks.
 * After each verify forward vLLM calls ``propose(sampled_token_ids, num_tokens_no_spec,
   token_ids_cpu, slot_mappings=)`` once for the whole batch (rows in ``input_batch.req_ids``
-  order). The proposer
-  hands every row, with the captured K/V of the positions the step verified, to
+  order). The proposer hands every row, with the K/V of the positions the step verified, to
   ``StepDrafting``: one batched call to the draft source. The checkpoint's feature head (LSA +
   Ekv2E) runs on those K/V only when a request drafts (batched over the call's requests), so
   steps the speculation governor runs without drafts do not pay for it.
@@ -382,7 +381,10 @@ class MoAStepProposer:
             return CachedFeatures(self.model, self.runner, self.num_kv_heads, self.head_dim)
         except paged_kv.CacheLayoutError as exc:
             if not self.eager:
-                raise RuntimeError(f"the drafter's K/V cannot be read from vLLM's paged cache: {exc}") from exc
+                raise RuntimeError(
+                    f"the drafter's K/V cannot be read from vLLM's paged cache ({exc}); "
+                    "verifier_pool.enforce_eager: true reads them through forward hooks"
+                ) from exc
             log.warning("the drafter's K/V cannot be read from vLLM's paged cache (%s): forward hooks", exc)
             return None
 
