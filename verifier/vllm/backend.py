@@ -82,9 +82,9 @@ def sample_plainly_without_drafts(runner) -> None:
     runner takes the speculative path in every step of an engine built with speculation
     (``GPUModelRunner._prepare_inputs``: ``use_spec_decode = self.speculative_config is not
     None``), so every step the governor runs without drafts would pay for speculative metadata
-    (``_calc_spec_decode_metadata``: index arithmetic and five host-to-device copies, 0.2 ms of a
-    47 ms step at 4 users on a 2-core AVX2 EPYC), a bonus-token sampler, rejection kernels and the
-    output parsing of a speculative step. With no drafts the two are the same computation: the
+    (``_calc_spec_decode_metadata``: index arithmetic and five host-to-device copies;
+    docs/benchmarks.md#vllm-backend), a bonus-token sampler, rejection kernels and the output
+    parsing of a speculative step. With no drafts the two are the same computation: the
     logits are one row per request either way (the last scheduled token's), and the rejection
     sampler's bonus token is the plain sampler's token (the draft tokens it would combine with
     penalties are empty); the runner's bookkeeping reads a [requests, 1] output as a step without

