@@ -140,12 +140,13 @@ def test_smollm2_greedy_float32_through_the_link_equals_plain_decoding():
         for out in outs.values():
             assert out["token_ids"] == ref and out["verified_tokens"] == len(ref) and out["offline_tokens"] == 0
             assert out["server_calls"] == out["rounds"] < len(ref)  # fewer calls than tokens
-        # fixed K: the same rounds, so the bytes differ by the features alone: int8 saves about half
-        # of each float16 feature (hidden bytes of 2 * hidden), and every round carries at least one
-        assert outs["int8"]["rounds"] == outs["float16"]["rounds"]
+        # every verified position's feature travels down once whatever the codec: int8 saves about
+        # half of each float16 feature (hidden bytes of 2 * hidden), and every round carries at
+        # least one. int8's rounding may turn a draft (its rounds then differ from float16's, a few
+        # headers apart): the saving is counted over the larger number of rounds
         hidden = read_config(SMOLLM).hidden_size
         saved = outs["float16"]["bytes_down"] - outs["int8"]["bytes_down"]
-        assert saved >= 0.9 * hidden * outs["int8"]["rounds"]
+        assert saved >= 0.9 * hidden * max(out["rounds"] for out in outs.values())
         assert outs["int8"]["device_weights_mib"] < 200  # the target itself is 513 MiB in float32
     finally:
         uv.stop()
