@@ -310,7 +310,9 @@ class AppConfig(_Strict):
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="most draft tokens per session per round (K)")
     adaptive_speculation: bool = Field(
         True,
-        description="per session, draft about as many tokens as recently accepted (at most num_speculative_tokens)",
+        description="draft lengths adapt (at most num_speculative_tokens): backend torch, per session about as many "
+        "tokens as recently accepted; backend vllm, per engine step the length with the most expected tokens per "
+        "second from the step's measured cost per row, the draft call's and acceptance",
     )
     branching: str = Field(
         "chain",

@@ -82,6 +82,7 @@ class VllmVerifier:
             max_num_batched_tokens=pool.max_num_batched_tokens,
             retry_after_s=self.cfg.router.retry_after_s,
             speculation_governor=self.cfg.router.speculation_governor,
+            adaptive_speculation=self.cfg.adaptive_speculation,
             device=self.cfg.device,
             prefix_caching=pool.prefix_caching,
             enforce_eager=pool.enforce_eager,

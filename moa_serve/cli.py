@@ -41,14 +41,9 @@ def _load_engine(args):
     if args.backend == "vllm":
         if not vllm_available():
             raise CLIError(f"--backend vllm: {INSTALL_HINT}")
-        if (
-            args.device != "cpu"
-            or args.adaptive_k
-            or args.matmul_precision != "highest"
-            or args.kv_cache_dtype != "auto"
-        ):
+        if args.device != "cpu" or args.matmul_precision != "highest" or args.kv_cache_dtype != "auto":
             raise CLIError(
-                "--backend vllm: --device, --adaptive-k, --matmul-precision and --kv-cache-dtype are "
+                "--backend vllm: --device, --matmul-precision and --kv-cache-dtype are "
                 "torch-backend options (vLLM picks its platform itself; its KV cache follows --dtype)"
             )
         drafter = drafter_arg(args.drafter)
@@ -61,6 +56,7 @@ def _load_engine(args):
                 max_model_len=args.max_model_len,
                 max_num_seqs=1,
                 seed=args.seed or 0,
+                adaptive_speculation=args.adaptive_k,
             ),
             features=load_feature_source(drafter),
             proposer_factory=load_proposer,
@@ -175,7 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
     g.add_argument(
-        "--adaptive-k", action="store_true", help="draft about as many tokens as recent rounds accepted (at most -k)"
+        "--adaptive-k",
+        action="store_true",
+        help="draft about as many tokens as recent rounds accepted (at most -k); --backend vllm: each step's "
+        "length from its measured costs and acceptance",
     )
     g.add_argument(
         "--branching",

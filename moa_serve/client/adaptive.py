@@ -9,11 +9,7 @@ right makes drafts wasted work and K shrinks."""
 
 from __future__ import annotations
 
-
-def expected_tokens(alpha: float, k: int) -> float:
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+from moa_serve.engine.draft_length import expected_tokens
 
 
 def best_k(alpha: float, draft_s: float, round_trip_s: float, k_max: int, k_min: int = 1) -> int:

@@ -2,8 +2,10 @@
 
 Every configuration is a ``VllmEngine`` on the same target, built once: ``none`` (vLLM without
 speculation), ``ngram`` (vLLM's own prompt-lookup proposer), and any drafter spec (a MoA
-checkpoint, ``lookup``, …), with the speculation governor (``<spec>``) or without it
-(``<spec>@fixed``: K drafts every step). For each number of users, each configuration in turn
+checkpoint, ``lookup``, …), with the speculation governor and each drafting step's draft length
+chosen from measured costs (``<spec>``, as a served config runs it), with the governor and K
+drafts in every drafting step (``<spec>@fullk``) or with neither (``<spec>@fixed``: K drafts
+every step). For each number of users, each configuration in turn
 keeps that many requests in flight for ``--duration`` seconds (a finished request is replaced at
 once by the user's next Spec-Bench prompt; the same prompt sequence for every configuration) and
 reports tokens/s over the window, per-request latency, and τ (tokens per verify step of a
@@ -38,6 +40,7 @@ from moa_serve.verifier.vllm.engine import VllmEngine, VllmOptions, in_process_e
 
 MODIFIERS = {
     "fixed": "K drafts every step (no governor)",
+    "fullk": "the governor, but K drafts in every drafting step (no draft-length choice)",
     "sync": "vLLM's async scheduling off",
     "eager": "vLLM's forward uncompiled (enforce_eager)",
     "hooks": "the drafter's features through forward hooks (the eager fallback)",
@@ -50,6 +53,7 @@ class BenchConfig:
     drafter: str | None = None
     ngram: bool = False
     governed: bool = False
+    adaptive: bool = False  # each drafting step's length chosen from measured costs
     async_scheduling: bool | None = None  # None: vLLM's choice
     enforce_eager: bool = False
     feature_hooks: bool = False
@@ -77,6 +81,7 @@ def _configs(spec: str) -> list[BenchConfig]:
                 drafter,
                 ngram=base == "ngram",
                 governed=drafter is not None and "fixed" not in mods,
+                adaptive=drafter is not None and not {"fixed", "fullk"} & set(mods),
                 async_scheduling=False if "sync" in mods else None,
                 enforce_eager="eager" in mods,
                 feature_hooks="hooks" in mods,
@@ -248,6 +253,7 @@ def run(args) -> dict:
             max_model_len=args.max_model_len,
             max_num_seqs=max(users),
             speculation_governor=c.governed,
+            adaptive_speculation=c.adaptive,
             async_scheduling=c.async_scheduling,
             enforce_eager=c.enforce_eager,
             feature_hooks=c.feature_hooks,
@@ -292,6 +298,9 @@ def run(args) -> dict:
             if after:
                 r["governed_steps"] = after["governed_steps"] - b.get("governed_steps", 0)
                 r["drafting_steps"] = (after["steps"] - b.get("steps", 0)) - r["governed_steps"]
+                r["drafts"] = after["drafted"] - b.get("drafted", 0)
+                if "draft_length" in after:  # what chose the draft lengths, as it stood at the cell's end
+                    r["draft_length"] = after["draft_length"]
             rows.append(r)
         if args.interleave:
             bar.update(1)
@@ -328,8 +337,8 @@ def markdown(result: dict) -> str:
     base = {(r["users"], r.get("repeat", 0)): r["tokens_per_s"] for r in rows if r["config"] == ref}
     lines = [
         f"| users | config | async scheduling | tok/s | vs {ref} | τ | p50 latency s | requests | "
-        "drafting/governed steps |",
-        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        "drafting/governed steps | drafts per drafting step |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     for users, name in dict.fromkeys((r["users"], r["config"]) for r in rows):
         cells = [r for r in rows if r["users"] == users and r["config"] == name]
@@ -342,15 +351,19 @@ def markdown(result: dict) -> str:
                 vs += f" ({min(ratios):.2f}–{max(ratios):.2f})"
         taus = [c["tau"] for c in cells if c["tau"] is not None]
         lats = [c["latency_p50_s"] for c in cells if c["latency_p50_s"] is not None]
-        steps = ""
+        steps = per_step = ""
         if all("governed_steps" in c for c in cells):
-            steps = f"{sum(c['drafting_steps'] for c in cells)}/{sum(c['governed_steps'] for c in cells)}"
+            drafting = sum(c["drafting_steps"] for c in cells)
+            steps = f"{drafting}/{sum(c['governed_steps'] for c in cells)}"
+            if drafting and all("drafts" in c for c in cells):
+                per_step = f"{sum(c['drafts'] for c in cells) / drafting:.2f}"
         sched = {True: "on", False: "off"}.get(cells[0].get("async_scheduling"), "")
         tps = statistics.median(c["tokens_per_s"] for c in cells)
         lines.append(
             f"| {users} | {name} | {sched} | {round(tps, 2)} | {vs} | "
             f"{round(statistics.median(taus), 3) if taus else None} | "
-            f"{round(statistics.median(lats), 3) if lats else None} | {sum(c['requests'] for c in cells)} | {steps} |"
+            f"{round(statistics.median(lats), 3) if lats else None} | {sum(c['requests'] for c in cells)} | "
+            f"{steps} | {per_step} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from moa_serve.engine.draft_length import DraftLength
 from moa_serve.engine.governor import SpeculationGovernor
 from moa_serve.engine.local import GenerationResult
 from moa_serve.model_files import hf_folder, load_tokenizer, parse_dtype, resolve_model_path, stop_token_ids
@@ -66,6 +67,9 @@ class VllmOptions:
     seed: int = 0
     retry_after_s: float = 5.0  # drafting retried this long after its source failed
     speculation_governor: bool = False
+    # each drafting step's draft length (at most num_speculative_tokens) chosen from the measured
+    # step cost per row, draft call and acceptance (moa_serve.engine.draft_length)
+    adaptive_speculation: bool = False
     device: str = "cpu"
     prefix_caching: bool = True
     prefix_feature_positions: int = 32768  # drafter features kept for prefix-cache hits
@@ -219,6 +223,7 @@ class VllmEngine:
                 features=StepFeatures(needed=head is not None, prefix_cache=store),
                 retry_after_s=o.retry_after_s,
                 governor=SpeculationGovernor() if o.speculation_governor else None,
+                length=DraftLength(num_speculative_tokens) if o.adaptive_speculation else None,
                 clock=self.step_clock,
             )
             self.llm.collective_rpc(bind_worker, args=(register_binding(self.drafting, head, self.feature_hooks),))
@@ -307,13 +312,14 @@ class VllmEngine:
         ignore_eos: bool = False,
         adaptive_speculation: bool = False,
     ) -> list[GenerationResult]:
-        """Runs the prompts to completion together. K is fixed when the engine is built
-        (``num_speculative_tokens`` must match it or be None)."""
+        """Runs the prompts to completion together. K and whether the draft length adapts are fixed
+        when the engine is built (``num_speculative_tokens`` must match it or be None;
+        ``adaptive_speculation`` needs ``VllmOptions.adaptive_speculation``)."""
         k = self.num_speculative_tokens
         if num_speculative_tokens is not None and k and num_speculative_tokens != k:
             raise ValueError(f"this engine drafts K={k}; build another for K={num_speculative_tokens}")
-        if adaptive_speculation:
-            raise ValueError("adaptive speculation is a torch-backend feature")
+        if adaptive_speculation and (self.drafting is None or self.drafting.length is None):
+            raise ValueError("this engine's draft length is fixed: build it with adaptive_speculation=True")
         t0 = time.perf_counter()
         ids = [self.add(p, max_new_tokens, sampling, ignore_eos) for p in prompts]
         tokens = {rid: [] for rid in ids}
@@ -350,7 +356,14 @@ class VllmEngine:
         return results
 
     def stats(self) -> dict:
-        return self.drafting.stats.as_dict() if self.drafting else {}
+        """The step drafter's counters, and with ``adaptive_speculation`` what chooses the draft
+        length ("draft_length")."""
+        if self.drafting is None:
+            return {}
+        out = self.drafting.stats.as_dict()
+        if self.drafting.length is not None:
+            out["draft_length"] = self.drafting.length.snapshot()
+        return out
 
     def close(self) -> None:
         """Stops vLLM's (in-process) engine core and its worker now rather than at interpreter exit.

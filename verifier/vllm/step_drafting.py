@@ -31,6 +31,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from moa_serve.engine.draft_length import DraftLength
 from moa_serve.protocol import DraftRequest, DraftResult
 from moa_serve.sampling import GREEDY
 from moa_serve.verifier.vllm.feature_cache import PrefixFeatures
@@ -211,11 +212,14 @@ class StepDrafting:
         features: StepFeatures | None = None,
         *,
         governor=None,
+        length: DraftLength | None = None,
         retry_after_s: float = 5.0,
         clock=time.monotonic,
     ):
-        """``governor``: the speculation governor (None: every step drafts); ``retry_after_s``:
-        how long a failing draft source is left alone; ``clock``: seconds (tests pass their own)."""
+        """``governor``: the speculation governor (None: every step drafts); ``length``: chooses
+        each drafting step's draft length from measured costs (None: ``num_drafts`` always);
+        ``retry_after_s``: how long a failing draft source is left alone; ``clock``: seconds
+        (tests pass their own)."""
         if num_drafts < 1:
             raise ValueError("num_drafts must be >= 1")
         f = features or StepFeatures()
@@ -228,14 +232,16 @@ class StepDrafting:
         self.stats = StepStats()
         self._down_until = float("-inf")
         self.governor = governor
+        self.length = length
         # the worker binding (backend.bind_worker) sets feature_fn and latest_feature_only once the
         # drafter's feature head is on the worker
         self.feature_fn = f.fn
         self.max_pending_positions = f.max_pending_positions
         self.latest_feature_only = f.latest_only
         self.prefix_features = f.prefix_cache
-        # (time, batch, drafted, backlog seconds, draft seconds) of the previous step
-        self._last: tuple[float, int, bool, float, float] | None = None
+        # (time, batch, drafts handed to its sampled requests, backlog seconds, draft seconds) of the
+        # previous step
+        self._last: tuple[float, int, int, float, float] | None = None
         self._backlog_s = 0.0  # this step's seconds computing features of positions verified before it
 
     # ------------------------------------------------------------------ the step
@@ -279,15 +285,19 @@ class StepDrafting:
                 # a latest-only drafter's request whose newest position was not captured (the
                 # governor was expected to keep drafting off) waits for the next step
                 fresh = [r for r in wanting if self._fresh(self.tracks[r.session_id], r)]
-                drafts.update(self._draft(fresh))
+                k = self.length.choose(batch) if self.length is not None else self.num_drafts
+                drafts.update(self._draft(fresh, k))
                 draft_s = self.clock() - t0
                 self.stats.draft_s += draft_s
+                if self.length is not None and fresh:
+                    self.length.observe_call(k, draft_s)
         for r in rows:
             t = self.tracks[r.session_id]
             t.last_tokens, t.last_drafts = len(r.tokens), len(drafts[r.session_id])
             self.stats.drafted += t.last_drafts
         # the governor times steps that drafted against steps that did not (whatever the reason)
-        self._last = (now, batch, any(drafts.values()), self._backlog_s, draft_s) if wanting else None
+        handed = sum(len(drafts[r.session_id]) for r in rows if r.sampled)
+        self._last = (now, batch, handed, self._backlog_s, draft_s) if wanting else None
         self._backlog_s = 0.0
         return [drafts[r.session_id] for r in rows]
 
@@ -422,10 +432,17 @@ class StepDrafting:
 
     def _observe(self, now: float, committed: int, timed: bool) -> None:
         """The previous step, now finished: its seconds, committed tokens and draft call's seconds
-        (which price the governor's probes) go to the governor, unless it is not ``timed``."""
-        if self.governor is not None and self._last is not None and timed:
-            t, n, drafted, backlog_s, draft_s = self._last
-            self.governor.observe(n, drafted, max(now - t - backlog_s, 1e-6), committed, draft_s)
+        (which price the governor's probes) go to the governor, and the seconds of the verify
+        forward that followed, by the rows it verified, to the draft length's cost fit; unless the
+        step is not ``timed``."""
+        if self._last is None or not timed:
+            return
+        t, n, handed, backlog_s, draft_s = self._last
+        seconds = max(now - t - backlog_s, 1e-6)
+        if self.governor is not None:
+            self.governor.observe(n, handed > 0, seconds, committed, draft_s)
+        if self.length is not None and seconds > draft_s:
+            self.length.observe_step(n + handed, seconds - draft_s)
 
     def _account(self, t: _Track, r: StepRow) -> None:
         if t.last_drafts and r.sampled and len(r.tokens) > t.last_tokens:
@@ -434,6 +451,8 @@ class StepDrafting:
             self.stats.accepted += accepted
             t.drafted += t.last_drafts
             t.accepted += accepted
+            if self.length is not None:
+                self.length.observe_drafts(t.last_drafts, accepted)
 
     def request_counts(self, session_id: str) -> tuple[int, int]:
         """(drafts verified, drafts accepted) of a running request so far; a request's counts
@@ -441,7 +460,7 @@ class StepDrafting:
         t = self.tracks.get(session_id)
         return (t.drafted, t.accepted) if t is not None else (0, 0)
 
-    def _request(self, r: StepRow) -> DraftRequest:
+    def _request(self, r: StepRow, k: int) -> DraftRequest:
         t = self.tracks[r.session_id]
         if t.sent_tokens > len(r.tokens):  # never expected (tokens only grow): resend whole
             t.sent_tokens = t.sent_features = 0
@@ -454,14 +473,16 @@ class StepDrafting:
         return DraftRequest(
             r.session_id,
             [int(x) for x in r.tokens[t.sent_tokens :]],
-            self.num_drafts,
+            k,
             feature_start=start,
             features=feats,
             sampling=GREEDY,
             base=t.sent_tokens,
         )
 
-    def _draft(self, rows: list[StepRow]) -> dict[str, list[int]]:
+    def _draft(self, rows: list[StepRow], k: int) -> dict[str, list[int]]:
+        """``k`` drafts (at most) for each of these rows, in one call to the source (a second only
+        for sessions it asks to resend)."""
         out: dict[str, list[int]] = {}
         if not rows:
             return out
@@ -473,7 +494,7 @@ class StepDrafting:
         for _ in range(2):  # a second call only for sessions the source asked to resend
             try:
                 self.stats.calls += 1
-                results = self.source.propose([self._request(r) for r in pending])
+                results = self.source.propose([self._request(r, k) for r in pending])
             except Exception as exc:  # noqa: BLE001 - any drafter failure: verify without drafts
                 self._source_down(exc)
                 return out
@@ -495,7 +516,7 @@ class StepDrafting:
                     retry.append(r)
                     continue
                 t.sent_features = self._features_held(t) if self.needs_features else 0
-                out[r.session_id] = [int(x) for x in res.drafts[: self.num_drafts]]
+                out[r.session_id] = [int(x) for x in res.drafts[:k]]
             if not retry:
                 break
             pending = retry

@@ -490,15 +490,16 @@ def test_steps_that_carry_a_prompt_are_not_timed_and_drafting_steps_report_their
 def test_vllm_bench_configs_name_engines_and_their_scheduling():
     from moa_serve.commands.vllm_bench import BenchConfig, _configs, markdown
 
-    assert _configs("vllm,none, none@sync,ngram,x-moa,x-moa@fixed,none@eager,x-moa@hooks") == [
+    assert _configs("vllm,none, none@sync,ngram,x-moa,x-moa@fixed,x-moa@fullk,none@eager,x-moa@hooks") == [
         BenchConfig("vllm", alone=True),
         BenchConfig("none"),
         BenchConfig("none@sync", async_scheduling=False),
         BenchConfig("ngram", ngram=True),
-        BenchConfig("x-moa", "x-moa", governed=True),
+        BenchConfig("x-moa", "x-moa", governed=True, adaptive=True),
         BenchConfig("x-moa@fixed", "x-moa"),
+        BenchConfig("x-moa@fullk", "x-moa", governed=True),
         BenchConfig("none@eager", enforce_eager=True),
-        BenchConfig("x-moa@hooks", "x-moa", governed=True, feature_hooks=True),
+        BenchConfig("x-moa@hooks", "x-moa", governed=True, adaptive=True, feature_hooks=True),
     ]
     with pytest.raises(ValueError, match="unknown modifier"):
         _configs("none@graphs")
@@ -521,13 +522,18 @@ def test_vllm_bench_configs_name_engines_and_their_scheduling():
             "rows": [
                 {**row, "config": "none", "repeat": 0, "tokens_per_s": 10.0},
                 {**row, "config": "x", "repeat": 0, "tokens_per_s": 9.0, "drafting_steps": 1, "governed_steps": 9},
-                {**row, "config": "x", "repeat": 1, "tokens_per_s": 8.8, "drafting_steps": 0, "governed_steps": 9},
+                {**row, "config": "x", "repeat": 1, "tokens_per_s": 8.8, "drafting_steps": 3, "governed_steps": 7},
                 {**row, "config": "none", "repeat": 1, "tokens_per_s": 8.0, "requests": 2},
             ]
         }
     )
-    assert "| 16 | none |  | 9.0 | 1.00× (1.00–1.00) | 1.0 | 1.0 | 5 |  |" in md
-    assert "| 16 | x |  | 8.9 | 0.99× (0.90–1.10) | 1.0 | 1.0 | 6 | 1/18 |" in md
+    assert "| 16 | none |  | 9.0 | 1.00× (1.00–1.00) | 1.0 | 1.0 | 5 |  |  |" in md
+    assert "| 16 | x |  | 8.9 | 0.99× (0.90–1.10) | 1.0 | 1.0 | 6 | 4/16 |  |" in md  # drafts not counted
+    cells = [
+        {**row, "config": "x", "drafting_steps": 4, "governed_steps": 6, "drafts": 5},
+        {**row, "config": "x", "repeat": 1, "drafting_steps": 0, "governed_steps": 9, "drafts": 0},
+    ]
+    assert "| 6 | 4/15 | 1.25 |" in markdown({"rows": cells})
 
 
 class _CountingEngine:
@@ -594,3 +600,50 @@ def test_the_step_clock_counts_only_seconds_inside_engine_steps():
     with clock:
         time.sleep(0.01)
     assert 0.03 <= clock() < 0.075
+
+
+def test_a_chosen_draft_length_is_asked_of_the_source_and_learns_from_every_step():
+    """With a ``DraftLength`` each drafting step asks the source for the chosen number of drafts
+    (not K), and teaches it the verify forward's seconds by its rows (the step's time without its
+    draft call), the draft call's seconds by its draft steps, and each request's acceptance."""
+    from moa_serve.engine.draft_length import DraftLength
+
+    now = [0.0]
+
+    class Slow(Source):
+        def propose(self, requests):
+            now[0] += 0.5
+            return super().propose(requests)
+
+    class Recording(DraftLength):
+        seen = []
+
+        def choose(self, requests):
+            return 2
+
+        def observe_step(self, rows, seconds):
+            self.seen.append(("step", rows, seconds))
+
+        def observe_call(self, steps, seconds):
+            self.seen.append(("call", steps, seconds))
+
+        def observe_drafts(self, drafted, accepted):
+            self.seen.append(("drafts", drafted, accepted))
+
+    src, length = Slow(), Recording(4)
+    d = StepDrafting(src, num_drafts=4, length=length, clock=lambda: now[0])
+    a, b = [1, 2, 3], [4, 5]
+    d.step([StepRow("a", list(a)), StepRow("b", list(b))])  # the prompts: not timed
+    assert [r.num_drafts for r in src.calls[-1]] == [2, 2]
+    now[0] += 1.0
+    a += [7, 8]  # a's first draft accepted, b's rejected
+    b += [9]
+    out = d.step([StepRow("a", list(a)), StepRow("b", list(b))])
+    assert [len(x) for x in out] == [2, 2]
+    assert length.seen == [
+        ("call", 2, 0.5),
+        ("drafts", 2, 1),
+        ("drafts", 2, 0),
+        ("step", 2 + 4, 1.0),  # 1.5 s since the last step, 0.5 of them its draft call
+        ("call", 2, 0.5),
+    ]

@@ -138,6 +138,41 @@ def test_greedy_moa_on_vllm_equals_plain_vllm_and_the_torch_backend(plain, moa, 
     assert moa.stats()["accepted"] > 0
 
 
+def test_draft_lengths_chosen_step_by_step_stay_lossless(moa, plain, prompts):
+    """With the draft length chosen anew each step (here cycling 1..K, as ``DraftLength`` may move
+    between them) the source is asked that many drafts, vLLM verifies chains shorter than its
+    ``num_speculative_tokens``, and the output is plain vLLM's."""
+    from moa_serve.engine.draft_length import DraftLength
+
+    class Cycling(DraftLength):
+        def choose(self, requests):
+            self.steps = getattr(self, "steps", 0) + 1
+            return 1 + self.steps % self.k_max
+
+    asked = []
+
+    class Asking:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def propose(self, requests):
+            asked.extend(r.num_drafts for r in requests)
+            return self.inner.propose(requests)
+
+        def release(self, session_ids):
+            return self.inner.release(session_ids)
+
+    source = moa.drafting.source
+    moa.drafting.source, moa.drafting.length = Asking(source), Cycling(K)
+    try:
+        out = moa.generate(prompts[:2], 40)
+        assert moa.stats()["draft_length"]["verify_cost"]["calls"] > 0  # timed steps taught it
+    finally:
+        moa.drafting.source, moa.drafting.length = source, None
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain.generate(prompts[:2], 40)]
+    assert set(asked) == set(range(1, K + 1))
+
+
 def test_the_default_path_reads_the_kv_from_the_paged_cache_after_a_compiled_forward(moa):
     """A MoA drafter's K/V come from vLLM's paged cache: vLLM's own model class, its forward
     compiled (no enforce_eager), nothing kept inside it, and no module of the target has a hook."""
