@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from moa_serve.cli_args import DEFAULT_TARGET
 from moa_serve.commands.bench import DEFAULT_QUESTIONS, load_questions, printing_command
+from moa_serve.commands.steal import cpu_ticks, steal_percent
 from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.drafter.training.data import prompt_ids
 from moa_serve.verifier.vllm.engine import VllmEngine, VllmOptions, in_process_environment
@@ -156,7 +157,9 @@ class StockVllm:
 class _Load:
     """One engine under closed-loop load: ``users`` requests in flight, a finished one replaced at
     once by the user's next prompt (the same prompt sequence for every engine). Time is counted
-    over the engine's own steps, so that engines taking turns are each timed alone."""
+    over the engine's own steps, so that engines taking turns are each timed alone, and so is the
+    CPU time the hypervisor took during them (steal: a shared VM loses a second here and there, to
+    whichever engine is stepping)."""
 
     def __init__(self, engine, prompts: list[list[int]], users: int, max_new_tokens: int):
         self.engine, self.users, self.max_new_tokens = engine, users, max_new_tokens
@@ -164,6 +167,7 @@ class _Load:
         self.live: dict[str, dict] = {}
         self.done: list[dict] = []
         self.tokens, self.busy_s = 0, 0.0
+        self.ticks = [0, 0]  # (all, steal) CPU ticks during this engine's steps
         for _ in range(users):
             self._start()
 
@@ -172,9 +176,13 @@ class _Load:
         self.live[rid] = {"t0": self.busy_s, "tokens": 0, "steps": 0}
 
     def step(self) -> None:
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), cpu_ticks()
         moved = self.engine.step()
         self.busy_s += time.perf_counter() - t0
+        after = cpu_ticks()
+        if before is not None and after is not None:
+            self.ticks[0] += after[0] - before[0]
+            self.ticks[1] += after[1] - before[1]
         for rid, new, reason in moved:
             r = self.live.get(rid)
             if r is None:
@@ -194,12 +202,17 @@ class _Load:
             self.engine.step()
         lat = sorted(r["latency_s"] for r in self.done)
         every = self.done + list(self.live.values())
+        steal = steal_percent((0, 0), tuple(self.ticks))
+        net_s = self.busy_s * (1 - (steal or 0.0) / 100)
         steps = sum(r["steps"] for r in every)
         return {
             "users": self.users,
             "tokens": self.tokens,
             "elapsed_s": round(self.busy_s, 2),
             "tokens_per_s": round(self.tokens / self.busy_s, 2) if self.busy_s else 0.0,
+            "steal_percent": steal,
+            # the same per second the hypervisor left the machine during this engine's steps
+            "tokens_per_s_net": round(self.tokens / net_s, 2) if net_s else 0.0,
             "requests": len(self.done),
             "latency_p50_s": round(statistics.median(lat), 3) if lat else None,
             "tau": round(sum(r["tokens"] for r in every) / steps, 3) if steps else None,
@@ -331,24 +344,22 @@ def _write(args, rows: list[dict]) -> dict:
 def markdown(result: dict) -> str:
     """One row per (users, config), each against the reference in the same run: stock vLLM alone
     (``vllm``) when measured, else ``none``. Repeated cells: the median tok/s, and the geometric
-    mean (min–max) of each repeat's ratio to the reference's cell of that repeat."""
+    mean (min–max) of each repeat's ratio to the reference's cell of that repeat; the same net of
+    steal (each engine's tokens per second the hypervisor left the machine during its own steps)
+    and the steal share of those steps (median over repeats)."""
     rows = result["rows"]
     ref = "vllm" if any(r["config"] == "vllm" for r in rows) else "none"
-    base = {(r["users"], r.get("repeat", 0)): r["tokens_per_s"] for r in rows if r["config"] == ref}
     lines = [
         f"| users | config | async scheduling | tok/s | vs {ref} | τ | p50 latency s | requests | "
-        "drafting/governed steps | drafts per drafting step |",
-        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        f"drafting/governed steps | drafts per drafting step | vs {ref}, net of steal | steal % |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for users, name in dict.fromkeys((r["users"], r["config"]) for r in rows):
         cells = [r for r in rows if r["users"] == users and r["config"] == name]
-        refs = [base.get((users, c.get("repeat", 0))) for c in cells]
-        ratios = [c["tokens_per_s"] / b for c, b in zip(cells, refs) if b]
-        vs = ""
-        if ratios:
-            vs = f"{statistics.geometric_mean(ratios):.2f}×"
-            if len(ratios) > 1:
-                vs += f" ({min(ratios):.2f}–{max(ratios):.2f})"
+        vs = _versus(rows, ref, users, cells, "tokens_per_s")
+        net = _versus(rows, ref, users, cells, "tokens_per_s_net")
+        steals = [c["steal_percent"] for c in cells if c.get("steal_percent") is not None]
+        steal = f"{statistics.median(steals):.1f}" if steals else ""
         taus = [c["tau"] for c in cells if c["tau"] is not None]
         lats = [c["latency_p50_s"] for c in cells if c["latency_p50_s"] is not None]
         steps = per_step = ""
@@ -363,9 +374,19 @@ def markdown(result: dict) -> str:
             f"| {users} | {name} | {sched} | {round(tps, 2)} | {vs} | "
             f"{round(statistics.median(taus), 3) if taus else None} | "
             f"{round(statistics.median(lats), 3) if lats else None} | {sum(c['requests'] for c in cells)} | "
-            f"{steps} | {per_step} |"
+            f"{steps} | {per_step} | {net} | {steal} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _versus(rows: list[dict], ref: str, users: int, cells: list[dict], key: str) -> str:
+    """The geometric mean (min–max) of each cell's ``key`` over the reference's of its repeat."""
+    base = {r.get("repeat", 0): r[key] for r in rows if r["config"] == ref and r["users"] == users and key in r}
+    ratios = [c[key] / base[c.get("repeat", 0)] for c in cells if key in c and base.get(c.get("repeat", 0))]
+    if not ratios:
+        return ""
+    vs = f"{statistics.geometric_mean(ratios):.2f}×"
+    return vs + (f" ({min(ratios):.2f}–{max(ratios):.2f})" if len(ratios) > 1 else "")
 
 
 def register(sub) -> None:

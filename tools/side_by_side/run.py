@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from moa_serve.commands.steal import cpu_ticks, steal_percent
 from tools.side_by_side import together
 from tools.side_by_side.report import fmt, write_reports
 from tools.side_by_side.servers import (
@@ -22,13 +23,11 @@ from tools.side_by_side.servers import (
     Running,
     Server,
     SideError,
-    cpu_ticks,
     http_get,
     kill_group,
     log,
     ray_pids,
     run_client,
-    steal_percent,
 )
 from tools.side_by_side.sides import VLLM_SERVED_NAME, safe_label
 

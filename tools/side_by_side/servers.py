@@ -49,24 +49,6 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
-def cpu_ticks() -> tuple[int, int] | None:
-    """(all, steal) clock ticks of every CPU since boot, from /proc/stat (None where it is not
-    readable): the share of a level's ticks the hypervisor gave to other machines is the "steal"
-    a small cloud VM's speed drifts with."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
-        return None
-    # user nice system idle iowait irq softirq steal (guest time is counted in user already)
-    return sum(fields[:8]), fields[7] if len(fields) > 7 else 0
-
-
-def steal_percent(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    if before is None or after is None or after[0] <= before[0]:
-        return None
-    return round(100.0 * (after[1] - before[1]) / (after[0] - before[0]), 1)
-
-
 def ray_pids() -> set[int]:
     """Ray daemons running on this machine (anyone's)."""
     out = set()

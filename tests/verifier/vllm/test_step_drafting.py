@@ -534,6 +534,11 @@ def test_vllm_bench_configs_name_engines_and_their_scheduling():
         {**row, "config": "x", "repeat": 1, "drafting_steps": 0, "governed_steps": 9, "drafts": 0},
     ]
     assert "| 6 | 4/15 | 1.25 |" in markdown({"rows": cells})
+    # net of steal: an engine whose steps lost a tenth of the machine to the hypervisor
+    net = {"tokens_per_s_net": 10.0, "steal_percent": 0.0}
+    cells = [{**row, **net, "config": "none"}, {**row, "config": "x", "tokens_per_s": 9.0, "tokens_per_s_net": 10.0}]
+    cells[1]["steal_percent"] = 10.0
+    assert "| 0.90× | 1.0 | 1.0 | 3 |  |  | 1.00× | 10.0 |" in markdown({"rows": cells})
 
 
 class _CountingEngine:
@@ -584,6 +589,10 @@ def test_vllm_bench_interleaves_engines_one_step_each_and_times_each_alone():
     assert rows["a"]["tokens"] == 2 * steps_a and rows["b"]["tokens"] == 4 * steps_b
     assert rows["a"]["tau"] == 1.0 and rows["b"]["tau"] == 2.0
     assert rows["a"]["requests"] >= 2 * (steps_a // 3) and not a.running and not b.running
+    # each engine's steps are also counted net of the hypervisor's share of the CPU during them
+    for r in rows.values():
+        assert r["steal_percent"] is None or 0 <= r["steal_percent"] <= 100
+        assert r["tokens_per_s_net"] >= r["tokens_per_s"]
 
 
 def test_the_step_clock_counts_only_seconds_inside_engine_steps():
