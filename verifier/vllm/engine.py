@@ -26,7 +26,7 @@ from moa_serve.model_files import hf_folder, load_tokenizer, parse_dtype, resolv
 from moa_serve.sampling import GREEDY, SamplingParams
 from moa_serve.verifier.api import FeatureSource
 from moa_serve.verifier.vllm import model as vllm_model
-from moa_serve.verifier.vllm.backend import bind_worker, register_binding
+from moa_serve.verifier.vllm.backend import PROPOSER_CLASS, bind_worker, register_binding
 from moa_serve.verifier.vllm.feature_cache import PrefixFeatures
 from moa_serve.verifier.vllm.fixes import fix_cpu_expand_kernel
 from moa_serve.verifier.vllm.step_drafting import DraftSource, ProposerSource, StepDrafting, StepFeatures
@@ -103,6 +103,16 @@ class StepClock:
         return self.spent + (time.perf_counter() - self._since if self._since is not None else 0.0)
 
 
+def _speculative_config(drafter: bool, ngram: bool, k: int) -> dict | None:
+    """vLLM's ``speculative_config``: this backend's proposer for a drafter, vLLM's n-gram
+    proposer, or none."""
+    if drafter:
+        return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}
+    if ngram:
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    return None
+
+
 class VllmEngine:
     """``drafter``: the drafter spec served (None: none, or vLLM's n-gram proposer with
     ``options.ngram``). Its two halves come from the caller (the composition root, which knows the
@@ -140,20 +150,7 @@ class VllmEngine:
         self.num_speculative_tokens = num_speculative_tokens if (drafter or ngram) else 0
         self.max_model_len = max_model_len
         head = features if drafter is not None else None
-        spec = None
-        if drafter is not None:
-            spec = {
-                "method": "custom_class",
-                "model": "moa_serve.verifier.vllm.backend.MoAStepProposer",
-                "num_speculative_tokens": num_speculative_tokens,
-            }
-        elif ngram:
-            spec = {
-                "method": "ngram",
-                "num_speculative_tokens": num_speculative_tokens,
-                "prompt_lookup_min": 2,
-                "prompt_lookup_max": 4,
-            }
+        spec = _speculative_config(drafter is not None, ngram, num_speculative_tokens)
         folder = hf_folder(self.path)
         # the drafter's features: a MoA drafter's K/V read back from vLLM's paged cache (vLLM's own
         # model class, compiled); an EAGLE-style drafter's hidden states kept inside the forward by

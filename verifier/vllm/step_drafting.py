@@ -289,7 +289,7 @@ class StepDrafting:
                 drafts.update(self._draft(fresh, k))
                 draft_s = self.clock() - t0
                 self.stats.draft_s += draft_s
-                if self.length is not None and fresh:
+                if self.length is not None and any(drafts.values()):  # a failed call times nothing
                     self.length.observe_call(k, draft_s)
         for r in rows:
             t = self.tracks[r.session_id]
