@@ -9,7 +9,7 @@ right makes drafts wasted work and K shrinks."""
 
 from __future__ import annotations
 
-from moa_serve.engine.draft_length import expected_tokens
+from moa_serve.engine.draft_length import Acceptance, expected_tokens
 
 
 def best_k(alpha: float, draft_s: float, round_trip_s: float, k_max: int, k_min: int = 1) -> int:
@@ -30,13 +30,13 @@ class KController:
         self.k_start = min(k_max, k_start or 4)
         self.decay = decay
         self.adaptive = adaptive
-        self._accepts, self._rejects = 1.0, 1.0  # a prior of a = 0.5
+        self.acceptance = Acceptance(decay)
         self.draft_s: float | None = None  # per drafted token
         self.round_trip_s: float | None = None
 
     @property
     def alpha(self) -> float:
-        return self._accepts / (self._accepts + self._rejects)
+        return self.acceptance.alpha
 
     def observe(self, drafted: int, accepted: int, draft_s: float, round_trip_s: float) -> None:
         """One round: ``accepted`` of ``drafted`` drafts, drafting took ``draft_s`` (all of them),
@@ -47,8 +47,7 @@ class KController:
         )
         if drafted <= 0:
             return
-        self._accepts = d * self._accepts + accepted
-        self._rejects = d * self._rejects + (1.0 if accepted < drafted else 0.0)
+        self.acceptance.observe(drafted, accepted)
         per = draft_s / drafted
         self.draft_s = per if self.draft_s is None else d * self.draft_s + (1 - d) * per
 

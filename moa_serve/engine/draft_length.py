@@ -30,6 +30,27 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+class Acceptance:
+    """``alpha``, the chance that a draft is accepted given the ones before it were, from decayed
+    counts of judged drafts (the accepted ones and the first rejected); a prior of 0.5."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self._accepts, self._rejects = 1.0, 1.0
+
+    @property
+    def alpha(self) -> float:
+        return self._accepts / (self._accepts + self._rejects)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """``accepted`` of ``drafted`` drafts of one round (nothing when none was drafted)."""
+        if drafted <= 0:
+            return
+        d = self.decay
+        self._accepts = d * self._accepts + accepted
+        self._rejects = d * self._rejects + (1.0 if accepted < drafted else 0.0)
+
+
 class DraftLength:
     """Running estimates (exponentially decayed) and the draft length they call for; ``k_max``
     until both costs are measured."""
@@ -40,12 +61,12 @@ class DraftLength:
         self.k_max = k_max
         self.decay = decay
         self.cost = cost or VerifyCost()
-        self._accepts, self._rejects = 1.0, 1.0  # a prior of alpha = 0.5
+        self.acceptance = Acceptance(decay)
         self.draft_step_s: float | None = None  # a draft call's seconds per draft step
 
     @property
     def alpha(self) -> float:
-        return self._accepts / (self._accepts + self._rejects)
+        return self.acceptance.alpha
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A verifier step's seconds (without its draft call) and the rows it verified: one per
@@ -55,11 +76,7 @@ class DraftLength:
     def observe_drafts(self, drafted: int, accepted: int) -> None:
         """One request's verified drafts: ``accepted`` of ``drafted`` (each judged draft is a
         trial: the accepted ones and the first rejected)."""
-        if drafted <= 0:
-            return
-        d = self.decay
-        self._accepts = d * self._accepts + accepted
-        self._rejects = d * self._rejects + (1.0 if accepted < drafted else 0.0)
+        self.acceptance.observe(drafted, accepted)
 
     def observe_call(self, steps: int, seconds: float) -> None:
         """A draft call of ``steps`` draft steps (the longest request's drafts) took ``seconds``."""
