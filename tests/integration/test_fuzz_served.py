@@ -1,6 +1,6 @@
 """schemathesis against the served application: ``serve run`` of the shipped ``local-cpu.yaml`` in
 float32 (real Ray, real HTTP on 127.0.0.1, the real tokenizer, chat template and rounds), every
-check, a fixed seed and a time budget (``tools/cluster/fuzz_served.py``, which the longer run in
+check, a fixed seed and a number of cases per operation (``tools/cluster/fuzz_served.py``, which the longer run in
 docs/benchmarks.md#resilience uses too). No server error, no undocumented status or body, no
 schema-valid request rejected (except on the two client-server operations whose bodies no schema
 can make always acceptable: the tool's docstring says why), the stateful phase opens client-server
@@ -26,7 +26,7 @@ from tools.cluster import fuzz_served
 if importlib.util.find_spec("ray") is None:
     pytest.skip("ray is not installed", allow_module_level=True)
 
-FUZZ_S = 15  # schemathesis' time budget; the cluster's start and stop come on top
+EXAMPLES = 4  # cases per operation and phase, no time budget: the same run on a slow machine
 SEED = 0
 CONTEXT = 256
 SEATS = 4
@@ -39,7 +39,7 @@ def fuzzed(tmp_path_factory):
     with fuzz_served.serving(
         fuzz_served.DEFAULT_CONFIG, out, "float32", max_model_len=CONTEXT, router={"max_sessions_per_round": SEATS}
     ) as url:
-        summary = fuzz_served.fuzz(url, out, "float32", seed=SEED, max_time=FUZZ_S, phases=PHASES)
+        summary = fuzz_served.fuzz(url, out, "float32", seed=SEED, max_time=None, phases=PHASES, max_examples=EXAMPLES)
         summary["health_after"] = fuzz_served.health(url)
     summary["output"] = (out / "float32.txt").read_text()
     return summary
@@ -50,10 +50,10 @@ def test_no_server_error_and_no_undocumented_status_on_the_served_app(fuzzed):
     assert fuzzed["errors"] == 0, fuzzed["output"][-4000:]
     assert fuzzed["server_errors"] == 0 and fuzzed["undocumented_statuses"] == 0, report
     assert fuzzed["failures"] == [] and fuzzed["exit_code"] == 0, fuzzed["output"][-4000:]
-    # every operation, and cases past the examples phase: a floor the time budget clears on any
-    # machine that serves at all (the count within a time budget is no place for a speed threshold)
+    # every operation, and cases past the examples phase (up to EXAMPLES distinct ones per operation
+    # and phase: an operation without parameters has one)
     total = fuzzed["operations_total"]
-    assert fuzzed["operations_tested"] == total and fuzzed["cases"] >= 4 * total, report
+    assert fuzzed["operations_tested"] == total and fuzzed["cases"] >= 2 * total, report
 
 
 def test_the_stateful_phase_follows_the_links_into_client_server_sessions(fuzzed):

@@ -1,5 +1,6 @@
 """schemathesis against the served API: ``serve run`` of a shipped config (its ``dtype`` set), real
-Ray and real HTTP on 127.0.0.1, every check, a fixed seed and a time budget; then the server must
+Ray and real HTTP on 127.0.0.1, every check, a fixed seed and a time budget (or, for a run of the
+same size on any machine, a number of cases per operation: ``--max-examples``); then the server must
 still be healthy (``/healthz``, ``/readyz`` and a generation answer 200).
 
 Every check runs on every operation except one check on two operations: ``positive_data_acceptance``
@@ -119,15 +120,19 @@ def fuzz(
     label: str,
     *,
     seed: int,
-    max_time: float,
+    max_time: float | None,
     workers: int = 1,
     request_timeout: float = 120.0,
     phases: str | None = None,
+    max_examples: int | None = None,
 ) -> dict:
     """One schemathesis run, every check; its output in ``out/<label>.txt``, its report in
     ``out/<label>-report.json``. Returns the summary (``summarize``). ``max_response_time`` (one of
     the checks) is held to ``request_timeout``: a generation to the end of the context is a
-    legitimate answer that takes seconds on a CPU."""
+    legitimate answer that takes seconds on a CPU. Under ``max_time`` the fuzzing and stateful
+    phases draw cases until the time is spent (how many depends on the machine's speed); without it,
+    ``max_examples`` cases per operation and phase (schemathesis' default 100), the same run on any
+    machine."""
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     exe = shutil.which("schemathesis") or str(Path(sys.executable).with_name("schemathesis"))
@@ -141,8 +146,6 @@ def fuzz(
         f"{url}/openapi.json",
         "--seed",
         str(seed),
-        "--max-time",
-        str(int(max_time)),
         "--workers",
         str(workers),
         "--request-timeout",
@@ -152,7 +155,10 @@ def fuzz(
         "json",
         "--report-json-path",
         str(report),
-    ] + (["--phases", phases] if phases else [])
+    ]
+    cmd += ["--max-time", str(int(max_time))] if max_time else []
+    cmd += ["--phases", phases] if phases else []
+    cmd += ["--max-examples", str(max_examples)] if max_examples else []
     t0 = time.monotonic()
     proc = subprocess.run(
         cmd,
@@ -249,7 +255,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=["float32", "bfloat16"],
         help="args.dtype of the served config, one run each (repeatable; default float32)",
     )
-    p.add_argument("--max-time", type=float, default=300.0, help="seconds of fuzzing per run")
+    p.add_argument("--max-time", type=float, default=300.0, help="seconds of fuzzing per run (0: no time budget)")
+    p.add_argument(
+        "--max-examples",
+        type=int,
+        default=None,
+        help="cases per operation and phase (with --max-time 0: the run's size)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=1, help="schemathesis' concurrent workers")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: a free one)")
@@ -258,7 +270,15 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for dtype in args.dtype or ["float32"]:
         with serving(args.config, args.out, dtype, args.port) as url:
-            summary = fuzz(url, args.out, dtype, seed=args.seed, max_time=args.max_time, workers=args.workers)
+            summary = fuzz(
+                url,
+                args.out,
+                dtype,
+                seed=args.seed,
+                max_time=args.max_time,
+                workers=args.workers,
+                max_examples=args.max_examples,
+            )
             summary["health_after"] = health(url)
         summary.update(
             config=str(args.config.resolve().relative_to(REPO))
