@@ -223,7 +223,7 @@ class RouterCore:
         gen = detached(
             lambda: self.verifier.options(stream=True).generate.remote(
                 list(session.tokens),
-                session.max_new_tokens - len(session.generated),
+                session.max_new_tokens - session.num_generated,
                 session.sampling.model_dump(),
                 ignore_eos=not session.stop_token_ids,
             )

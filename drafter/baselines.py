@@ -72,6 +72,7 @@ class _Sess:
     committed: list[int] = field(default_factory=list)  # this replica's copy of the committed tokens
     fed: list[int] = field(default_factory=list)  # tokens whose K/V in the cache are kept
     feats: torch.Tensor | None = None  # verified hidden states [n, H] (EAGLE)
+    agreed: int = 0  # fed[:agreed] == committed[:agreed] is known without comparing
 
     @property
     def num_features(self) -> int:

@@ -36,8 +36,15 @@ class MoAFeatures:
     def prepared(self, device, dtype) -> MoAFeatures:
         return MoAFeatures(for_inference(self.head, device, dtype), self.latest_only)
 
-    def inputs(self, cache, slot: int, start: int, end: int, hidden: Callable[[], torch.Tensor]) -> torch.Tensor:
-        return cache.per_layer_kv(slot, max(start, end - 1) if self.latest_only else start, end)
+    def inputs(self, cache, spans, hidden) -> tuple[torch.Tensor, list[int]]:
+        """Every span's per-layer K/V in one gather from the cache."""
+        if self.latest_only:
+            spans = [(slot, max(start, end - 1), end) for slot, start, end in spans]
+        slots = [slot for slot, start, end in spans for _ in range(start, end)]
+        positions = [p for _, start, end in spans for p in range(start, end)]
+        device = cache.k.device
+        rows = cache.per_layer_kv_at(torch.tensor(slots, device=device), torch.tensor(positions, device=device))
+        return rows, [end - start for _, start, end in spans]
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.head(inputs)
@@ -53,8 +60,9 @@ class HiddenFeatures:
     def prepared(self, device, dtype) -> HiddenFeatures:
         return self
 
-    def inputs(self, cache, slot: int, start: int, end: int, hidden: Callable[[], torch.Tensor]) -> torch.Tensor:
-        return hidden()
+    def inputs(self, cache, spans, hidden: list[Callable[[], torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
+        rows = [h() for h in hidden]
+        return torch.cat(rows), [r.shape[0] for r in rows]
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         return inputs

@@ -41,6 +41,7 @@ class _Session:
     committed: list[int] = field(default_factory=list)  # this replica's copy of the committed tokens
     fed: list[int] = field(default_factory=list)  # tokens in the SA cache
     num_features: int = 0
+    agreed: int = 0  # fed[:agreed] == committed[:agreed] is known without comparing
 
 
 def load_for_drafting(drafter: str, target: str | None, dtype, device, target_model: TargetModel | None):
@@ -72,10 +73,12 @@ def _check_target(cfg: DrafterConfig, arch: TargetArch) -> None:
         raise ValueError(f"the drafter was made for another target: {cfg.target} != {arch}")
 
 
-def rollback_point(fed: list[int], committed: list[int]) -> int:
+def rollback_point(fed: list[int], committed: list[int], agreed: int = 0) -> int:
     """Length of the longest prefix of the fed tokens that is still committed, never covering the
-    last committed token (it is always fed again: drafting starts from its output)."""
-    m, limit = 0, min(len(fed), len(committed) - 1)
+    last committed token (it is always fed again: drafting starts from its output). The first
+    ``agreed`` tokens are known to match: only the tokens after them are compared."""
+    limit = min(len(fed), len(committed) - 1)
+    m = min(agreed, limit)
     while m < limit and fed[m] == committed[m]:
         m += 1
     return m
@@ -206,6 +209,7 @@ class ProposerBase:
     def propose(self, requests: list[DraftRequest]) -> list[DraftResult]:
         t0 = time.perf_counter()
         self._check_capacity(requests)
+        self._taken = []  # features taken in this call, stored by _flush_features
         in_call = {r.session_id for r in requests}
         results = {r.session_id: DraftResult(r.session_id, []) for r in requests}
         live = []
@@ -222,10 +226,17 @@ class ProposerBase:
                 k = min(r.num_drafts, self.max_model_len + 1 - len(s.committed))  # room in the caches
                 if k > 0 and s.committed:
                     live.append((r, s, k))
+        self._flush_features()
         if live:
             self._draft(live, results)
         self.stats["draft_s"] += time.perf_counter() - t0
         return [results[r.session_id] for r in requests]
+
+    _taken: list[tuple[int, int, torch.Tensor]] = []  # (slot, first position, features) taken in a call
+
+    def _flush_features(self) -> None:
+        """Stores the features that ``_take_features`` accepted in this call, all sessions at once
+        (a proposer that stores them as it takes them has nothing to do here)."""
 
     def _check_capacity(self, requests: list[DraftRequest]) -> None:
         """Refuses, before changing anything, a call whose own sessions need more slots than exist
@@ -251,6 +262,7 @@ class ProposerBase:
             self.sessions.move_to_end(r.session_id)
         del s.committed[r.base :]
         s.committed.extend(r.tokens)
+        s.agreed = min(s.agreed, r.base)
         return s
 
     def _new_session(self, session_id: str, in_call: set[str]) -> _Session:
@@ -276,7 +288,7 @@ class ProposerBase:
         greedy batches)."""
         feed = []
         for _, s, _ in live:
-            m = rollback_point(s.fed, s.committed)
+            m = rollback_point(s.fed, s.committed, s.agreed)
             del s.fed[m:]
             feed.append(s.committed[m:])
         slots = torch.tensor([s.slot for _, s, _ in live])
@@ -327,6 +339,7 @@ class ProposerBase:
                 alternatives[i][step] = [a for a in row if a >= 0]  # (kept for greedy sessions below)
         for i, (r, s, _) in enumerate(live):
             s.fed.extend(feed[i])
+            s.agreed = len(s.committed)  # fed is the committed tokens, then drafts
             if self.keeps_drafts:
                 s.fed.extend(drafts[i][:-1])  # the last draft is never fed
             res = results[r.session_id]
@@ -501,14 +514,23 @@ class MoAProposer(ProposerBase):
         if r.feature_start > s.num_features and not self.cfg.cross_attention_latest_only:
             return False
         n = r.features.shape[0]
-        pos = torch.arange(r.feature_start, r.feature_start + n)
-        feats = r.features.to(self.device, self.dtype)[None]
-        cos, sin = self.parts.rotary(pos.to(self.device)[None], self.dtype)
-        k, v = self.head.cross_attention.project_features(feats, cos, sin)
-        self.ca_cache.write(0, torch.tensor([s.slot]), pos[None], k, v)
+        self._taken.append((s.slot, r.feature_start, r.features))
         s.num_features = r.feature_start + n
         self.ca_cache.lengths[s.slot] = s.num_features
         return True
+
+    def _flush_features(self) -> None:
+        """The CA keys/values of every feature taken in this call: one projection and one cache
+        write over all sessions' features packed in a row."""
+        if not self._taken:
+            return
+        taken, self._taken = self._taken, []
+        slots = torch.tensor([slot for slot, _, f in taken for _ in range(f.shape[0])])
+        pos = torch.cat([torch.arange(start, start + f.shape[0]) for _, start, f in taken])
+        feats = torch.cat([f for _, _, f in taken]).to(self.device, self.dtype)[None]  # [1, N, H]
+        cos, sin = self.parts.rotary(pos.to(self.device)[None], self.dtype)
+        k, v = self.head.cross_attention.project_features(feats, cos, sin)  # [1, KVH, N, hd]
+        self.ca_cache.write(0, slots, pos[:, None], k[0].transpose(0, 1)[:, :, None], v[0].transpose(0, 1)[:, :, None])
 
     def _start(self, live, slots: torch.Tensor):
         """The CA keys/values of the batch's verified positions and their mask, or, for a CA that

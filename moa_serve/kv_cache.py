@@ -72,15 +72,12 @@ class SlotKVCache:
             torch.index_select(self.v[layer, :, :, :length], 0, slots),
         )
 
-    def per_layer_kv(self, slot: int, start: int, end: int) -> torch.Tensor:
-        """For positions [start, end) of one slot: [n, num_layers, KVH * 2 * hd], each layer's
+    def per_layer_kv_at(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """For n (slot, position) pairs, in one gather: [n, num_layers, KVH * 2 * hd], each layer's
         vector being, per KV head, that head's key followed by its value (the layout of the
         reference implementation's ``torch.cat((k, v), -1)``)."""
-        k = self.k[:, slot, :, start:end]  # [L, KVH, n, hd]
-        v = self.v[:, slot, :, start:end]
-        kv = torch.cat((k, v), dim=-1)  # [L, KVH, n, 2hd]
-        n_layers, heads, n, width = kv.shape
-        return kv.permute(2, 0, 1, 3).reshape(n, n_layers, heads * width)
+        kv = torch.cat((self.k[:, slots, :, positions], self.v[:, slots, :, positions]), dim=-1)  # [n, L, KVH, 2hd]
+        return kv.reshape(kv.shape[0], kv.shape[1], -1)
 
     def positions_for(self, slots: torch.Tensor, width: int) -> torch.Tensor:
         """Positions [B, width] of the next ``width`` tokens of each slot."""

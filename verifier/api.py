@@ -39,10 +39,14 @@ class FeatureSource(Protocol):
     def prepared(self, device: torch.device, dtype: torch.dtype) -> FeatureSource:
         """This source on the verifier's device and dtype, ready for inference."""
 
-    def inputs(self, cache, slot: int, start: int, end: int, hidden: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The head's inputs [n, ...] for positions ``start``..``end`` of the session in cache ``slot``
-        (n = end - start, or fewer, the last ones, with ``latest_only``); ``hidden()`` gives the
-        target's final hidden states [end - start, H] of those positions, computed in this call."""
+    def inputs(
+        self, cache, spans: list[tuple[int, int, int]], hidden: list[Callable[[], torch.Tensor]]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The head's inputs for a verify call's sessions, packed in a row, and how many rows each
+        session has: for each ``(slot, start, end)`` span, positions ``start``..``end`` of the
+        session in cache ``slot`` (end - start rows, or fewer, the last ones, with ``latest_only``);
+        ``hidden[i]()`` gives the target's final hidden states [end - start, H] of span i's
+        positions, computed in this call."""
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         """Features [n, F] from the inputs."""
@@ -58,8 +62,8 @@ class NoFeatures:
     def prepared(self, device, dtype) -> NoFeatures:
         return self
 
-    def inputs(self, cache, slot, start, end, hidden) -> torch.Tensor:
-        return torch.empty(0)
+    def inputs(self, cache, spans, hidden) -> tuple[torch.Tensor, list[int]]:
+        return torch.empty(0), [0] * len(spans)
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         return inputs

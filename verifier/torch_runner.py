@@ -344,18 +344,23 @@ class TorchTargetRunner(TargetBackend):
                 reuse = not (req.want_features and not self.features.from_cache)
                 s = self._new_session(req.session_id, keep, list(req.tokens), reuse)
         self.sessions.move_to_end(req.session_id)
-        committed = s.committed[: req.base] + list(req.tokens)
-        if not committed:
+        base, tokens = req.base, list(req.tokens)
+        length = base + len(tokens)
+        if not length:
             raise ValueError(f"session {req.session_id}: no tokens to verify")
-        need = len(committed) + len(req.drafts)
+        need = length + len(req.drafts)
         if need > self.max_model_len:
             raise ContextTooLongError(
                 f"session {req.session_id}: {need} tokens exceed the context of {self.max_model_len}"
             )
         # keep the cached K/V of the longest prefix still committed; the last committed token is
-        # always fed again (its logits predict the first draft)
-        m = common_prefix(s.committed, committed, min(s.cached, len(committed) - 1))
-        s.committed, s.cached = committed, m
+        # always fed again (its logits predict the first draft). The first ``base`` tokens are the
+        # replica's own: only the delta is compared and written, never the whole context.
+        limit = min(s.cached, length - 1)
+        m = limit if limit <= base else base + common_prefix(s.committed[base:], tokens, limit - base)
+        del s.committed[base:]
+        s.committed.extend(tokens)
+        s.cached = m
         self.cache.lengths[s.slot] = m
         return s
 
@@ -644,14 +649,14 @@ class TorchTargetRunner(TargetBackend):
             spans.append((start, end))
             rows.append(offset)
             offset += len(w.fed)
-        inputs = [
-            source.inputs(self.cache, w.session.slot, a, e, self._hidden_rows(hidden, w, o, e - a))
-            for w, o, (a, e) in zip(work, rows, spans)
-        ]
-        sizes = [x.shape[0] for x in inputs]
+        inputs, sizes = source.inputs(
+            self.cache,
+            [(w.session.slot, a, e) for w, (a, e) in zip(work, spans)],
+            [self._hidden_rows(hidden, w, o, e - a) for w, o, (a, e) in zip(work, rows, spans)],
+        )
         if sum(sizes) == 0:
             return
-        feats = source(torch.cat(inputs).to(self.dtype)).cpu()  # a bfloat16 cache widens here
+        feats = source(inputs.to(self.dtype)).cpu()  # a bfloat16 cache widens here
         for r, (a, e), chunk in zip(results, spans, torch.split(feats, sizes)):
             if e - a > len(chunk):  # latest_only: zeros for the positions never read
                 chunk = torch.cat([chunk.new_zeros(e - a - len(chunk), chunk.shape[1]), chunk])

@@ -115,7 +115,7 @@ class Session:
         return Session(
             session_id,
             list(self.tokens),
-            self.max_new_tokens - len(self.generated),
+            self.max_new_tokens - self.num_generated,
             self.sampling,
             self.num_speculative_tokens,
             self.stop_token_ids,
@@ -129,6 +129,11 @@ class Session:
         return self.tokens[len(self.prompt) :]
 
     @property
+    def num_generated(self) -> int:
+        """len(generated), without copying the tokens."""
+        return len(self.tokens) - len(self.prompt)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -139,7 +144,7 @@ class Session:
     @property
     def mean_accepted_length(self) -> float:
         """Tokens committed per verify round, the target's own token included."""
-        return len(self.generated) / self.rounds if self.rounds else 0.0
+        return self.num_generated / self.rounds if self.rounds else 0.0
 
     @property
     def features_lag(self) -> int:
@@ -154,7 +159,7 @@ class Session:
         than ``cap`` (the round-wide limit that keeps verification cheap)."""
         if self.prefilling or (needs_features and self.drafter_needs_features and self.num_features == 0):
             return 0
-        room = min(self.max_new_tokens - len(self.generated), self.max_model_len - len(self.tokens)) - 1
+        room = min(self.max_new_tokens - self.num_generated, self.max_model_len - len(self.tokens)) - 1
         k = self.num_speculative_tokens
         if self.adaptive_speculation and self.accept_ema >= 0:
             # drafts beyond what the drafter usually gets accepted cost drafter steps and
@@ -204,7 +209,7 @@ class Session:
             self.tokens.append(tok)
             if tok in self.stop_token_ids:
                 self.finish_reason = "stop"
-            elif len(self.generated) >= self.max_new_tokens or len(self.tokens) >= self.max_model_len:
+            elif self.num_generated >= self.max_new_tokens or len(self.tokens) >= self.max_model_len:
                 self.finish_reason = "length"
             if self.finished:
                 break
