@@ -293,13 +293,41 @@ class ProposerBase:
             feed.append(s.committed[m:])
         slots = torch.tensor([s.slot for _, s, _ in live])
         self._set_lengths(slots, torch.tensor([len(s.fed) for _, s, _ in live]))
+        want = [k for _, _, k in live]
+        ctx = self._start(live, slots)
+        picked, probs, runners_up = [], [[] for _ in live], []
+        if not (self.static_first_step and self._draft_static_first(live, want, feed, slots, ctx, picked)):
+            self._draft_planned(live, want, feed, slots, ctx, picked, probs, runners_up)
+        drafts = [[] for _ in live]
+        flat = iter(torch.cat([t for _, t in picked]).tolist())
+        for step_rows, _ in picked:
+            for i in step_rows:
+                drafts[i].append(next(flat))
+        alternatives = [[[] for _ in range(k)] for _, _, k in live]
+        for step, step_rows, alt in runners_up:
+            for i, row in zip(step_rows, alt.tolist()):
+                alternatives[i][step] = [a for a in row if a >= 0]  # (kept for greedy sessions below)
+        for i, (r, s, _) in enumerate(live):
+            s.fed.extend(feed[i])
+            s.agreed = len(s.committed)  # fed is the committed tokens, then drafts
+            if self.keeps_drafts:
+                s.fed.extend(drafts[i][:-1])  # the last draft is never fed
+            res = results[r.session_id]
+            res.drafts = drafts[i]
+            if runners_up and r.sampling.greedy:
+                res.alternatives = alternatives[i]
+            if probs[i]:
+                res.probs = torch.stack(probs[i])
+        self._set_lengths(torch.tensor([s.slot for _, s, _ in live]), torch.tensor([len(s.fed) for _, s, _ in live]))
+
+    def _draft_planned(self, live, want, feed, slots, ctx, picked, probs, runners_up) -> None:
+        """The draft call's steps one by one: the first feeds each session its new tokens (ragged,
+        planned for this call's shapes), the others one token each (from the static steps where
+        they apply)."""
         width = max(len(t) for t in feed)
         tokens = torch.tensor([t + [0] * (width - len(t)) for t in feed], device=self.device)
         qlens = torch.tensor([len(t) for t in feed])
-        want = [k for _, _, k in live]
         rows = list(range(len(live)))  # the sessions (indices into live) of the current step
-        ctx = self._start(live, slots)
-        picked, probs, runners_up = [], [[] for _ in live], []
         # the drafter's own estimate that the chain is still accepted before each depth (the product
         # of its top-1 probabilities), for tree_min_value
         reach = torch.ones(len(live), device=self.device)
@@ -328,27 +356,6 @@ class ProposerBase:
                 runners_up.append((step, rows, self._runners_up(logits, width, reach, rows)))
             tokens = tok[:, None]
             self.stats["steps"] += 1
-        drafts = [[] for _ in live]
-        flat = iter(torch.cat([t for _, t in picked]).tolist())
-        for step_rows, _ in picked:
-            for i in step_rows:
-                drafts[i].append(next(flat))
-        alternatives = [[[] for _ in range(k)] for _, _, k in live]
-        for step, step_rows, alt in runners_up:
-            for i, row in zip(step_rows, alt.tolist()):
-                alternatives[i][step] = [a for a in row if a >= 0]  # (kept for greedy sessions below)
-        for i, (r, s, _) in enumerate(live):
-            s.fed.extend(feed[i])
-            s.agreed = len(s.committed)  # fed is the committed tokens, then drafts
-            if self.keeps_drafts:
-                s.fed.extend(drafts[i][:-1])  # the last draft is never fed
-            res = results[r.session_id]
-            res.drafts = drafts[i]
-            if runners_up and r.sampling.greedy:
-                res.alternatives = alternatives[i]
-            if probs[i]:
-                res.probs = torch.stack(probs[i])
-        self._set_lengths(torch.tensor([s.slot for _, s, _ in live]), torch.tensor([len(s.fed) for _, s, _ in live]))
 
     # a StaticDraftSteps: a call's steps after the first from one CUDA graph (use_static_steps); the
     # proposer gives its cache (``static_cache``) and one step (``_static_step``, ``_static_inputs``)
@@ -372,6 +379,33 @@ class ProposerBase:
             self.static_steps = None
             return False
         self.static_steps = StaticDraftSteps(self, graphs)
+        return True
+
+    # whether a call's first step runs in the static steps too (the proposer's ``_static_step`` can
+    # feed a session several tokens: MoA's needs nothing but the tokens and the verified features)
+    static_first_step = False
+
+    def _draft_static_first(
+        self, live, want: list[int], feed: list[list[int]], slots: torch.Tensor, ctx, picked
+    ) -> bool:
+        """The whole call, its first step included, from the static steps (one graph on a GPU).
+        False when they do not apply (too many sessions, a long feed, sampling, trees): the caller
+        then plans the call."""
+        if not self._static_steps_apply(live, ctx, slots):
+            return False
+        extra, carry = self._static_inputs(ctx, slots)
+        starts = [len(s.fed) for _, s, _ in live]  # the SA cache's lengths after the rollback
+        steps = max(want)
+        out = self.static_steps.with_first_step(feed, slots.tolist(), starts, steps, extra, carry)
+        if out is None:
+            return False
+        every = list(range(len(live)))
+        for j in range(steps):
+            rows = [i for i in every if want[i] > j]
+            picked.append(
+                (rows, out[:, j] if len(rows) == len(every) else out[torch.tensor(rows, device=out.device), j])
+            )
+        self.stats["steps"] += steps
         return True
 
     def _static_steps_apply(self, live, ctx, slots: torch.Tensor) -> bool:
@@ -468,6 +502,7 @@ class MoAProposer(ProposerBase):
         self.single_feature_ca = bool(cfg.cross_attention_latest_only)
         fuse_projections([self.head.cross_attention])  # its MLP's gate/up, when packed
         self.static_cache = self.sa_cache
+        self.static_first_step = True
         if self.device.type == "cuda":
             self.use_static_steps(graphs=True)
 

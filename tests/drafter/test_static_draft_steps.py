@@ -1,5 +1,5 @@
-"""A MoA draft call's steps after the first as fixed shapes (drafter/static_steps.py: what a GPU
-replays from one CUDA graph per call) draft the planned loop's tokens."""
+"""A MoA draft call's steps as fixed shapes, its first step included (drafter/static_steps.py: what
+a GPU replays from one CUDA graph per call), draft the planned loop's tokens."""
 
 import pytest
 import torch
@@ -42,6 +42,7 @@ def test_static_draft_steps_draft_the_planned_tokens(stories_path, stories_draft
     assert static_drafts == planned_drafts
     assert len({tuple(d) for _, d in static_drafts}) > 20  # drafts that differ, not one repeated token
     assert static.proposer.static_steps.stats["static_draft_calls"] > 10
+    assert static.proposer.static_steps.stats["static_first_steps"] > 10  # first steps from the fixed shapes too
 
 
 def test_sampling_sessions_keep_the_planned_steps(stories_path, stories_drafter):

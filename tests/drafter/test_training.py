@@ -101,7 +101,9 @@ def test_forward_train_matches_cache_layout(stories_path):
 
     h = tm.forward_packed(toks[0], PackedBatch(cache, [slot], [0], [12]))[None]
     assert torch.allclose(out["hidden"], h, atol=1e-5)
-    assert torch.allclose(out["per_layer_kv"][0], cache.per_layer_kv_at(torch.full((12,), slot), torch.arange(12)), atol=1e-5)
+    assert torch.allclose(
+        out["per_layer_kv"][0], cache.per_layer_kv_at(torch.full((12,), slot), torch.arange(12)), atol=1e-5
+    )
     assert torch.allclose(out["logits"], tm.lm_head(h), atol=1e-4)
 
 
