@@ -75,6 +75,10 @@ class GraphBodyClock:
             self._saved.append((cls, original))
             cls._body = timed
 
+    @property
+    def body_codes(self) -> set:
+        return {original.__code__ for _, original in self._saved}
+
     def restore(self) -> None:
         for cls, original in self._saved:
             cls._body = original
@@ -124,6 +128,23 @@ def make_engine(
     return SpeculativeEngine(runner, proposer, None, frozenset(), max_batch=sessions)
 
 
+class HostCallCounter:
+    """Python and C function calls made outside the graph bodies: a count of a round's host work
+    that does not depend on how busy the machine is."""
+
+    def __init__(self, bodies: set):
+        self.calls, self._depth, self.bodies = 0, 0, bodies
+
+    def __call__(self, frame, event, arg) -> None:
+        body = frame.f_code in self.bodies
+        if event == "call" and body:
+            self._depth += 1
+        elif event == "return" and body:
+            self._depth -= 1
+        elif event in ("call", "c_call") and not self._depth:
+            self.calls += 1
+
+
 async def measure(
     engine: SpeculativeEngine, prompts, rounds: int, repeats: int, clock: GraphBodyClock, sort: str = "tottime"
 ):
@@ -156,6 +177,13 @@ async def measure(
         )
     row = {key: statistics.median(s[key] for s in samples) for key in samples[0]}
     row["host_ms"] = row["wall_ms"] - row["graph_ms"]
+    counter = HostCallCounter(clock.body_codes)
+    sys.setprofile(counter)
+    try:
+        await run(rounds)
+    finally:
+        sys.setprofile(None)
+    row["host_calls"] = counter.calls / rounds
     prof = cProfile.Profile()
     prof.enable()
     await run(rounds)
@@ -197,8 +225,8 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(
                     f"{kind:>6} B={b:<3} round {row['wall_ms']:7.2f} ms  graph bodies {row['graph_ms']:7.2f}  "
-                    f"host {row['host_ms']:6.2f}  (draft call {row['draft_ms']:6.2f}, verify call "
-                    f"{row['verify_ms']:6.2f})  tokens/round/session {row['tokens_per_round']:.2f}",
+                    f"host {row['host_ms']:6.2f}, {row['host_calls']:6.0f} calls  (draft call {row['draft_ms']:6.2f}, "
+                    f"verify call {row['verify_ms']:6.2f})  tokens/round/session {row['tokens_per_round']:.2f}",
                     flush=True,
                 )
                 if a.profile_rows:
