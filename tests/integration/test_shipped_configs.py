@@ -6,8 +6,9 @@ loopback port), ready (``/readyz`` 200) within 120 s, then one short greedy gene
 and served under load by ``tests/integration/test_loadtest_cluster.py``; it is not started twice more here, to
 keep CI within its time. ``gpu.yaml``, ``gpu-vllm.yaml`` and ``gpu-1x.yaml`` need GPUs (``device: cuda``): their
 validation runs here (tests/deployments/test_config_validation.py), ``gpu-1x.yaml`` is started by
-``tools/gpu/served_check.sh`` on a GPU (and, at ``device: cpu`` with stories260k, by
-tests/tools/test_served_check.py). ``local-cpu-vllm.yaml``'s verifier replica
+``tools/gpu/served_check.sh`` on a GPU (and by the same script at ``device: cpu`` with stories260k,
+tools/gpu/README.md#the-served-check; tests/tools/test_served_check.py checks the config it derives).
+``local-cpu-vllm.yaml``'s verifier replica
 compiles its forward here with torch.compile's tracing but without inductor's code generation
 (``VLLM_CPU_CI_ENV``, set by conftest.py): with inductor it is ready in about 140 s on 2 cores
 (docs/vllm-backend.md, Limitations)."""
