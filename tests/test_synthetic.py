@@ -50,3 +50,14 @@ def test_only_with_no_trained_drafter():
     with pytest.raises(ValueError, match="synthetic target runs on backend torch"):
         AppConfig.model_validate({**base, "backend": "vllm"})
     assert AppConfig.model_validate({**base, "load_format": "auto"}).load_format == "auto"
+
+
+def test_moa_generate_takes_load_format_dummy(shape_only, capsys):
+    from moa_serve import cli
+
+    argv = ["generate", "--target", str(shape_only), "--drafter", "none", "--max-new-tokens", "4", "--json"]
+    assert cli.main([*argv, "--prompt", "<3> <4>", "--load-format", "dummy", "--ignore-eos"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["weights"] == describe("dummy") and len(out["token_ids"]) == 4
+    assert cli.main(["generate", "--target", str(shape_only), "--prompt", "x", "--load-format", "dummy"]) == 2
+    assert "--load-format dummy: a synthetic target drafts with --drafter none or lookup" in capsys.readouterr().err
