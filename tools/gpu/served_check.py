@@ -279,7 +279,10 @@ def synthetic_section(args, res: Results) -> None:
     p = args.plan
     n, levels = p["load_tokens"], args.levels
     sec.update(target=p["synthetic"], load_format="dummy", drafter=None, max_tokens=n, load_s=args.load_s)
-    # the in-process engine's plain decoding at each level's sessions, over the same prompts
+    # the in-process engine's plain decoding at each level's sessions, over the same prompts (on a
+    # CPU with the verifier replica's threads)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
     engine = SpeculativeEngine.load(
         p["synthetic"],
         None,
