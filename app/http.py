@@ -224,6 +224,7 @@ def _ops_routes(api: FastAPI, readiness: Readiness) -> None:
                     "created": 0,
                     "owned_by": "moa-serve",
                     "max_model_len": fe.max_model_len,
+                    "weights": fe.weights,
                 }
             ],
         }

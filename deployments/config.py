@@ -263,6 +263,14 @@ class AppConfig(_Strict):
         "or null to serve devices a drafter this server does not draft with: the verifier computes its features for "
         "device sessions only",
     )
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="auto: the target's weights from its folder; dummy: a synthetic target for benchmarks (as "
+        "vLLM's load_format dummy): the architecture of the target's config.json (a Hugging Face folder, or a shape "
+        "shipped under moa_serve/shapes, e.g. llama-3-8b-shape), random weights drawn on the device, no checkpoint "
+        "read; a word-level tokenizer where the folder has none. Its output is noise; /v1/models and the logs say it "
+        "is synthetic. Drafter: null or lookup (a trained drafter borrows the target's real tensors)",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="auto: float32 on CPUs without native bf16, bfloat16 otherwise"
     )
@@ -345,7 +353,7 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _sessions_fit(self):
-        problems = session_problems(self) + backend_problems(self) + client_problems(self)
+        problems = session_problems(self) + backend_problems(self) + client_problems(self) + synthetic_problems(self)
         if problems:
             raise ConfigError("this config cannot work:\n  - " + "\n  - ".join(problems))
         return self
@@ -452,6 +460,21 @@ def backend_problems(cfg: AppConfig) -> list[str]:
             f"drafter_pool.max_sessions ({cfg.drafter_pool.max_sessions}) < verifier_pool.max_sessions "
             f"({cfg.verifier_pool.max_sessions}): with backend vllm every running request of a verifier replica "
             "drafts on one drafter replica, which must hold them all"
+        )
+    return out
+
+
+def synthetic_problems(cfg: AppConfig) -> list[str]:
+    """What a synthetic target (``load_format: dummy``) cannot be served with."""
+    if cfg.load_format != "dummy":
+        return []
+    out = []
+    if cfg.backend != "torch":
+        out.append("load_format dummy: the synthetic target runs on backend torch")
+    if cfg.feature_drafter is not None:
+        out.append(
+            f"load_format dummy with drafter {cfg.feature_drafter!r}: a trained drafter borrows the target's "
+            "embeddings and LM head, which a synthetic target draws at random; use drafter: null or lookup"
         )
     return out
 

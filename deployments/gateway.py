@@ -38,6 +38,7 @@ from moa_serve.deployments.router import RouterCore, detached, load_target_info
 from moa_serve.engine.lanes import LaneLink
 from moa_serve.engine.session import Session
 from moa_serve.engine.stream_service import StreamService
+from moa_serve.synthetic import describe
 
 api = create_app()
 
@@ -134,6 +135,7 @@ class Gateway:
                 max_model_len=info.max_model_len,
                 stop_token_ids=info.stop_token_ids,
                 model_name=self.cfg.model_name or self.cfg.target,
+                weights=describe(self.cfg.load_format),
                 speculation=Speculation(
                     enabled=self.cfg.drafter is not None,
                     num_speculative_tokens=self.cfg.num_speculative_tokens,

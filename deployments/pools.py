@@ -32,6 +32,7 @@ from moa_serve.drafter.checkpoint import load_draft_vocab
 from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.drafter.spec import parse_branching
 from moa_serve.protocol import PoolReply
+from moa_serve.synthetic import describe
 from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
 
 log = logging.getLogger("ray.serve")
@@ -129,6 +130,7 @@ class VerifierPool(_Pool):
             kv_cache_dtype=self.cfg.kv_cache_dtype,
             static_forward=self.cfg.static_forward,
             batch_invariant=self.cfg.batch_invariant,
+            load_format=self.cfg.load_format,
         )
         self.runner = TorchTargetRunner(
             self.cfg.target,
@@ -141,7 +143,7 @@ class VerifierPool(_Pool):
             options=options,
         )
         self.target_fingerprint = model_fingerprint(self.runner.model)  # client-server handshake
-        log.info("VerifierPool %s ready: %s", self._replica, self.cfg.target)
+        log.info("VerifierPool %s ready: %s (%s)", self._replica, self.cfg.target, describe(self.cfg.load_format))
 
     async def verify(self, requests, group=None) -> PoolReply:
         self._touch(requests)

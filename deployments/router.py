@@ -97,7 +97,7 @@ class TargetInfo:
 
 def load_target_info(cfg: AppConfig) -> TargetInfo:
     path = resolve_model_path(cfg.target, weights=False)  # tokenizer + config only
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, cfg.load_format)
     hf_config = read_config(path)
     return TargetInfo(
         path,

@@ -9,6 +9,7 @@ import sys
 
 from moa_serve.cli_args import (
     CLIError,
+    add_load_format_arg,
     add_model_args,
     check_generation_args,
     drafter_arg,
@@ -33,6 +34,7 @@ from moa_serve.engine.local import SpeculativeEngine
 from moa_serve.loadtest.runner import LoadTestError
 from moa_serve.loadtest.runner import add_arguments as add_loadtest_arguments
 from moa_serve.loadtest.runner import run as run_loadtest
+from moa_serve.synthetic import describe
 from moa_serve.verifier.vllm.engine import INSTALL_HINT, VllmEngine, VllmOptions, vllm_available
 
 
@@ -41,6 +43,8 @@ def _load_engine(args):
     if args.backend == "vllm":
         if not vllm_available():
             raise CLIError(f"--backend vllm: {INSTALL_HINT}")
+        if args.load_format == "dummy":
+            raise CLIError("--load-format dummy: the synthetic target runs on --backend torch")
         if args.device != "cpu" or args.matmul_precision != "highest" or args.kv_cache_dtype != "auto":
             raise CLIError(
                 "--backend vllm: --device, --matmul-precision and --kv-cache-dtype are "
@@ -61,6 +65,8 @@ def _load_engine(args):
             features=load_feature_source(drafter),
             proposer_factory=load_proposer,
         )
+    if args.load_format == "dummy" and drafter_arg(args.drafter) not in (None, "lookup"):
+        raise CLIError("--load-format dummy: a synthetic target drafts with --drafter none or lookup")
     return SpeculativeEngine.load(
         args.target,
         drafter_arg(args.drafter),
@@ -71,6 +77,7 @@ def _load_engine(args):
         packed_weights=args.packed_weights,
         matmul_precision=args.matmul_precision,
         kv_cache_dtype=args.kv_cache_dtype,
+        load_format=args.load_format,
     )
 
 
@@ -117,6 +124,7 @@ def cmd_generate(args) -> int:
                         "torch."
                     ),
                     "backend": args.backend,
+                    "weights": describe(args.load_format),
                     "branching": shape.label,
                     **(
                         {}
@@ -154,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text in one process (speculative or plain)")
     add_model_args(g)
+    add_load_format_arg(g)
     g.add_argument(
         "--backend",
         choices=["torch", "vllm"],

@@ -50,6 +50,17 @@ def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     )
 
 
+def add_load_format_arg(p: argparse.ArgumentParser) -> None:
+    """``--load-format``: the target's weights from its folder, or random ones (a synthetic target)."""
+    p.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="dummy: a synthetic target for benchmarks: the architecture of --target's config.json (e.g. the "
+        "shipped llama-3-8b-shape), random weights drawn on --device, no checkpoint read; its output is noise",
+    )
+
+
 def add_kernel_args(p: argparse.ArgumentParser, packed_help: str, precision_help: str) -> None:
     """``--packed-weights`` and ``--matmul-precision``: how a CPU target runs on the packed kernels."""
     p.add_argument("--packed-weights", choices=["auto", "off"], default="auto", help=packed_help)

@@ -2,7 +2,8 @@
 
 A model is named as a user would name it to Hugging Face (``HuggingFaceTB/SmolLM2-135M-Instruct``)
 or by a local path. ``MOA_MODEL_DIR`` maps names to local copies (this environment has no hub):
-``$MOA_MODEL_DIR/<name>``, ``$MOA_MODEL_DIR/<basename>`` and its lower-case form are tried.
+``$MOA_MODEL_DIR/<name>``, ``$MOA_MODEL_DIR/<basename>`` and its lower-case form are tried, after the
+model shapes shipped for synthetic targets (``moa_serve/shapes/<basename>``: a config.json alone).
 GGUF-only folders are de-quantized once through transformers and cached as safetensors under
 ``$MOA_CACHE_DIR`` (default ``~/.cache/moa-serve``).
 """
@@ -21,6 +22,7 @@ import torch
 from moa_serve import kernels
 from moa_serve.kernels.packed import gguf_file
 from moa_serve.local_cache import cache_dir
+from moa_serve.synthetic import SHAPES
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,9 @@ def resolve_model_path(name_or_path: str, weights: bool = True) -> Path:
         return p.resolve()
     model_dir = os.environ.get("MOA_MODEL_DIR")
     tried = [str(p)]
+    shape = SHAPES / str(name_or_path).rstrip("/").split("/")[-1]  # the shipped shapes of synthetic targets
+    if (shape / "config.json").is_file():
+        return shape.resolve()
     if model_dir:
         base = Path(model_dir).expanduser()
         short = str(name_or_path).rstrip("/").split("/")[-1]
@@ -74,7 +79,15 @@ def read_config(path: Path):
     return AutoConfig.from_pretrained(str(path))
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path, load_format: str = "auto"):
+    """The model's tokenizer; with ``load_format`` dummy (a synthetic target) from a folder that holds
+    none, a word-level tokenizer over the config's vocabulary (``moa_serve/synthetic.py``)."""
+    from moa_serve import synthetic
+
+    if load_format == "dummy" and not synthetic.has_tokenizer(path):
+        cfg = read_config(path)
+        eos = getattr(cfg, "eos_token_id", None)
+        return synthetic.word_tokenizer(cfg.vocab_size, eos[0] if isinstance(eos, list) else eos)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))

@@ -41,6 +41,7 @@ from moa_serve.layers import fuse_dense_projections, use_matmul, use_rms_norm
 from moa_serve.model_files import load_state_dict, read_config, resolve_model_path, target_dtype
 from moa_serve.protocol import VerifyRequest, VerifyResult
 from moa_serve.sampling import SamplingParams, generator_for, warp_probs
+from moa_serve.synthetic import describe, random_target
 from moa_serve.target_model import TargetModel
 from moa_serve.verifier.acceptance import accept_greedy, accept_sampling
 from moa_serve.verifier.api import NO_FEATURES, FeatureSource, TargetBackend
@@ -127,6 +128,7 @@ class RunnerOptions:
     """The tuning knobs of a torch verifier (what the pool config sets beside the model)."""
 
     max_num_batched_tokens: int = 512  # per-forward token budget (chunked prefill)
+    load_format: str = "auto"  # "auto": the folder's weights; "dummy": random ones (moa_serve/synthetic.py)
     packed_weights: str = "auto"  # "auto": the packed CPU kernels where they apply; "off"
     prefix_caching: bool = True
     matmul_precision: str = "highest"
@@ -164,7 +166,10 @@ class TorchTargetRunner(TargetBackend):
         self.dtype = target_dtype(dtype, device, path, model)
         self.device = torch.device(device)
         self.packing: dict = {"packed": 0, "reason": "packed_weights is off"}
-        if model is None:
+        if model is None and options.load_format == "dummy":
+            model = random_target(read_config(path), self.dtype, self.device)
+            self.packing = {"packed": 0, "reason": describe("dummy")}
+        elif model is None:
             model = TargetModel.from_state_dict(read_config(path), load_state_dict(path), self.dtype, self.device)
             if packed_weights == "auto":
                 self.packing = pack_target(model, path, matmul_precision)

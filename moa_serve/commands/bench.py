@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moa_serve.cli_args import DEFAULT_DRAFTER, add_model_args
+from moa_serve.cli_args import DEFAULT_DRAFTER, add_load_format_arg, add_model_args
 from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.drafter.spec import DrafterSpec, parse_branchings
 from moa_serve.drafter.training.data import default_system_prompt, prompt_ids
@@ -35,6 +35,7 @@ from moa_serve.model_files import (
     stop_token_ids,
 )
 from moa_serve.sampling import SamplingParams
+from moa_serve.synthetic import random_target
 from moa_serve.target_model import TargetModel
 from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
 from moa_serve.verifier.vllm.engine import VllmEngine, VllmOptions
@@ -119,15 +120,21 @@ def _build_vllm_engines(args):
 
 def _build_engines(args):
     if getattr(args, "backend", "torch") == "vllm":
+        if getattr(args, "load_format", "auto") == "dummy":
+            raise ValueError("--load-format dummy: the synthetic target runs on --backend torch")
         return _build_vllm_engines(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.target)
     dt = parse_dtype(args.dtype, args.device, path)
-    tm = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, args.device)
-    if getattr(args, "packed_weights", "auto") == "auto":
-        pack_target(tm, path, getattr(args, "matmul_precision", "highest"))
-    tok = load_tokenizer(path)
+    load_format = getattr(args, "load_format", "auto")
+    if load_format == "dummy":
+        tm = random_target(read_config(path), dt, args.device)
+    else:
+        tm = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, args.device)
+        if getattr(args, "packed_weights", "auto") == "auto":
+            pack_target(tm, path, getattr(args, "matmul_precision", "highest"))
+    tok = load_tokenizer(path, load_format)
     stops = stop_token_ids(path, tok)
     options = RunnerOptions(kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
@@ -377,6 +384,7 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="Spec-Bench: vanilla vs speculative decoding (τ, tokens/s, speed-up, identity)")
     # --target, --dtype, --device, --max-model-len, --packed-weights, --matmul-precision, --kv-cache-dtype
     add_model_args(p, drafter=False)
+    add_load_format_arg(p)
     p.add_argument(
         "--drafter",
         default=DEFAULT_DRAFTER,

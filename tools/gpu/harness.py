@@ -11,10 +11,12 @@ from pathlib import Path
 
 import torch
 
+from moa_serve import synthetic
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.moa_model import MoADrafter
-from moa_serve.layers import RMSNorm, Rotary
-from moa_serve.target_model import TargetArch, TargetModel, rotary_for
+from moa_serve.layers import Rotary
+from moa_serve.synthetic import randomize_
+from moa_serve.target_model import TargetModel
 from tools.gpu.report import markdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -218,30 +220,10 @@ def llama_config(shape: dict):
     return LlamaConfig(**{k: v for k, v in shape.items() if k != "model_type"})
 
 
-def randomize_(module: torch.nn.Module, seed: int) -> None:
-    """N(0, 0.02) matrices and embeddings, zero biases, unit norms, drawn on the module's device."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for m in module.modules():
-            if isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
-            elif isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
-                m.weight.normal_(0.0, 0.02)
-                if getattr(m, "bias", None) is not None:
-                    m.bias.zero_()
-
-
 def random_target(shape: dict, dtype: torch.dtype, device: torch.device, seed: int = 0) -> TargetModel:
-    """A TargetModel of ``shape`` with random weights allocated and drawn on ``device`` (nothing
-    crosses the bus), its rotary embedding set as a loaded model's is."""
-    cfg = llama_config(shape)
-    arch = TargetArch.from_hf_config(cfg)
-    with torch.device("meta"):
-        model = TargetModel(arch, Rotary(torch.zeros(arch.head_dim // 2)))
-    model = model.to(dtype).to_empty(device=device)
-    randomize_(model, seed)
-    model.rotary = rotary_for(cfg, arch).to(device=device, dtype=dtype)
-    return model.eval()
+    """A TargetModel of ``shape`` with random weights drawn on ``device``: the product's synthetic
+    target (``moa_serve/synthetic.py``, ``load_format: dummy``)."""
+    return synthetic.random_target(llama_config(shape), dtype, device, seed)
 
 
 def random_moa(target: TargetModel, dtype: torch.dtype, device: torch.device, seed: int = 1) -> MoADrafter:

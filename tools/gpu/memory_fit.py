@@ -72,10 +72,12 @@ def fit_section(run: Run, models: dict) -> None:
     vp = cfg.verifier_pool
     arch = target.arch
     per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 2
-    # the torch backend preallocates whole slots: as many full slots as the paged cache's tokens
-    tokens = int(vp.kv_cache_gib * GiB) // per_token
-    slots = min(vp.max_sessions, tokens // cfg.max_model_len)
-    max_len = tokens // slots - 1
+    if vp.kv_cache_gib is None:  # backend torch: max_sessions full contexts, as the config's runner holds them
+        slots, max_len = vp.max_sessions, cfg.max_model_len
+    else:  # whole slots: as many full slots as the paged cache's tokens
+        tokens = int(vp.kv_cache_gib * GiB) // per_token
+        slots = min(vp.max_sessions, tokens // cfg.max_model_len)
+        max_len = tokens // slots - 1
     free(d)
     base = torch.cuda.memory_allocated(d)
     cache = target.new_cache(slots, max_len)
