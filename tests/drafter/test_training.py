@@ -650,3 +650,43 @@ def test_shrink_vocab_keeps_the_most_frequent_draft_tokens_and_the_output(
         != 0
     )
     assert "--size must be in" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_resumed_training_gives_the_losses_of_an_uninterrupted_run(tmp_path, stories_path):
+    """A run stopped after a saved step and resumed in a fresh trainer continues with the same
+    batches, random draws (masks' T, staircase, EAGLE noise), optimizer and schedule state: its
+    next losses and final weights equal those of a run that was never stopped."""
+    from moa_serve.drafter.training.train import Trainer
+
+    kw = dict(drafters=["moa", "eagle"], max_steps=6, save_every_steps=2, period_min=5, period_max=15)
+    whole = Trainer(_tiny_cfg(tmp_path / "whole", stories_path, **kw))
+    whole.train(progress_bar=False)
+
+    cfg = _tiny_cfg(tmp_path / "parts", stories_path, **kw)
+    first = Trainer(cfg)
+    first.train(progress_bar=False, until_step=3)
+    assert first.step == 3 and first.batches_done == 3
+    second = Trainer(cfg)
+    assert second.resume() and second.step == 3
+    second.train(progress_bar=False)
+
+    def losses(tr):
+        return [(h["step"], h["moa"]["loss"], h["eagle"]["loss"]) for h in tr.history]
+
+    assert losses(second) == losses(whole)
+    assert second.tokens_seen == whole.tokens_seen
+    for kind in ("moa", "eagle"):
+        for a, b in zip(whole.models[kind].parameters(), second.models[kind].parameters()):
+            assert torch.equal(a, b)
+
+
+def test_batch_loader_keeps_the_stream_order_for_any_number_of_workers(tmp_path, stories_path):
+    from moa_serve.drafter.training.data import batches, loader
+    from moa_serve.drafter.training.train import Trainer
+
+    examples = Trainer(_tiny_cfg(tmp_path, stories_path, drafters=["eagle"])).examples
+    want = [next(s) for s in [batches(examples, 4, 5, start=3)] for _ in range(6)]
+    for workers in (0, 2):
+        got = loader(examples, 4, 5, start=3, workers=workers, pin_memory=False)
+        for w in want:
+            assert all(torch.equal(a, b) for a, b in zip(w, next(got)))
