@@ -690,3 +690,23 @@ def test_batch_loader_keeps_the_stream_order_for_any_number_of_workers(tmp_path,
         got = loader(examples, 4, 5, start=3, workers=workers, pin_memory=False)
         for w in want:
             assert all(torch.equal(a, b) for a, b in zip(w, next(got)))
+
+
+def test_regenerate_time_boxed_over_the_whole_corpus_goes_on_chunk_by_chunk(tmp_path, stories_path):
+    """--per-file 0 samples every conversation; --max-minutes stops after the chunk in which the
+    time ran out (a chunk is 4 x --batch conversations), and the next run answers the rest."""
+    from moa_serve.commands.regenerate import regenerate
+    from moa_serve.drafter.training.data import load_conversations
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, n in (("a", 4), ("b", 3)):
+        rows = [{"messages": [{"role": "user", "content": f"Story {name}{i}."}]} for i in range(n)]
+        (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    kw = dict(per_file=0, max_new_tokens=3, batch=1, dtype="float32")
+    regenerate(str(stories_path), str(data), str(out), max_minutes=1e-9, **kw)
+    assert len(load_conversations(out / "self")) == 4
+    regenerate(str(stories_path), str(data), str(out), **kw)
+    got = sorted(c[0]["content"] for c in load_conversations(out / "self"))
+    assert got == sorted(f"Story {n}{i}." for n, k in (("a", 4), ("b", 3)) for i in range(k))
