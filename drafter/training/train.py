@@ -121,8 +121,18 @@ def load_config(path: str | None, overrides: list[str] = ()) -> dict:
         key = key.replace("-", "_")
         if not sep or key not in DEFAULTS:
             raise ValueError(f"override {o!r}: expected key=value with key in {sorted(DEFAULTS)}")
-        cfg[key] = yaml.safe_load(value)
+        cfg[key] = _number_or_value(yaml.safe_load(value))
     return cfg
+
+
+def _number_or_value(value):
+    """A YAML value, with what YAML 1.1 reads as text but is a number (``3e-5``) as a float."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def _lr_factor(cfg, step: int, progress: float) -> float:
@@ -490,14 +500,16 @@ class Trainer:
         workers = int(cfg["loader_workers"])
         stream = loader(self.examples, cfg["batch_size"], cfg["seed"], self.batches_done, workers, pin_memory=cuda)
         budget = 60 * cfg["max_time_min"] if cfg["max_time_min"] else float("inf")
+        by_tokens = bool(cfg["max_tokens"])  # the bar counts tokens toward max_tokens, else steps
         bar = tqdm(
-            total=cfg["max_steps"],
-            initial=self.step,
+            total=cfg["max_tokens"] if by_tokens else cfg["max_steps"],
+            initial=self.tokens_seen if by_tokens else self.step,
             disable=not progress_bar,
             mininterval=10,
             dynamic_ncols=True,
             file=sys.stderr,
-            unit="step",
+            unit="tok" if by_tokens else "step",
+            unit_scale=by_tokens,
         )
         last_save = time.perf_counter()
         print(
@@ -566,7 +578,7 @@ class Trainer:
             eta = min((cfg["max_steps"] - self.step) * dt, budget - self.elapsed)
             if cfg["max_tokens"]:
                 eta = min(eta, (cfg["max_tokens"] - self.tokens_seen) / max(ntok, 1) * dt)
-            bar.update(1)
+            bar.update(ntok if by_tokens else 1)
             bar.set_postfix_str(
                 " ".join(f"{k}:loss={v['loss']:.3f},kl={v['kl']:.2f},acc={v['acc']:.2f}" for k, v in acc.items())
                 + f" tokens={self.tokens_seen / 1e6:.2f}M tok/s={ntok / dt:.0f} eta={eta / 60:.1f}m"
