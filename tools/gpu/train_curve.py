@@ -164,8 +164,9 @@ class Run:
         if not (root / "self").is_dir():  # a rerun on the same machine goes on from what is there
             for p in packs:
                 unpack(str(p), a.data_dir, str(root))
-        if a.regen_minutes > 0:
-            minutes = min(a.regen_minutes, max(0.0, (self.left() - 3 * a.bench_reserve_s) / 60))
+        # regeneration leaves time to train and measure at least one point (0 minutes: none at all)
+        minutes = min(a.regen_minutes, max(0.0, (self.left() - 3 * a.bench_reserve_s) / 60))
+        if minutes > 0:
             regenerate(
                 a.target,
                 a.data_dir,
