@@ -264,11 +264,10 @@ class Run:
                 }
             )
             self.write_curve()
+            self.bring_back(folder, cfg["export_prefix"])  # a run killed later still returns this point's drafters
             self.log(event="point", **{k: self.curve["points"][-1][k] for k in ("tokens_trained", "tau", "bench_s")})
             if tr.tokens_seen < point:
                 break
-        self.last = Path(self.curve["points"][-1]["checkpoints"]) if self.curve["points"] else None
-        self.prefix = cfg["export_prefix"]
 
     def bench(self, folder: Path, prefix: str) -> dict:
         from moa_serve.commands.bench import register, run_bench
@@ -288,14 +287,15 @@ class Run:
         return {k: next(r for name, r in runs.items() if name.startswith(f"{prefix}-{k}@")) for k in KINDS}
 
     # ------------------------------------------------------------------ 3. what comes back
-    def bring_back(self) -> None:
-        """The last measured point's checkpoints, each as a tar split into parts below 16 MiB."""
-        if self.last is None:
-            return
+    def bring_back(self, folder: Path, prefix: str) -> None:
+        """A measured point's checkpoints in ``--out``, each as a tar split into parts below 16 MiB
+        (in place of an earlier point's)."""
         for kind in KINDS:
+            for old in self.out.glob(f"{kind}.tar.part-*"):
+                old.unlink()
             buf = io.BytesIO()
             with tarfile.open(fileobj=buf, mode="w") as tar:
-                tar.add(self.last / f"{self.prefix}-{kind}", arcname=f"{self.prefix}-{kind}")
+                tar.add(folder / f"{prefix}-{kind}", arcname=f"{prefix}-{kind}")
             data = buf.getvalue()
             for i in range(0, len(data), PART_BYTES):
                 (self.out / f"{kind}.tar.part-{i // PART_BYTES:02d}").write_bytes(data[i : i + PART_BYTES])
@@ -331,7 +331,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         run.curve["wall_s"] = _since(run.t0)
         run.write_curve()
-    run.bring_back()
     run.log(event="done", points=len(run.curve["points"]), files=sorted(p.name for p in run.out.iterdir()))
     return 0 if run.curve["points"] else 1
 
