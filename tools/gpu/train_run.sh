@@ -17,6 +17,7 @@ PY="${PYTHON:-python3}"
 smoke=0
 for arg in "$@"; do [ "$arg" = "--cpu-smoke" ] && smoke=1; done
 if [ "${MOA_TRAIN_SMOKE:-0}" = "1" ] && [ $smoke = 0 ]; then smoke=1; set -- --cpu-smoke "$@"; fi
+# BUDGET_S counts from this script's start (staging included); the run is killed 20 s after it
 if [ $smoke = 1 ]; then BUDGET_S="${BUDGET_S:-170}"; else BUDGET_S="${BUDGET_S:-510}"; fi
 mkdir -p "$OUT" "$WORK"
 cd "$ROOT"
@@ -62,9 +63,11 @@ PYEOF
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 fi
 
-timeout --signal=TERM --kill-after=10 $((BUDGET_S + 45)) \
-  "$PY" -m tools.gpu.train_curve --out "$OUT" --work "$WORK/run" --budget-s "$BUDGET_S" "${args[@]}" "$@" 2>&1 \
-  | tr '\r' '\n' | grep --line-buffered -v '^\s*$' | tee "$OUT/log.txt.tmp"
+left=$((BUDGET_S - SECONDS))
+[ $left -gt 60 ] || { echo "error: staging left $left s of BUDGET_S=$BUDGET_S" >&2; exit 5; }
+timeout --signal=TERM --kill-after=5 $((left + 15)) \
+  "$PY" -m tools.gpu.train_curve --out "$OUT" --work "$WORK/run" --budget-s "$left" "${args[@]}" "$@" 2>&1 \
+  | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v '^\s*$' | tee "$OUT/log.txt.tmp"
 rc=${PIPESTATUS[0]}
 tail -c 4000000 "$OUT/log.txt.tmp" > "$OUT/log.txt"; rm -f "$OUT/log.txt.tmp"   # below 16 MiB
 echo "train_curve exit status $rc; results in $OUT"
