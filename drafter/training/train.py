@@ -321,6 +321,7 @@ class Trainer:
                 "elapsed": self.elapsed,
                 "tokens_seen": self.tokens_seen,
                 "batches_done": self.batches_done,
+                "vocab": self.vocab,
                 "models": {k: m.state_dict() for k, m in self.models.items()},
                 "opts": {k: o.state_dict() for k, o in self.opts.items()},
                 "history": self.history,
@@ -339,6 +340,12 @@ class Trainer:
         if not p.is_file():
             return False
         st = torch.load(p, map_location=self.device, weights_only=False)
+        saved = st.get("vocab", self.vocab)
+        if (saved is None) != (self.vocab is None) or (saved is not None and not torch.equal(saved.cpu(), self.vocab)):
+            raise ValueError(
+                f"{p}: its drafters' draft vocabulary is not the one this run's data gives (the data "
+                "changed); resume on the same data, or start over with --no-resume"
+            )
         for k, m in self.models.items():
             m.load_state_dict(st["models"][k])
             self.opts[k].load_state_dict(st["opts"][k])

@@ -678,6 +678,9 @@ def test_resumed_training_gives_the_losses_of_an_uninterrupted_run(tmp_path, sto
     for kind in ("moa", "eagle"):
         for a, b in zip(whole.models[kind].parameters(), second.models[kind].parameters()):
             assert torch.equal(a, b)
+    # data that gives another draft vocabulary cannot go on from this state
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        Trainer({**cfg, "draft_vocab_size": 128}).resume()
 
 
 def test_batch_loader_keeps_the_stream_order_for_any_number_of_workers(tmp_path, stories_path):
