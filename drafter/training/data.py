@@ -184,11 +184,11 @@ def vocab_coverage(examples: list[Example], vocab: torch.Tensor) -> float:
     return _share(response_counts(examples), vocab.tolist())
 
 
-def batches(examples: list[Example], batch_size: int, seed: int, pool: int = 16):
-    """Endless stream of (tokens [B,S], response [B,S], valid [B,S]); sequences of similar length
-    are batched together (padding is wasted compute on CPU)."""
+def batch_plan(examples: list[Example], batch_size: int, seed: int, pool: int = 16):
+    """Endless stream of batches as lists of example indices: shuffled each epoch, sequences of
+    similar length batched together (padding is wasted compute). A function of ``seed`` alone, so
+    the n-th batch is the same in every run: the training state records how many were consumed."""
     rng = random.Random(seed)
-    epoch = 0
     while True:
         order = list(range(len(examples)))
         rng.shuffle(order)
@@ -197,9 +197,47 @@ def batches(examples: list[Example], batch_size: int, seed: int, pool: int = 16)
             group = sorted(order[c : c + chunk], key=lambda i: len(examples[i].ids))
             bs = [group[i : i + batch_size] for i in range(0, len(group), batch_size)]
             rng.shuffle(bs)
-            for b in bs:
-                yield collate([examples[i] for i in b])
-        epoch += 1
+            yield from bs
+
+
+def batches(examples: list[Example], batch_size: int, seed: int, pool: int = 16, start: int = 0):
+    """Endless stream of (tokens [B,S], response [B,S], valid [B,S]) from ``batch_plan``, from its
+    ``start``-th batch on (the ones before are skipped without being built)."""
+    for n, b in enumerate(batch_plan(examples, batch_size, seed, pool)):
+        if n >= start:
+            yield collate([examples[i] for i in b])
+
+
+class BatchStream(torch.utils.data.IterableDataset):
+    """``batches`` for a ``torch.utils.data.DataLoader`` (``batch_size=None``): with workers, worker
+    w builds batches w, w + n, w + 2n, ... and the loader hands them out in turn, so the order is
+    ``batches``' for any number of workers."""
+
+    def __init__(self, examples: list[Example], batch_size: int, seed: int, start: int = 0):
+        self.examples, self.batch_size, self.seed, self.start = examples, batch_size, seed, start
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        plan = batch_plan(self.examples, self.batch_size, self.seed)
+        for n, b in enumerate(plan):
+            if n >= self.start and (n - self.start) % workers == worker:
+                yield collate([self.examples[i] for i in b])
+
+
+def loader(examples: list[Example], batch_size: int, seed: int, start: int, workers: int, pin_memory: bool):
+    """Batches from ``start`` on, built by ``workers`` processes ahead of the training step (0: in
+    the training process, as it goes), in pinned memory for asynchronous copies to a GPU."""
+    stream = BatchStream(examples, batch_size, seed, start)
+    extra = dict(prefetch_factor=4) if workers else {}
+    # a generator of its own: starting the loader draws a seed, which must not move the global RNG
+    # the training step draws from (a resumed run draws what an uninterrupted one does)
+    gen = torch.Generator().manual_seed(seed)
+    return iter(
+        torch.utils.data.DataLoader(
+            stream, batch_size=None, num_workers=workers, pin_memory=pin_memory, generator=gen, **extra
+        )
+    )
 
 
 def collate(exs: list[Example]):

@@ -51,6 +51,7 @@ from moa_serve.drafter.training.data import (
     batches,
     build_examples,
     load_conversations,
+    loader,
     stop_token_ids,
     top_vocab,
     vocab_coverage,
@@ -72,6 +73,7 @@ DEFAULTS = dict(
     grad_accum=2,
     max_steps=1000,
     max_time_min=0.0,
+    max_tokens=0,
     lr=1e-3,
     min_lr_ratio=0.1,
     warmup_steps=20,
@@ -96,6 +98,9 @@ DEFAULTS = dict(
     export_dir="runs/drafters/export",
     export_prefix="drafter",
     save_every_min=5.0,
+    save_every_steps=0,
+    compile=False,
+    loader_workers=0,
     log_every=5,
     init_seed=0,
     init_from=None,
@@ -116,8 +121,18 @@ def load_config(path: str | None, overrides: list[str] = ()) -> dict:
         key = key.replace("-", "_")
         if not sep or key not in DEFAULTS:
             raise ValueError(f"override {o!r}: expected key=value with key in {sorted(DEFAULTS)}")
-        cfg[key] = yaml.safe_load(value)
+        cfg[key] = _number_or_value(yaml.safe_load(value))
     return cfg
+
+
+def _number_or_value(value):
+    """A YAML value, with what YAML 1.1 reads as text but is a number (``3e-5``) as a float."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def _lr_factor(cfg, step: int, progress: float) -> float:
@@ -137,6 +152,9 @@ class Trainer:
         self.device = torch.device(cfg["device"])
         if self.device.type == "cpu" and cfg["threads"]:
             torch.set_num_threads(int(cfg["threads"]))
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
         torch.manual_seed(cfg["seed"])
         self.amp = None if cfg["amp"] in (None, "float32", "none") else getattr(torch, cfg["amp"])
         path = resolve_model_path(cfg["target"])
@@ -205,16 +223,35 @@ class Trainer:
             self.cfgs[kind] = dcfg
         self.opts = {
             k: torch.optim.AdamW(
-                m.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]), weight_decay=cfg["weight_decay"]
+                m.parameters(),
+                lr=cfg["lr"],
+                betas=tuple(cfg["betas"]),
+                weight_decay=cfg["weight_decay"],
+                fused=self.device.type == "cuda",  # one kernel for all parameters on a GPU
             )
             for k, m in self.models.items()
         }
+        self.forwards = self._forwards(bool(cfg["compile"]))
         self.step = 0
+        self.batches_done = 0  # the data position: batches of the deterministic stream consumed
         self.elapsed = 0.0
         self.tokens_seen = 0
         self.history: list[dict] = []
         self.out = Path(cfg["out_dir"])
         self.rng = random.Random(cfg["seed"])
+
+    def _forwards(self, compiled: bool) -> dict:
+        """The drafters' training forward passes, each through ``torch.compile`` when ``compiled``
+        (shapes vary with the batch's length: compiled for dynamic shapes)."""
+        fns = {}
+        for kind, m in self.models.items():
+            if kind == "moa":
+                fns[kind] = {"feature": m.feature_head, "draft": m.draft_head.forward_parallel}
+            else:
+                fns[kind] = {"draft": m.forward_parallel}
+        if compiled:
+            fns = {k: {n: torch.compile(f, dynamic=True) for n, f in v.items()} for k, v in fns.items()}
+        return fns
 
     @torch.no_grad()
     def _fit_value_readout(self, m: MoADrafter, batches_: int = 24, ridge: float = 1.0) -> None:
@@ -283,11 +320,14 @@ class Trainer:
                 "step": self.step,
                 "elapsed": self.elapsed,
                 "tokens_seen": self.tokens_seen,
+                "batches_done": self.batches_done,
+                "vocab": self.vocab,
                 "models": {k: m.state_dict() for k, m in self.models.items()},
                 "opts": {k: o.state_dict() for k, o in self.opts.items()},
                 "history": self.history,
                 "rng": self.rng.getstate(),
                 "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
                 "config": self.cfg,
             },
             tmp,
@@ -300,16 +340,26 @@ class Trainer:
         if not p.is_file():
             return False
         st = torch.load(p, map_location=self.device, weights_only=False)
+        saved = st.get("vocab", self.vocab)
+        if (saved is None) != (self.vocab is None) or (saved is not None and not torch.equal(saved.cpu(), self.vocab)):
+            raise ValueError(
+                f"{p}: its drafters' draft vocabulary is not the one this run's data gives (the data "
+                "changed); resume on the same data, or start over with --no-resume"
+            )
         for k, m in self.models.items():
             m.load_state_dict(st["models"][k])
             self.opts[k].load_state_dict(st["opts"][k])
         self.step, self.elapsed, self.tokens_seen = st["step"], st["elapsed"], st["tokens_seen"]
+        # a state without a data position: each step consumed grad_accum batches
+        self.batches_done = st.get("batches_done", st["step"] * self.cfg["grad_accum"])
         self.history = st["history"]
         self.rng.setstate(st["rng"])
-        torch.set_rng_state(st["torch_rng"])
+        torch.set_rng_state(st["torch_rng"].cpu())
+        if st.get("cuda_rng") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state_all([r.cpu() for r in st["cuda_rng"]])
         return True
 
-    def export(self) -> dict[str, Path]:
+    def export(self, export_dir: str | Path | None = None) -> dict[str, Path]:
         """Writes each drafter as a checkpoint folder (config.json + model.safetensors + draft vocab),
         its weights in bfloat16: half the bytes of float32, and what a float32 CPU drafter reads
         through the packed bf16 kernels unchanged (the training state keeps float32)."""
@@ -318,7 +368,7 @@ class Trainer:
             state = m.flat_state_dict() if kind == "moa" else dict(m.state_dict())
             if self.vocab is not None:
                 state[DRAFT_VOCAB_KEY] = self.vocab
-            d = Path(self.cfg["export_dir"]) / f"{self.cfg['export_prefix']}-{kind}"
+            d = Path(export_dir or self.cfg["export_dir"]) / f"{self.cfg['export_prefix']}-{kind}"
             save_drafter(d, self.cfgs[kind], state, dtype=torch.bfloat16)
             (d / "training.json").write_text(json.dumps(self.summary(kind), indent=2) + "\n")
             out[kind] = d
@@ -344,11 +394,13 @@ class Trainer:
         p = self.step / max(1, self.cfg["max_steps"])
         if self.cfg["max_time_min"]:
             p = max(p, self.elapsed / (60 * self.cfg["max_time_min"]))
+        if self.cfg["max_tokens"]:
+            p = max(p, self.tokens_seen / self.cfg["max_tokens"])
         return min(1.0, p)
 
     def micro_step(self, tokens, resp, valid, scale: float) -> dict:
         cfg, dev = self.cfg, self.device
-        tokens, resp, valid = tokens.to(dev), resp.to(dev), valid.to(dev)
+        tokens, resp, valid = (x.to(dev, non_blocking=True) for x in (tokens, resp, valid))
         b, s = tokens.shape
         with torch.no_grad():
             t = self.target.forward_train(tokens, valid, self.tli, self.vocab_dev)
@@ -368,9 +420,10 @@ class Trainer:
             if extra is not None:
                 feat = 0.5 * feat + 0.5 * extra
             acc = _masked_mean((logits.argmax(-1) == t["logits"].argmax(-1)).float(), loss_mask)
-            return cfg["kl_weight"] * kl + feat, {"kl": kl.item(), "feat": feat.item(), "acc": acc.item()}
+            return cfg["kl_weight"] * kl + feat, {"kl": kl.detach(), "feat": feat.detach(), "acc": acc}
 
-        for kind, m in self.models.items():
+        for kind in self.models:
+            fwd = self.forwards[kind]
             with ac:
                 if kind == "moa":
                     period = torch.randint(cfg["period_min"], cfg["period_max"] + 1, (b,), device=dev)
@@ -388,7 +441,7 @@ class Trainer:
                         else masks.bounded_cross_mask(visible)
                     )
                     sel = visible & valid
-                    fv = m.feature_head(t["per_layer_kv"][sel])
+                    fv = fwd["feature"](t["per_layer_kv"][sel])
                     grounding = None
                     if cfg["feature_target_weight"]:
                         # the feature of a verified position should carry the target's final hidden
@@ -398,7 +451,7 @@ class Trainer:
                         grounding = F.smooth_l1_loss(fv.float(), t["hidden"][sel])
                     feats = torch.zeros(b, s, fv.shape[-1], dtype=fv.dtype, device=dev)
                     feats = feats.index_put((sel,), fv)
-                    hidden, ca_out = m.draft_head.forward_parallel(
+                    hidden, ca_out = fwd["draft"](
                         self.parts,
                         tokens,
                         feats,
@@ -417,37 +470,53 @@ class Trainer:
                     loss, st = losses(hidden, logits, extra)
                     if grounding is not None:
                         loss = loss + cfg["feature_target_weight"] * grounding
-                        st["ground"] = grounding.item()
+                        st["ground"] = grounding.detach()
                 elif kind == "eagle":
                     prev = torch.zeros_like(t["hidden"])
                     prev[:, 1:] = t["hidden"][:, :-1]
                     if cfg["eagle_noise"]:
                         prev = prev + (torch.rand_like(prev) * 2 - 1) * cfg["eagle_noise"]
-                    pred = m.forward_parallel(self.parts, tokens, prev, positions, causal)
+                    pred = fwd["draft"](self.parts, tokens, prev, positions, causal)
                     logits = pred @ self.head_w.T.to(pred.dtype)
                     loss, st = losses(pred, logits)
                 else:
-                    pred = m.forward_parallel(self.parts, tokens, positions, causal)
+                    pred = fwd["draft"](self.parts, tokens, positions, causal)
                     logits = pred @ self.head_w.T.to(pred.dtype)
                     loss, st = losses(pred, logits)
             (loss * scale).backward()
-            st["loss"] = loss.item()
+            st["loss"] = loss.detach()
             stats[kind] = st
-        return stats
+        return stats  # tensors on the device, read once per step (one synchronisation)
 
-    def train(self, progress_bar: bool = True) -> dict[str, Path]:
+    def train(
+        self,
+        progress_bar: bool = True,
+        until_tokens: int = 0,
+        until_step: int = 0,
+        deadline: float = 0.0,
+    ) -> dict[str, Path]:
+        """Trains until ``max_steps`` / ``max_time_min`` / ``max_tokens`` (which also set the
+        schedule), or earlier at ``until_tokens`` tokens, step ``until_step`` or the
+        ``time.monotonic()`` ``deadline`` (a stop that leaves the schedule as it is: a later call
+        goes on from there). Saves the training state at the end and every ``save_every_steps``
+        steps / ``save_every_min`` minutes, then exports."""
         from tqdm import tqdm
 
         cfg = self.cfg
-        stream = batches(self.examples, cfg["batch_size"], cfg["seed"] + self.step)
+        cuda = self.device.type == "cuda"
+        workers = int(cfg["loader_workers"])
+        stream = loader(self.examples, cfg["batch_size"], cfg["seed"], self.batches_done, workers, pin_memory=cuda)
         budget = 60 * cfg["max_time_min"] if cfg["max_time_min"] else float("inf")
+        by_tokens = bool(cfg["max_tokens"])  # the bar counts tokens toward max_tokens, else steps
         bar = tqdm(
-            total=cfg["max_steps"],
-            initial=self.step,
+            total=cfg["max_tokens"] if by_tokens else cfg["max_steps"],
+            initial=self.tokens_seen if by_tokens else self.step,
             disable=not progress_bar,
             mininterval=10,
             dynamic_ncols=True,
             file=sys.stderr,
+            unit="tok" if by_tokens else "step",
+            unit_scale=by_tokens,
         )
         last_save = time.perf_counter()
         print(
@@ -457,12 +526,24 @@ class Trainer:
                     "examples": len(self.examples),
                     "vocab_coverage": self.vocab_coverage,
                     "step": self.step,
+                    "tokens_seen": self.tokens_seen,
                     "params": {k: sum(p.numel() for p in m.parameters()) for k, m in self.models.items()},
                 }
             ),
             flush=True,
         )
-        while self.step < cfg["max_steps"] and self.elapsed < budget:
+
+        def more() -> bool:
+            return (
+                self.step < cfg["max_steps"]
+                and self.elapsed < budget
+                and not (cfg["max_tokens"] and self.tokens_seen >= cfg["max_tokens"])
+                and not (until_tokens and self.tokens_seen >= until_tokens)
+                and not (until_step and self.step >= until_step)
+                and not (deadline and time.monotonic() >= deadline)
+            )
+
+        while more():
             t0 = time.perf_counter()
             factor = _lr_factor(cfg, self.step, self.progress())
             for o in self.opts.values():
@@ -472,16 +553,22 @@ class Trainer:
             ntok = 0
             for _ in range(cfg["grad_accum"]):
                 tokens, resp, valid = next(stream)
+                self.batches_done += 1
                 ntok += int(valid.sum())
                 st = self.micro_step(tokens, resp, valid, 1.0 / cfg["grad_accum"])
                 for k, v in st.items():
                     for kk, vv in v.items():
                         acc.setdefault(k, {}).setdefault(kk, 0.0)
-                        acc[k][kk] += vv / cfg["grad_accum"]
+                        acc[k][kk] = acc[k][kk] + vv / cfg["grad_accum"]
             for k, m in self.models.items():
-                acc[k]["gnorm"] = float(torch.nn.utils.clip_grad_norm_(m.parameters(), cfg["grad_clip"]))
+                acc[k]["gnorm"] = torch.nn.utils.clip_grad_norm_(m.parameters(), cfg["grad_clip"])
                 self.opts[k].step()
                 self.opts[k].zero_grad(set_to_none=True)
+            # the step's statistics in one read from the device
+            names = [(k, kk) for k, v in acc.items() for kk in v]
+            values = torch.stack([torch.as_tensor(acc[k][kk], dtype=torch.float32).to(self.device) for k, kk in names])
+            for (k, kk), v in zip(names, values.tolist()):
+                acc[k][kk] = v
             dt = time.perf_counter() - t0
             self.elapsed += dt
             self.step += 1
@@ -490,24 +577,31 @@ class Trainer:
                 "step": self.step,
                 "elapsed": round(self.elapsed, 1),
                 "lr": cfg["lr"] * factor,
+                "tokens_seen": self.tokens_seen,
                 "tok_s": round(ntok / dt, 1),
                 **{k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in acc.items()},
             }
             self.history.append(rec)
             eta = min((cfg["max_steps"] - self.step) * dt, budget - self.elapsed)
-            bar.update(1)
+            if cfg["max_tokens"]:
+                eta = min(eta, (cfg["max_tokens"] - self.tokens_seen) / max(ntok, 1) * dt)
+            bar.update(ntok if by_tokens else 1)
             bar.set_postfix_str(
                 " ".join(f"{k}:loss={v['loss']:.3f},kl={v['kl']:.2f},acc={v['acc']:.2f}" for k, v in acc.items())
-                + f" tok/s={ntok / dt:.0f} eta={eta / 60:.1f}m"
+                + f" tokens={self.tokens_seen / 1e6:.2f}M tok/s={ntok / dt:.0f} eta={eta / 60:.1f}m"
             )
             if self.step % cfg["log_every"] == 0 or self.step == 1:
                 print(json.dumps({**rec, "eta_min": round(eta / 60, 1)}), flush=True)
-            if time.perf_counter() - last_save > 60 * cfg["save_every_min"]:
+            due_steps = cfg["save_every_steps"] and self.step % cfg["save_every_steps"] == 0
+            if due_steps or time.perf_counter() - last_save > 60 * cfg["save_every_min"]:
                 self.save()
                 last_save = time.perf_counter()
         bar.close()
         self.save()
-        print(json.dumps({"event": "done", "step": self.step, "elapsed": self.elapsed}), flush=True)
+        print(
+            json.dumps({"event": "done", "step": self.step, "elapsed": self.elapsed, "tokens_seen": self.tokens_seen}),
+            flush=True,
+        )
         return self.export()
 
 
@@ -520,6 +614,10 @@ def run(cfg: dict, resume: bool = True, progress_bar: bool = True) -> dict[str, 
 
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    if args.resume and args.no_resume:
+        raise SystemExit("moa train: --resume and --no-resume are exclusive")
+    if args.resume and not (Path(cfg["out_dir"]) / "train_state.pt").is_file():
+        raise SystemExit(f"moa train --resume: no training state in out_dir {cfg['out_dir']}")
     out = run(cfg, resume=not args.no_resume)
     for kind, d in out.items():
         print(f"{kind}: {d}")
@@ -530,6 +628,12 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="distil MoA (+ EAGLE-style and independent baseline) drafters from a target")
     p.add_argument("--config", default=None, help="YAML file of hyper-parameters (drafter/configs/*.yaml)")
     p.add_argument("--no-resume", action="store_true", help="start over even if out_dir has a training state")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from out_dir's training state, and fail if there is none (without either flag: "
+        "go on from it if there is one)",
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides of the config (e.g. max_steps=200 lr=5e-4)")
     p.set_defaults(func=cmd_train)
 

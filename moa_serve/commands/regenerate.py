@@ -194,11 +194,12 @@ def regenerate(
     backend: str = "torch",
     all_turns: bool = False,
     system_prompt_share: float = 0.0,
+    max_minutes: float = 0.0,
 ) -> Path:
     from tqdm import tqdm
 
-    if per_file < 1 or max_new_tokens < 1 or batch < 1 or limit < 0:
-        raise ValueError("per_file, max_new_tokens and batch must be >= 1 and limit >= 0")
+    if per_file < 0 or max_new_tokens < 1 or batch < 1 or limit < 0 or max_minutes < 0:
+        raise ValueError("max_new_tokens and batch must be >= 1, per_file, limit and max_minutes >= 0")
     if not 0.0 <= system_prompt_share <= 1.0:
         raise ValueError(f"system_prompt_share must be in [0, 1], got {system_prompt_share}")
     root = Path(out)
@@ -233,6 +234,7 @@ def regenerate(
         self_path, orig_path = _new_shard(root)
         chunk_size = batch * 4  # continuous batching inside a chunk; the chunk bounds lost work on interrupt
         tokens, t0 = 0, time.perf_counter()
+        answered = 0
         with (
             self_path.open("w") as f_self,
             orig_path.open("w") as f_orig,
@@ -254,10 +256,13 @@ def regenerate(
                     f_self.write(json.dumps({"messages": r, "source": src}) + "\n")
                     f_orig.write(json.dumps({"messages": c, "source": src}) + "\n")
                 tokens += n
+                answered += len(part)
                 f_self.flush()
                 f_orig.flush()
                 bar.update(len(chunk))
                 bar.set_postfix(tokens=tokens, tok_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
+                if max_minutes and time.perf_counter() - t0 >= 60 * max_minutes:
+                    break  # time-boxed after a whole chunk: it stays, and the next run goes on from there
     finally:
         if backend == "vllm":
             engine.close()
@@ -266,7 +271,8 @@ def regenerate(
         json.dumps(
             {
                 "event": "done",
-                "answered": len(todo),
+                "answered": answered,
+                "left": len(todo) - answered,
                 "tokens": tokens,
                 "wall_s": round(wall, 1),
                 "tokens_per_s": round(tokens / wall, 1),
@@ -281,7 +287,9 @@ def register(sub) -> None:
     p = sub.add_parser("regenerate", help="regenerate training replies with the target (self-distillation data)")
     p.add_argument("--target", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--data-dir", default="../shared/data/train")
-    p.add_argument("--per-file", type=int, default=30)
+    p.add_argument(
+        "--per-file", type=int, default=30, help="conversations sampled per corpus file (0: every conversation)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
@@ -311,6 +319,12 @@ def register(sub) -> None:
         type=int,
         default=0,
         help="answer at most this many prompts not yet in --out (0: all); a later run goes on",
+    )
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=0.0,
+        help="stop starting chunks after this many minutes of writing (0: no limit); a later run goes on",
     )
     p.add_argument("--out", required=True)
     p.add_argument(
@@ -345,6 +359,7 @@ def _cmd(a) -> int:
                 a.backend,
                 a.all_turns,
                 a.system_prompt_share,
+                a.max_minutes,
             )
         )
         if a.backend == "vllm":

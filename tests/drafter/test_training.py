@@ -652,3 +652,66 @@ def test_shrink_vocab_keeps_the_most_frequent_draft_tokens_and_the_output(
         != 0
     )
     assert "--size must be in" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_resumed_training_gives_the_losses_of_an_uninterrupted_run(tmp_path, stories_path):
+    """A run stopped after a saved step and resumed in a fresh trainer continues with the same
+    batches, random draws (masks' T, staircase, EAGLE noise), optimizer and schedule state: its
+    next losses and final weights equal those of a run that was never stopped."""
+    from moa_serve.drafter.training.train import Trainer
+
+    kw = dict(drafters=["moa", "eagle"], max_steps=6, save_every_steps=2, period_min=5, period_max=15)
+    whole = Trainer(_tiny_cfg(tmp_path / "whole", stories_path, **kw))
+    whole.train(progress_bar=False)
+
+    cfg = _tiny_cfg(tmp_path / "parts", stories_path, **kw)
+    first = Trainer(cfg)
+    first.train(progress_bar=False, until_step=3)
+    assert first.step == 3 and first.batches_done == 3
+    second = Trainer(cfg)
+    assert second.resume() and second.step == 3
+    second.train(progress_bar=False)
+
+    def losses(tr):
+        return [(h["step"], h["moa"]["loss"], h["eagle"]["loss"]) for h in tr.history]
+
+    assert losses(second) == losses(whole)
+    assert second.tokens_seen == whole.tokens_seen
+    for kind in ("moa", "eagle"):
+        for a, b in zip(whole.models[kind].parameters(), second.models[kind].parameters()):
+            assert torch.equal(a, b)
+    # data that gives another draft vocabulary cannot go on from this state
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        Trainer({**cfg, "draft_vocab_size": 128}).resume()
+
+
+def test_batch_loader_keeps_the_stream_order_for_any_number_of_workers(tmp_path, stories_path):
+    from moa_serve.drafter.training.data import batches, loader
+    from moa_serve.drafter.training.train import Trainer
+
+    examples = Trainer(_tiny_cfg(tmp_path, stories_path, drafters=["eagle"])).examples
+    want = [next(s) for s in [batches(examples, 4, 5, start=3)] for _ in range(6)]
+    for workers in (0, 2):
+        got = loader(examples, 4, 5, start=3, workers=workers, pin_memory=False)
+        for w in want:
+            assert all(torch.equal(a, b) for a, b in zip(w, next(got)))
+
+
+def test_regenerate_time_boxed_over_the_whole_corpus_goes_on_chunk_by_chunk(tmp_path, stories_path):
+    """--per-file 0 samples every conversation; --max-minutes stops after the chunk in which the
+    time ran out (a chunk is 4 x --batch conversations), and the next run answers the rest."""
+    from moa_serve.commands.regenerate import regenerate
+    from moa_serve.drafter.training.data import load_conversations
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, n in (("a", 4), ("b", 3)):
+        rows = [{"messages": [{"role": "user", "content": f"Story {name}{i}."}]} for i in range(n)]
+        (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    kw = dict(per_file=0, max_new_tokens=3, batch=1, dtype="float32")
+    regenerate(str(stories_path), str(data), str(out), max_minutes=1e-9, **kw)
+    assert len(load_conversations(out / "self")) == 4
+    regenerate(str(stories_path), str(data), str(out), **kw)
+    got = sorted(c[0]["content"] for c in load_conversations(out / "self"))
+    assert got == sorted(f"Story {n}{i}." for n, k in (("a", 4), ("b", 3)) for i in range(k))
