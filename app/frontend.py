@@ -18,6 +18,7 @@ from jinja2 import TemplateError
 
 from moa_serve.engine.round_service import RoundService
 from moa_serve.engine.session import Session
+from moa_serve.grammar import GrammarSpec, check
 from moa_serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -186,8 +187,11 @@ class Frontend:
         max_model_len: int,
         stop_token_ids: frozenset[int],
         speculation: Speculation,
+        structured_output_unsupported: str | None = None,
     ):
         self.service = service
+        # why this server cannot constrain output to a grammar (None: it can)
+        self.structured_output_unsupported = structured_output_unsupported
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.stop_token_ids = stop_token_ids
@@ -237,9 +241,20 @@ class Frontend:
         stops: list[str],
         ignore_eos: bool,
         num_speculative_tokens: int | None,
+        grammar: tuple[GrammarSpec, str] | None = None,
     ) -> Generation:
-        """Tokenizes (``tokenize``) and submits a session. Raises ``InputError`` naming the field
-        of a request the server cannot run, ``QueueFullError`` when the queue is full."""
+        """Tokenizes (``tokenize``) and submits a session. ``grammar``: the structured output asked
+        for and the field that asked, checked here (a grammar the engine cannot compile is an
+        ``InputError`` naming that field). Raises ``InputError`` naming the field of a request the
+        server cannot run, ``QueueFullError`` when the queue is full."""
+        if grammar is not None:
+            spec, param = grammar
+            if self.structured_output_unsupported:
+                raise InputError(f"{param}: {self.structured_output_unsupported}", param)
+            try:
+                await asyncio.to_thread(check, spec)  # a large schema takes milliseconds: off the event loop
+            except ValueError as exc:
+                raise InputError(f"{param}: {exc}", param) from None
         ids, field = await self.tokenize(prompt, messages)
         if len(ids) >= self.max_model_len:
             raise InputError(
@@ -259,5 +274,6 @@ class Frontend:
             self.max_model_len,
             adaptive_speculation=spec.adaptive,
             drafter_needs_features=spec.needs_features,
+            grammar=grammar[0] if grammar is not None else None,
         )
         return Generation(self, session, stops)

@@ -115,6 +115,7 @@ async def start_generation(readiness: Readiness, body, prompt, messages, max_tok
             stops=body.stop_strings(),
             ignore_eos=body.ignore_eos,
             num_speculative_tokens=body.num_speculative_tokens,
+            grammar=body.grammar() if hasattr(body, "grammar") else None,
         )
         gen.on_error = readiness.recheck  # pools that stopped answering: 503s, not a 500 per request
         return gen

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from moa_serve.app.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, Stop
+from moa_serve.grammar import GrammarSpec
 from moa_serve.sampling import TEMPERATURE_MAX, SamplingParams, Seed, Temperature, TopK, TopP
 
 
@@ -89,6 +90,57 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's ``response_format.json_schema``: the schema the reply must validate against."""
+
+    name: str | None = Field(None, max_length=64)
+    description: str | None = None
+    schema_: dict = Field(alias="schema", description="a JSON Schema (the object the reply must be)")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON that validates against
+    ``json_schema.schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only with it")
+        return self
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs`` (an extra body field of the openai client): exactly one of a
+    JSON schema, any JSON object, a regular expression, or a choice among strings."""
+
+    json_: dict | None = Field(None, alias="json", description="a JSON Schema the reply validates against")
+    json_object: bool | None = Field(None, description="true: any JSON object")
+    regex: str | None = Field(None, min_length=1, description="a regular expression the whole reply matches")
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, description="the reply is exactly one of these strings"
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [self.json_ is not None, bool(self.json_object), self.regex is not None, self.choice is not None]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of json, json_object: true, regex, choice")
+        return self
+
+    def spec(self) -> GrammarSpec:
+        if self.json_ is not None:
+            return GrammarSpec.json_schema(self.json_)
+        if self.json_object:
+            return GrammarSpec("json_object")
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex)
+        return GrammarSpec.choice(self.choice)
+
+
 class _OpenAIFields(SamplingFields):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=32768)
@@ -99,6 +151,29 @@ class _OpenAIFields(SamplingFields):
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, allow_inf_nan=False, description="not supported; must be 0")
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, allow_inf_nan=False, description="not supported; must be 0")
     temperature: Temperature = Field(1.0, le=2.0)  # OpenAI's default and range
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object or json_schema: the reply is JSON (that validates against the schema)"
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's structured outputs: json, json_object, regex or choice"
+    )
+
+    @model_validator(mode="after")
+    def _one_grammar(self):
+        if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def grammar(self) -> tuple[GrammarSpec, str] | None:
+        """The structured output asked for and the field that asked, or None (free text)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec(), "structured_outputs"
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return GrammarSpec("json_object"), "response_format"
+        return GrammarSpec.json_schema(fmt.json_schema.schema_), "response_format"
 
 
 class CompletionRequest(_OpenAIFields):
