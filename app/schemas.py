@@ -141,10 +141,19 @@ class StructuredOutputs(_Body):
         return GrammarSpec.choice(self.choice)
 
 
+MAX_CHOICES = 16  # n: sessions one request may start (each holds a KV slot while it runs)
+
+
 class _OpenAIFields(SamplingFields):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=32768)
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: int = Field(
+        1,
+        ge=1,
+        le=MAX_CHOICES,
+        description="independent choices of the one prompt (its prefill shared); choice i samples with seed + i; "
+        "greedy choices are all the same",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -56,8 +56,8 @@ def check(spec: GrammarSpec):
     if spec.kind not in KINDS:
         raise ValueError(f"unknown grammar kind {spec.kind!r}; one of {', '.join(KINDS)}")
     try:
-        if spec.kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if spec.kind == "json_object":  # an object, as OpenAI's json_object (not any JSON value)
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "json_schema":
             return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False, strict_mode=True)
         if spec.kind == "regex":

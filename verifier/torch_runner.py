@@ -246,6 +246,7 @@ class TorchTargetRunner(TargetBackend):
             "prefix_tokens": 0,
             "alternatives_accepted": 0,
             "steps_cut": 0,
+            "prefix_waits": 0,
         }
         self.static = (
             StaticForward(
@@ -390,6 +391,24 @@ class TorchTargetRunner(TargetBackend):
         s = self.sessions[session_id] = _Session(slot, tokens[:best_len], best_len)  # _take sets the length
         return s
 
+    def _waits_for_sibling(self, req: VerifyRequest, arriving: list[list[int]]) -> bool:
+        """A new session whose prompt another new session of the call (an earlier choice of the same
+        request, n > 1) is about to prefill, beyond what the cache already holds: it answers
+        ``resync`` and comes back in the follow-up call of the same round, where it copies the
+        sibling's K/V instead of computing it again."""
+        if not (self.prefix_caching and req.base == 0 and arriving) or req.session_id in self.sessions:
+            return False
+        limit = len(req.tokens) - 1
+        shared = max(common_prefix(t, req.tokens, limit) for t in arriving)
+        if shared < MIN_PREFIX_COPY:
+            return False
+        held = max(
+            [common_prefix(old, req.tokens, limit) for old in self.retained.values()]
+            + [common_prefix(s.committed, req.tokens, min(limit, s.cached)) for s in self.sessions.values()],
+            default=0,
+        )
+        return shared > held
+
     def _take(self, req: VerifyRequest, keep: set[str]) -> _Session | None:
         """The session with its committed copy updated from the request's delta (None: resync)."""
         s = self.sessions.get(req.session_id)
@@ -469,8 +488,14 @@ class TorchTargetRunner(TargetBackend):
         if len(keep) != len(requests):
             raise ValueError("a verify call names a session twice")
         results: dict[str, VerifyResult] = {}
-        pending = []
+        pending, arriving = [], []
         for r in requests:
+            if self._waits_for_sibling(r, arriving):
+                self.stats["prefix_waits"] += 1
+                results[r.session_id] = VerifyResult(r.session_id, [], 0, 0, None, resync=True)
+                continue
+            if r.base == 0 and r.session_id not in self.sessions:
+                arriving.append(r.tokens)
             s = self._take(r, keep)
             if s is None:
                 self.stats["resyncs"] += 1

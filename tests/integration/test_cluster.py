@@ -215,6 +215,38 @@ def test_openai_client_both_routes(cluster):
     assert [m.id for m in client.models.list().data] == ["stories"]
 
 
+def test_openai_client_parses_a_pydantic_model_identically_with_and_without_speculation(cluster):
+    """``response_format`` from a pydantic model through the official client's ``parse``: the reply
+    validates, and the speculative server (drafter, every round drafting) gives the text of the one
+    without a drafter."""
+    openai = pytest.importorskip("openai")
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=6)
+        legs: int
+        mood: Literal["glad", "sad"]
+
+    messages = [{"role": "user", "content": "Tell me about a dog"}]
+    replies = []
+    for base in (cluster, cluster + "/tight"):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+        done = client.chat.completions.parse(
+            model="stories", messages=messages, response_format=Pet, max_tokens=64, temperature=0
+        )
+        assert isinstance(done.choices[0].message.parsed, Pet), done.choices[0].message.content
+        replies.append(done.choices[0].message.content)
+    assert replies[0] == replies[1]
+    picked = httpx.post(
+        cluster + "/v1/completions",
+        json={"prompt": "The dog was", "max_tokens": 8, "structured_outputs": {"choice": ["happy", "sad"]}},
+        timeout=120,
+    ).json()
+    assert picked["choices"][0]["text"] in ("happy", "sad")
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [
@@ -227,6 +259,15 @@ def test_openai_client_both_routes(cluster):
         ("/v1/generate", {"max_tokens": 3}, "body"),
         ("/v1/generate", {"prompt": "Once upon a time " * 200}, "prompt"),
         ("/v1/completions", {"model": "stories", "prompt": "x", "n": 2}, "n"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}},
+            },
+            "response_format",
+        ),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "([a-"}}, "structured_outputs"),
         ("/v1/chat/completions", {"model": "stories", "messages": []}, "messages"),
         (
             "/v1/chat/completions",
