@@ -99,26 +99,42 @@ class JsonSchemaFormat(_Body):
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
-    """OpenAI's ``response_format``: free text, any JSON object, or JSON that validates against
-    ``json_schema.schema``."""
+class _Format(BaseModel):
+    """A member of the ``response_format`` union, told apart by ``type`` (a discriminator takes no
+    ``_Body`` before-validator)."""
 
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    @model_validator(mode="after")
-    def _schema_with_its_type(self):
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is given with type json_schema, and only with it")
-        return self
+
+class TextFormat(_Format):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Format):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(_Format):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+# OpenAI's ``response_format``: free text, any JSON object, or JSON that validates against ``json_schema.schema``
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
 
 
 class StructuredOutputs(_Body):
     """vLLM's ``structured_outputs`` (an extra body field of the openai client): exactly one of a
     JSON schema, any JSON object, a regular expression, or a choice among strings."""
 
+    model_config = ConfigDict(
+        json_schema_extra=exactly_one_of(
+            ("json", "object"), ("json_object", "boolean"), ("regex", "string"), ("choice", "array")
+        )
+    )
+
     json_: dict | None = Field(None, alias="json", description="a JSON Schema the reply validates against")
-    json_object: bool | None = Field(None, description="true: any JSON object")
+    json_object: Literal[True] | None = Field(None, description="true: any JSON object")
     regex: str | None = Field(None, min_length=1, description="a regular expression the whole reply matches")
     choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
         None, min_length=1, description="the reply is exactly one of these strings"
@@ -126,7 +142,7 @@ class StructuredOutputs(_Body):
 
     @model_validator(mode="after")
     def _exactly_one(self):
-        given = [self.json_ is not None, bool(self.json_object), self.regex is not None, self.choice is not None]
+        given = [self.json_ is not None, self.json_object is not None, self.regex is not None, self.choice is not None]
         if sum(given) != 1:
             raise ValueError("give exactly one of json, json_object: true, regex, choice")
         return self
@@ -145,6 +161,14 @@ MAX_CHOICES = 16  # n: sessions one request may start (each holds a KV slot whil
 
 
 class _OpenAIFields(SamplingFields):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "not": {
+                "required": ["response_format", "structured_outputs"],
+                "properties": {"response_format": {"type": "object"}, "structured_outputs": {"type": "object"}},
+            }
+        }
+    )
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=32768)
     n: int = Field(
@@ -169,7 +193,7 @@ class _OpenAIFields(SamplingFields):
 
     @model_validator(mode="after")
     def _one_grammar(self):
-        if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
+        if self.structured_outputs is not None and self.response_format is not None:
             raise ValueError("give response_format or structured_outputs, not both")
         return self
 
@@ -178,7 +202,7 @@ class _OpenAIFields(SamplingFields):
         if self.structured_outputs is not None:
             return self.structured_outputs.spec(), "structured_outputs"
         fmt = self.response_format
-        if fmt is None or fmt.type == "text":
+        if fmt is None or isinstance(fmt, TextFormat):
             return None
         if fmt.type == "json_object":
             return GrammarSpec("json_object"), "response_format"

@@ -247,6 +247,33 @@ def test_openai_client_parses_a_pydantic_model_identically_with_and_without_spec
     assert picked["choices"][0]["text"] in ("happy", "sad")
 
 
+def test_n_choices_share_one_prompt_each_with_its_own_seed(cluster):
+    """n > 1 through the official client: n choices indexed 0..n-1, the prompt counted once; seeded
+    choices are reproducible, one per seed stream (choice i samples with seed + i, so choice 1 of
+    seed s is choice 0 of seed s + 1); greedy choices are all the same; a stream's chunks name
+    their choice."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="unused")
+    prompt = "Lily went to the park and she saw a big red ball. She wanted to play with it, so she"
+    ask = dict(model="stories", prompt=prompt, max_tokens=12, temperature=1.0)
+    three = client.completions.create(n=3, seed=5, **ask)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    single = client.completions.create(n=1, seed=5, **ask)
+    assert single.usage.prompt_tokens == three.usage.prompt_tokens
+    assert single.usage.completion_tokens <= 12 < three.usage.completion_tokens <= 36
+    assert client.completions.create(n=1, seed=6, **ask).choices[0].text == three.choices[1].text
+    assert single.choices[0].text == three.choices[0].text
+    greedy = client.completions.create(n=2, **{**ask, "temperature": 0})
+    assert greedy.choices[0].text == greedy.choices[1].text
+    texts = {}
+    for ch in client.chat.completions.create(
+        model="stories", messages=[{"role": "user", "content": "Tell a story"}], max_tokens=8, n=2, seed=5, stream=True
+    ):
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert sorted(texts) == [0, 1]
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [
@@ -258,7 +285,7 @@ def test_openai_client_parses_a_pydantic_model_identically_with_and_without_spec
         ("/v1/generate", {"prompt": "x", "colour": "red"}, "colour"),
         ("/v1/generate", {"max_tokens": 3}, "body"),
         ("/v1/generate", {"prompt": "Once upon a time " * 200}, "prompt"),
-        ("/v1/completions", {"model": "stories", "prompt": "x", "n": 2}, "n"),
+        ("/v1/completions", {"model": "stories", "prompt": "x", "n": 17}, "n"),
         (
             "/v1/chat/completions",
             {
