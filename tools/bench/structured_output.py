@@ -120,19 +120,75 @@ def validity(outs) -> dict:
     return {"valid": ok, "of": len(outs), "invalid": bad}
 
 
+class GrammarClock:
+    """Seconds the verifier spends on the grammar (matcher sync, draft walk, masks, applying them)
+    and in ``verify`` as a whole: a share of the same calls, which load from other jobs inflates
+    on both sides alike."""
+
+    def __init__(self, verifier):
+        self.grammar_s = self.verify_s = 0.0
+        for name in ("_constrain", "_grammar_mask"):
+            setattr(verifier, name, self._timed(getattr(verifier, name), "grammar_s"))
+        verifier.grammars.apply = self._timed(verifier.grammars.apply, "grammar_s")
+        verifier.verify = self._timed(verifier.verify, "verify_s")
+        self.verifier = verifier
+
+    def stop(self) -> None:
+        for name in ("_constrain", "_grammar_mask", "verify"):
+            delattr(self.verifier, name)
+        del self.verifier.grammars.apply
+
+    def _timed(self, fn, slot: str):
+        def run(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                setattr(self, slot, getattr(self, slot) + time.perf_counter() - t0)
+
+        return run
+
+
 def cost(engine: SpeculativeEngine, users: int, tokens: int, passes: int) -> dict:
-    """tok/s with a schema (A) and without (B), alternated A/B/A/B."""
+    """tok/s with a schema (A) and without (B), alternated A/B/A/B; and the share of the A runs'
+    verify time spent on the grammar."""
     prompts = [prompt(engine, ask) for _, ask in requests(users)]
     grammar = GrammarSpec.json_schema(SCHEMAS["person"])
     engine.generate(prompts[:1], 4, grammar=grammar)  # compile and warm up
     runs = {"grammar": [], "free": []}
+    share = []
     for _ in range(passes):
         for label, g in (("grammar", grammar), ("free", None)):
+            clock = GrammarClock(engine.verifier)
             t0 = time.perf_counter()
             outs = engine.generate(prompts, tokens, ignore_eos=True, grammar=g)
             runs[label].append(sum(o.num_tokens for o in outs) / (time.perf_counter() - t0))
+            clock.stop()
+            if g is not None:
+                share.append(clock.grammar_s / clock.verify_s)
     mean = {k: sum(v) / len(v) for k, v in runs.items()}
-    return {"users": users, "runs": runs, "mean": mean, "ratio": mean["grammar"] / mean["free"]}
+    return {
+        "users": users,
+        "runs": runs,
+        "mean": mean,
+        "ratio": mean["grammar"] / mean["free"],
+        "grammar_share_of_verify": share,
+    }
+
+
+def reply_check(spec: SpeculativeEngine, plain: SpeculativeEngine, args) -> dict:
+    asks = requests(args.replies)
+    t0 = time.perf_counter()
+    with_drafts = replies(spec, asks, args.max_tokens, args.batch)
+    without = replies(plain, asks, args.max_tokens, args.batch)
+    return {
+        "drafter": validity(with_drafts),
+        "none": validity(without),
+        "identical": sum(a.token_ids == b.token_ids for (_, a), (_, b) in zip(with_drafts, without)),
+        "mean_accepted_length": sum(o.mean_accepted_length for _, o in with_drafts) / len(with_drafts),
+        "mean_tokens": sum(o.num_tokens for _, o in without) / len(without),
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def main(argv=None) -> None:
@@ -144,34 +200,26 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--cost-only", action="store_true", help="skip the replies")
     args = ap.parse_args(argv)
     spec = SpeculativeEngine.load(TARGET, DRAFTER, "float32", max_sessions=16)
     plain = SpeculativeEngine(spec.verifier, None, spec.tokenizer, spec.stop_ids, max_batch=16)
-    asks = requests(args.replies)
     result = {"target": TARGET, "dtype": "float32", "matmul_precision": "highest"}
-    t0 = time.perf_counter()
-    with_drafts = replies(spec, asks, args.max_tokens, args.batch)
-    without = replies(plain, asks, args.max_tokens, args.batch)
-    result["replies"] = {
-        "drafter": validity(with_drafts),
-        "none": validity(without),
-        "identical": sum(a.token_ids == b.token_ids for (_, a), (_, b) in zip(with_drafts, without)),
-        "mean_accepted_length": sum(o.mean_accepted_length for _, o in with_drafts) / len(with_drafts),
-        "mean_tokens": sum(o.num_tokens for _, o in without) / len(without),
-        "seconds": time.perf_counter() - t0,
-    }
+    if not args.cost_only:
+        result["replies"] = reply_check(spec, plain, args)
+        r = result["replies"]
+        print(
+            f"replies: {r['drafter']['valid']}/{r['drafter']['of']} valid with the drafter, {r['none']['valid']}/"
+            f"{r['none']['of']} without; {r['identical']} identical; tau {r['mean_accepted_length']:.2f}"
+        )
     result["cost"] = [cost(plain, u, args.tokens, args.passes) for u in args.users]
-    r = result["replies"]
-    print(
-        f"replies: {r['drafter']['valid']}/{r['drafter']['of']} valid with the drafter, {r['none']['valid']}/"
-        f"{r['none']['of']} without; {r['identical']} identical; tau {r['mean_accepted_length']:.2f}"
-    )
-    print("| users | tok/s with a schema (each pass) | tok/s free text (each pass) | ratio |")
-    print("| ---: | --- | --- | ---: |")
+    print("| users | tok/s with a schema (each pass) | tok/s free text (each pass) | ratio | grammar share of verify |")
+    print("| ---: | --- | --- | ---: | --- |")
     for c in result["cost"]:
         g = " / ".join(f"{x:.1f}" for x in c["runs"]["grammar"])
         f = " / ".join(f"{x:.1f}" for x in c["runs"]["free"])
-        print(f"| {c['users']} | {g} | {f} | {c['ratio']:.3f} |")
+        sh = " / ".join(f"{100 * x:.2f} %" for x in c["grammar_share_of_verify"])
+        print(f"| {c['users']} | {g} | {f} | {c['ratio']:.3f} | {sh} |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
