@@ -152,3 +152,17 @@ def test_a_replica_that_gets_the_session_afresh_rebuilds_the_matcher(engines, co
 def test_a_grammar_the_engine_cannot_compile_says_why(spec):
     with pytest.raises(ValueError, match="cannot compile"):
         check(spec)
+
+
+def test_a_constrained_and_a_free_session_share_a_forward(engines, constrained_reference):
+    """One verify call holds a session under a schema and one without: each gets the tokens it
+    gets alone (the free one's logits rows are not masked)."""
+    plain, prompts = engines
+    free = plain.generate(prompts[1:2], 8)[0].token_ids
+    mixed = plain.generate_sessions(
+        [
+            plain.new_session(prompts[0], NEW_TOKENS, grammar=GrammarSpec.json_schema(PERSON)),
+            plain.new_session(prompts[1], 8),
+        ]
+    )
+    assert [o.token_ids for o in mixed] == [constrained_reference[0].token_ids, free]
