@@ -18,7 +18,8 @@ from jinja2 import TemplateError
 
 from moa_serve.engine.round_service import RoundService
 from moa_serve.engine.session import Session
-from moa_serve.sampling import SamplingParams
+from moa_serve.grammar import GrammarSpec, check
+from moa_serve.sampling import SEED_MAX, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +188,12 @@ class Frontend:
         stop_token_ids: frozenset[int],
         speculation: Speculation,
         weights: str = "checkpoint",
+        structured_output_unsupported: str | None = None,
     ):
         self.service = service
         self.weights = weights  # what /v1/models says of the target's weights (synthetic ones say so)
+        # why this server cannot constrain output to a grammar (None: it can)
+        self.structured_output_unsupported = structured_output_unsupported
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.stop_token_ids = stop_token_ids
@@ -229,8 +233,13 @@ class Frontend:
                 self._encode_lock.release()
         return await asyncio.to_thread(self._encode_locked, prompt, messages)
 
-    async def start(
+    async def start(self, **request) -> Generation:
+        """One generation of a request (``start_choices`` with n = 1)."""
+        return (await self.start_choices(1, **request))[0]
+
+    async def start_choices(
         self,
+        n: int,
         *,
         prompt: str | None,
         messages: list | None,
@@ -239,9 +248,16 @@ class Frontend:
         stops: list[str],
         ignore_eos: bool,
         num_speculative_tokens: int | None,
-    ) -> Generation:
-        """Tokenizes (``tokenize``) and submits a session. Raises ``InputError`` naming the field
-        of a request the server cannot run, ``QueueFullError`` when the queue is full."""
+        grammar: tuple[GrammarSpec, str] | None = None,
+    ) -> list[Generation]:
+        """Tokenizes (``tokenize``) once and submits ``n`` sessions of the prompt, choice ``i`` seeded
+        with ``seed + i`` (``choice_sampling``); the verifier's prefix cache lets them share the
+        prompt's K/V. ``grammar``: the structured output asked for and the field that asked, checked
+        here (a grammar the engine cannot compile is an ``InputError`` naming that field). Raises
+        ``InputError`` naming the field of a request the server cannot run, ``QueueFullError`` when
+        the queue cannot take all n (none is left running)."""
+        if grammar is not None:
+            await self._check_grammar(*grammar)
         ids, field = await self.tokenize(prompt, messages)
         if len(ids) >= self.max_model_len:
             raise InputError(
@@ -251,15 +267,41 @@ class Frontend:
             )
         spec = self.speculation
         k = num_speculative_tokens or spec.num_speculative_tokens
-        session = Session(
-            uuid.uuid4().hex,
-            ids,
-            max_tokens,
-            sampling,
-            k if spec.enabled else 0,
-            frozenset() if ignore_eos else self.stop_token_ids,
-            self.max_model_len,
-            adaptive_speculation=spec.adaptive,
-            drafter_needs_features=spec.needs_features,
-        )
-        return Generation(self, session, stops)
+        started: list[Generation] = []
+        try:
+            for i in range(n):
+                session = Session(
+                    uuid.uuid4().hex,
+                    ids,
+                    max_tokens,
+                    choice_sampling(sampling, i),
+                    k if spec.enabled else 0,
+                    frozenset() if ignore_eos else self.stop_token_ids,
+                    self.max_model_len,
+                    adaptive_speculation=spec.adaptive,
+                    drafter_needs_features=spec.needs_features,
+                    grammar=grammar[0] if grammar is not None else None,
+                )
+                started.append(Generation(self, session, stops))
+        except BaseException:
+            for gen in started:
+                gen.close()
+            raise
+        return started
+
+    async def _check_grammar(self, spec: GrammarSpec, param: str) -> None:
+        if self.structured_output_unsupported:
+            raise InputError(f"{param}: {self.structured_output_unsupported}", param)
+        try:
+            await asyncio.to_thread(check, spec)  # a large schema takes milliseconds: off the event loop
+        except ValueError as exc:
+            raise InputError(f"{param}: {exc}", param) from None
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """The sampling of choice ``index`` of a request with n > 1: its own seed stream, ``seed + index``
+    (wrapping within the seed range); unseeded choices draw from the global generator, greedy ones
+    are all the same."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return sampling.model_copy(update={"seed": (sampling.seed + index) % (SEED_MAX + 1)})

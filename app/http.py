@@ -11,6 +11,7 @@ the schema), a full queue a 429 and a server that is not ready yet a 503, both w
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import time
@@ -103,11 +104,17 @@ def _install_error_handlers(api: FastAPI) -> None:
 # ---------------------------------------------------------------------- a generation's steps
 async def start_generation(readiness: Readiness, body, prompt, messages, max_tokens) -> Generation:
     """Admits the request and starts its generation on the running frontend (400 / 429 / 503 as ApiError)."""
+    return (await start_generations(readiness, body, prompt, messages, max_tokens, 1))[0]
+
+
+async def start_generations(readiness: Readiness, body, prompt, messages, max_tokens, n: int) -> list[Generation]:
+    """Admits the request and starts its ``n`` choices on the running frontend (400 / 429 / 503 as ApiError)."""
     max_tokens = access.max_tokens_of(body, max_tokens)  # http_limits.max_tokens
     fe = running_frontend()
     await readiness.admit()
     try:
-        gen = await fe.start(
+        gens = await fe.start_choices(
+            n,
             prompt=prompt,
             messages=messages,
             max_tokens=max_tokens,
@@ -115,18 +122,48 @@ async def start_generation(readiness: Readiness, body, prompt, messages, max_tok
             stops=body.stop_strings(),
             ignore_eos=body.ignore_eos,
             num_speculative_tokens=body.num_speculative_tokens,
+            grammar=body.grammar() if hasattr(body, "grammar") else None,
         )
-        gen.on_error = readiness.recheck  # pools that stopped answering: 503s, not a 500 per request
-        return gen
+        for gen in gens:
+            gen.on_error = readiness.recheck  # pools that stopped answering: 503s, not a 500 per request
+        return gens
     except InputError as exc:
         raise ApiError(400, str(exc), exc.param) from None
     except QueueFullError as exc:
         raise ApiError(429, f"server busy: {exc}; retry later", None, "rate_limit_error", retry_after()) from None
 
 
-def usage(gen: Generation) -> dict:
-    n = len(gen.token_ids)
-    return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=n, total_tokens=gen.prompt_tokens + n).model_dump()
+def usage(gen: Generation | list[Generation]) -> dict:
+    """The prompt counted once, the completion tokens of every choice."""
+    gens = gen if isinstance(gen, list) else [gen]
+    prompt, n = gens[0].prompt_tokens, sum(len(g.token_ids) for g in gens)
+    return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n).model_dump()
+
+
+def choices_stats(gens: list[Generation]) -> dict:
+    """The speculative statistics of a request's choices together."""
+    if len(gens) == 1:
+        return gens[0].stats()
+    each = [g.stats() for g in gens]
+    rounds = sum(e["rounds"] for e in each)
+    tokens = sum(len(g.token_ids) for g in gens)
+    return {
+        "rounds": rounds,
+        "drafted_tokens": sum(e["drafted_tokens"] for e in each),
+        "accepted_tokens": sum(e["accepted_tokens"] for e in each),
+        "mean_accepted_length": round(tokens / rounds, 4) if rounds else 0.0,
+    }
+
+
+class AllOf:
+    """A request's choices, closed together when its response ends."""
+
+    def __init__(self, gens: list[Generation]):
+        self.gens = gens
+
+    def close(self) -> None:
+        for gen in self.gens:
+            gen.close()
 
 
 def sse(obj) -> str:
@@ -150,7 +187,7 @@ class EventStream(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
-async def guarded(gen: Generation, events):
+async def guarded(gen: Generation | AllOf, events):
     """A stream's events, an error event if the round failed for this request, then [DONE].
     Every generator below the response is closed by the one above it (``aclosing``), so closing
     the response's closes them all at once, down to the session's stream; a stream that ends
@@ -288,15 +325,16 @@ def check_openai_model(body) -> None:
         )
 
 
-def _openai_stream(body, gen: Generation, chat: bool, rid: str, obj: str, created: int, model_name: str) -> EventStream:
+def _openai_stream(body, gens: list[Generation], chat: bool, rid: str, obj: str, created: int, model_name: str):
+    """The choices' deltas as they come, each chunk naming its choice (``index``)."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chunk(text, finish, role=False):
+    def chunk(index, text, finish, role=False):
         if chat:
             delta = ({"role": "assistant", "content": text} if role else {"content": text}) if text or role else {}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
         return {
             "id": rid,
             "object": obj + ".chunk" if chat else obj,
@@ -307,11 +345,12 @@ def _openai_stream(body, gen: Generation, chat: bool, rid: str, obj: str, create
 
     async def events():
         if chat:
-            yield sse(chunk("", None, role=True))
-        async with aclosing(gen.deltas()) as deltas:
-            async for d in deltas:
+            for i in range(len(gens)):
+                yield sse(chunk(i, "", None, role=True))
+        async with aclosing(merged_deltas(gens)) as deltas:
+            async for i, d in deltas:
                 if d.text or d.finish_reason:
-                    yield sse(chunk(d.text, d.finish_reason))
+                    yield sse(chunk(i, d.text, d.finish_reason))
         if include_usage:
             yield sse(
                 {
@@ -320,43 +359,84 @@ def _openai_stream(body, gen: Generation, chat: bool, rid: str, obj: str, create
                     "created": created,
                     "model": model_name,
                     "choices": [],
-                    "usage": usage(gen),
-                    "speculative": gen.stats(),
+                    "usage": usage(gens),
+                    "speculative": choices_stats(gens),
                 }
             )
 
-    return EventStream(guarded(gen, events()))
+    return EventStream(guarded(AllOf(gens), events()))
 
 
-async def openai_response(body, gen: Generation, chat: bool):
-    """The completion (``chat``: the chat completion) of ``gen``, as one body or a stream of chunks."""
+async def merged_deltas(gens: list[Generation]):
+    """(choice index, delta) of every choice, in the order they arrive; an error of one choice ends
+    them all (raised after the others are closed)."""
+    if len(gens) == 1:
+        async with aclosing(gens[0].deltas()) as deltas:
+            async for d in deltas:
+                yield 0, d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation):
+        try:
+            async with aclosing(gen.deltas()) as deltas:
+                async for d in deltas:
+                    await queue.put((i, d, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((i, None, exc))
+        await queue.put((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, d, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if d is None:
+                left -= 1
+                continue
+            yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def openai_response(body, gens: list[Generation], chat: bool):
+    """The completion (``chat``: the chat completion) of a request's choices, as one body or a
+    stream of chunks."""
     fe = running_frontend()
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
-    rid = ("chatcmpl-" if chat else "cmpl-") + gen.id
+    rid = ("chatcmpl-" if chat else "cmpl-") + gens[0].id
     if body.stream:
-        return _openai_stream(body, gen, chat, rid, obj, created, fe.model_name)
-    failed = await finish_or_500(gen)
-    if failed:
-        return failed
-    finish = "length" if gen.finish_reason == "length" else "stop"
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": gen.text},
-            "finish_reason": finish,
-            "logprobs": None,
-        }
-    else:
-        choice = {"index": 0, "text": gen.text, "finish_reason": finish, "logprobs": None}
+        return _openai_stream(body, gens, chat, rid, obj, created, fe.model_name)
+    for failed in await asyncio.gather(*(finish_or_500(g) for g in gens)):
+        if failed:
+            return failed
+    choices = []
+    for i, gen in enumerate(gens):
+        finish = "length" if gen.finish_reason == "length" else "stop"
+        if chat:
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": gen.text},
+                    "finish_reason": finish,
+                    "logprobs": None,
+                }
+            )
+        else:
+            choices.append({"index": i, "text": gen.text, "finish_reason": finish, "logprobs": None})
     return {
         "id": rid,
         "object": obj,
         "created": created,
         "model": fe.model_name,
-        "choices": [choice],
-        "usage": usage(gen),
-        "speculative": gen.stats(),
+        "choices": choices,
+        "usage": usage(gens),
+        "speculative": choices_stats(gens),
     }
 
 
@@ -370,16 +450,15 @@ def _openai_routes(api: FastAPI, readiness: Readiness) -> None:
     @api.post("/v1/completions", responses=openai_responses)
     async def completions(body: CompletionRequest, request: Request):
         check_openai_model(body)
-        gen = await start_generation(readiness, body, body.prompt_text(), None, body.max_tokens or 16)
-        return await openai_response(body, gen, chat=False)
+        gens = await start_generations(readiness, body, body.prompt_text(), None, body.max_tokens or 16, body.n)
+        return await openai_response(body, gens, chat=False)
 
     @api.post("/v1/chat/completions", responses=openai_responses)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_openai_model(body)
-        gen = await start_generation(
-            readiness, body, None, body.messages, body.max_completion_tokens or body.max_tokens or 256
-        )
-        return await openai_response(body, gen, chat=True)
+        max_tokens = body.max_completion_tokens or body.max_tokens or 256
+        gens = await start_generations(readiness, body, None, body.messages, max_tokens, body.n)
+        return await openai_response(body, gens, chat=True)
 
 
 def create_app(ready_wait_s: float = READY_WAIT_S) -> FastAPI:

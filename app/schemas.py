@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from moa_serve.app.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, Stop
+from moa_serve.grammar import GrammarSpec
 from moa_serve.sampling import TEMPERATURE_MAX, SamplingParams, Seed, Temperature, TopK, TopP
 
 
@@ -89,16 +90,123 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's ``response_format.json_schema``: the schema the reply must validate against."""
+
+    name: str | None = Field(None, max_length=64)
+    description: str | None = None
+    schema_: dict = Field(alias="schema", description="a JSON Schema (the object the reply must be)")
+    strict: bool | None = None
+
+
+class _Format(BaseModel):
+    """A member of the ``response_format`` union, told apart by ``type`` (a discriminator takes no
+    ``_Body`` before-validator)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextFormat(_Format):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Format):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(_Format):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+# OpenAI's ``response_format``: free text, any JSON object, or JSON that validates against ``json_schema.schema``
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs`` (an extra body field of the openai client): exactly one of a
+    JSON schema, any JSON object, a regular expression, or a choice among strings."""
+
+    model_config = ConfigDict(
+        json_schema_extra=exactly_one_of(
+            ("json", "object"), ("json_object", "boolean"), ("regex", "string"), ("choice", "array")
+        )
+    )
+
+    json_: dict | None = Field(None, alias="json", description="a JSON Schema the reply validates against")
+    json_object: Literal[True] | None = Field(None, description="true: any JSON object")
+    regex: str | None = Field(None, min_length=1, description="a regular expression the whole reply matches")
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, description="the reply is exactly one of these strings"
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [self.json_ is not None, self.json_object is not None, self.regex is not None, self.choice is not None]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of json, json_object: true, regex, choice")
+        return self
+
+    def spec(self) -> GrammarSpec:
+        if self.json_ is not None:
+            return GrammarSpec.json_schema(self.json_)
+        if self.json_object:
+            return GrammarSpec("json_object")
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex)
+        return GrammarSpec.choice(self.choice)
+
+
+MAX_CHOICES = 16  # n: sessions one request may start (each holds a KV slot while it runs)
+
+
 class _OpenAIFields(SamplingFields):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "not": {
+                "required": ["response_format", "structured_outputs"],
+                "properties": {"response_format": {"type": "object"}, "structured_outputs": {"type": "object"}},
+            }
+        }
+    )
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=32768)
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: int = Field(
+        1,
+        ge=1,
+        le=MAX_CHOICES,
+        description="independent choices of the one prompt (its prefill shared); choice i samples with seed + i; "
+        "greedy choices are all the same",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, allow_inf_nan=False, description="not supported; must be 0")
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, allow_inf_nan=False, description="not supported; must be 0")
     temperature: Temperature = Field(1.0, le=2.0)  # OpenAI's default and range
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object or json_schema: the reply is JSON (that validates against the schema)"
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's structured outputs: json, json_object, regex or choice"
+    )
+
+    @model_validator(mode="after")
+    def _one_grammar(self):
+        if self.structured_outputs is not None and self.response_format is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def grammar(self) -> tuple[GrammarSpec, str] | None:
+        """The structured output asked for and the field that asked, or None (free text)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec(), "structured_outputs"
+        fmt = self.response_format
+        if fmt is None or isinstance(fmt, TextFormat):
+            return None
+        if fmt.type == "json_object":
+            return GrammarSpec("json_object"), "response_format"
+        return GrammarSpec.json_schema(fmt.json_schema.schema_), "response_format"
 
 
 class CompletionRequest(_OpenAIFields):

@@ -142,6 +142,11 @@ class Gateway:
                     adaptive=self.cfg.adaptive_speculation,
                     needs_features=kind in ("moa", "eagle"),
                 ),
+                structured_output_unsupported=(
+                    "structured output needs backend: torch (this server runs backend: vllm)"
+                    if self.cfg.backend == "vllm"
+                    else None
+                ),
             ),
             ready=self.ready,
             retry_after_s=r.retry_after_s,

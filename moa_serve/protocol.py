@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from moa_serve.grammar import GrammarSpec
 from moa_serve.sampling import GREEDY, SamplingParams
 
 
@@ -82,6 +83,11 @@ class VerifyRequest:
     decode_steps: int = 1
     max_tokens: int = 0  # most tokens this call may return (room left in output and context); 0: no limit
     stop_token_ids: tuple[int, ...] = ()
+    # structured output: the grammar the tokens from committed position ``grammar_start`` on (the
+    # generated ones) follow; the target's logits are masked by it at every position scored, and a
+    # draft it forbids ends the drafts there
+    grammar: GrammarSpec | None = None
+    grammar_start: int = 0
 
 
 @dataclass

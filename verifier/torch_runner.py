@@ -34,11 +34,19 @@ from dataclasses import dataclass, field
 import torch
 
 from moa_serve import kernels
+from moa_serve.grammar import Grammars, GrammarState
 from moa_serve.kernels import gpu_invariant
 from moa_serve.kernels.packed import pack_target
 from moa_serve.kv_cache import PackedBatch
 from moa_serve.layers import fuse_dense_projections, use_matmul, use_rms_norm
-from moa_serve.model_files import load_state_dict, read_config, resolve_model_path, target_dtype
+from moa_serve.model_files import (
+    load_state_dict,
+    load_tokenizer,
+    read_config,
+    resolve_model_path,
+    stop_token_ids,
+    target_dtype,
+)
 from moa_serve.protocol import VerifyRequest, VerifyResult
 from moa_serve.sampling import SamplingParams, generator_for, warp_probs
 from moa_serve.synthetic import describe, random_target
@@ -92,6 +100,7 @@ class _Session:
     slot: int
     committed: list[int] = field(default_factory=list)  # this replica's copy of the committed tokens
     cached: int = 0  # committed[:cached] have their K/V in the cache
+    grammar: GrammarState | None = None  # structured output: the matcher over the generated tokens
 
 
 @dataclass
@@ -225,6 +234,10 @@ class TorchTargetRunner(TargetBackend):
         self.latest_feature_only = self.features.latest_only
         self.draft_vocab = draft_vocab  # maps a drafter's [K, V'] probabilities back to the vocabulary
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
+        # structured output over the target's vocabulary: set (``grammars``), or built from the model's
+        # tokenizer when a request first asks for a grammar
+        self._grammars, self._model_path = None, path
+        self._grammars_lock = threading.Lock()
         self.prefix_caching = options.prefix_caching
         # slot -> the tokens whose K/V a released session left in it, least recently used first
         self.retained: OrderedDict[int, list[int]] = OrderedDict()
@@ -238,6 +251,7 @@ class TorchTargetRunner(TargetBackend):
             "prefix_tokens": 0,
             "alternatives_accepted": 0,
             "steps_cut": 0,
+            "prefix_waits": 0,
         }
         self.static = (
             StaticForward(
@@ -256,6 +270,50 @@ class TorchTargetRunner(TargetBackend):
         current forward. Its tokens so far are returned as usual; nothing is lost, the caller only
         gets fewer tokens from this call. Safe from any thread."""
         self._cut.set()
+
+    # ------------------------------------------------------------------ structured output
+    @property
+    def grammars(self) -> Grammars:
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self._model_path is None:
+                    raise ValueError("structured output needs the target's tokenizer: set the runner's grammars")
+                tokenizer = load_tokenizer(self._model_path)
+                self._grammars = Grammars(tokenizer, self.arch.vocab_size, stop_token_ids(self._model_path, tokenizer))
+            return self._grammars
+
+    @grammars.setter
+    def grammars(self, grammars: Grammars) -> None:
+        self._grammars = grammars
+
+    def _constrain(self, req: VerifyRequest, s: _Session) -> VerifyRequest:
+        """A constrained session's matcher brought to its committed tokens, and the request's drafts
+        cut at the first one the grammar forbids (no tree alternatives: each would need a mask of
+        its own)."""
+        if req.grammar is None:
+            s.grammar = None
+            return req
+        if s.grammar is None or s.grammar.spec != req.grammar:
+            s.grammar = self.grammars.state(req.grammar)
+        s.grammar.sync(s.committed[req.grammar_start :])
+        n = s.grammar.allowed_prefix(list(req.drafts))
+        if n == len(req.drafts) and not req.alternatives:
+            return req
+        probs = req.draft_probs[:n] if req.draft_probs is not None and n else None
+        return dataclasses.replace(req, drafts=list(req.drafts[:n]), draft_probs=probs, alternatives=[])
+
+    def _grammar_mask(self, rows: list[tuple[_Session, VerifyRequest, int]], total: int) -> torch.Tensor | None:
+        """The token bitmask [total, W] of a forward's logits rows: each constrained session's
+        positions (``(session, request, first row)``: its drafts' and the bonus'), every token
+        allowed elsewhere. None when no session is constrained."""
+        rows = [(s, r, i) for s, r, i in rows if s.grammar is not None]
+        if not rows:
+            return None
+        mask = self.grammars.bitmask(total)
+        for s, r, first in rows:
+            s.grammar.sync(s.committed[r.grammar_start :])
+            s.grammar.fill(mask, first, list(r.drafts))
+        return mask
 
     # ------------------------------------------------------------------ sessions
     def release(self, session_id: str) -> None:
@@ -337,6 +395,24 @@ class TorchTargetRunner(TargetBackend):
             self.stats["prefix_tokens"] += best_len
         s = self.sessions[session_id] = _Session(slot, tokens[:best_len], best_len)  # _take sets the length
         return s
+
+    def _waits_for_sibling(self, req: VerifyRequest, arriving: list[list[int]]) -> bool:
+        """A new session whose prompt another new session of the call (an earlier choice of the same
+        request, n > 1) is about to prefill, beyond what the cache already holds: it answers
+        ``resync`` and comes back in the follow-up call of the same round, where it copies the
+        sibling's K/V instead of computing it again."""
+        if not (self.prefix_caching and req.base == 0 and arriving) or req.session_id in self.sessions:
+            return False
+        limit = len(req.tokens) - 1
+        shared = max(common_prefix(t, req.tokens, limit) for t in arriving)
+        if shared < MIN_PREFIX_COPY:
+            return False
+        held = max(
+            [common_prefix(old, req.tokens, limit) for old in self.retained.values()]
+            + [common_prefix(s.committed, req.tokens, min(limit, s.cached)) for s in self.sessions.values()],
+            default=0,
+        )
+        return shared > held
 
     def _take(self, req: VerifyRequest, keep: set[str]) -> _Session | None:
         """The session with its committed copy updated from the request's delta (None: resync)."""
@@ -422,14 +498,20 @@ class TorchTargetRunner(TargetBackend):
         if len(keep) != len(requests):
             raise ValueError("a verify call names a session twice")
         results: dict[str, VerifyResult] = {}
-        pending = []
+        pending, arriving = [], []
         for r in requests:
+            if self._waits_for_sibling(r, arriving):
+                self.stats["prefix_waits"] += 1
+                results[r.session_id] = VerifyResult(r.session_id, [], 0, 0, None, resync=True)
+                continue
+            if r.base == 0 and r.session_id not in self.sessions:
+                arriving.append(r.tokens)
             s = self._take(r, keep)
             if s is None:
                 self.stats["resyncs"] += 1
                 results[r.session_id] = VerifyResult(r.session_id, [], 0, 0, None, resync=True)
             else:
-                pending.append((r, s))
+                pending.append((self._constrain(r, s), s))
         work = self._plan(pending)
         fed = [w for w in work if w.fed]
         for w in work:
@@ -482,7 +564,9 @@ class TorchTargetRunner(TargetBackend):
                 [[w.session.committed[-1]] for w in live],
                 [[] for _ in live],
             )
-            logits, choice = self._logits_and_choice(hidden, [plain[w.req.session_id] for w in live])
+            reqs = [plain[w.req.session_id] for w in live]
+            mask = self._grammar_mask([(w.session, r, i) for i, (w, r) in enumerate(zip(live, reqs))], len(live))
+            logits, choice = self._logits_and_choice(hidden, reqs, mask)
             for i, w in enumerate(live):
                 s, r = w.session, results[w.req.session_id]
                 position = w.req.base + len(w.req.tokens) + len(r.tokens)  # this token's index
@@ -507,14 +591,21 @@ class TorchTargetRunner(TargetBackend):
         )  # [N, H]
         # logits only where needed: the last committed token, each draft and each alternative of
         # answering sessions
-        rows, offset = [], 0
+        rows, offset, constrained = [], 0, []
         for w in work:
             if w.done:
                 k = len(w.req.drafts)
                 first = offset + w.chain - k - 1
+                constrained.append((w.session, w.req, len(rows)))
                 rows.extend(range(first, first + k + 1 + len(w.alt_depth)))
             offset += len(w.fed)
-        logits, choice = self._logits_and_choice(hidden[rows], [w.req for w in work if w.done]) if rows else (None, [])
+        logits, choice = (
+            self._logits_and_choice(
+                hidden[rows], [w.req for w in work if w.done], self._grammar_mask(constrained, len(rows))
+            )
+            if rows
+            else (None, [])
+        )
         self.stats["forwards"] += 1
         self.stats["tokens"] += hidden.shape[0]
         self.stats["forward_s"] += time.perf_counter() - t0
@@ -571,12 +662,18 @@ class TorchTargetRunner(TargetBackend):
         )
         return self.model.forward_packed(torch.tensor([t for f in fed for t in f], device=self.device), batch)
 
-    def _logits_and_choice(self, hidden: torch.Tensor, answering: list[VerifyRequest]):
+    def _logits_and_choice(
+        self, hidden: torch.Tensor, answering: list[VerifyRequest], mask: torch.Tensor | None = None
+    ):
         """The LM head over ``hidden`` [n, H] and each row's argmax as a list (one host sync for
         the whole call). The float32 logits come to the host only when a request samples (its
         acceptance runs there); for greedy calls only the argmax leaves the device (on a GPU the
-        logits of a large call are hundreds of MB). Returns (host logits or None, argmax list)."""
+        logits of a large call are hundreds of MB). ``mask``: the grammars' token bitmask of the
+        rows (``_grammar_mask``), applied before anything reads the logits. Returns (host logits or
+        None, argmax list)."""
         logits = self.model.lm_head(hidden).float()
+        if mask is not None:
+            self.grammars.apply(logits, mask)
         choice = logits.argmax(-1).tolist()
         if any(not r.sampling.greedy for r in answering):
             return logits.cpu(), choice

@@ -18,6 +18,7 @@ from moa_serve.engine.pool_calls import Pools
 from moa_serve.engine.round_service import RoundService
 from moa_serve.engine.round_stats import ServiceStats
 from moa_serve.engine.session import Session
+from moa_serve.grammar import GrammarSpec
 from moa_serve.model_files import load_tokenizer, resolve_model_path, stop_token_ids
 from moa_serve.protocol import DraftRequest, DraftResult, VerifyRequest, VerifyResult
 from moa_serve.sampling import GREEDY, SamplingParams
@@ -169,6 +170,7 @@ class SpeculativeEngine:
         num_speculative_tokens: int = 4,
         ignore_eos: bool = False,
         adaptive_speculation: bool = False,
+        grammar: GrammarSpec | None = None,
     ) -> Session:
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
@@ -182,6 +184,7 @@ class SpeculativeEngine:
             self.max_model_len,
             drafter_needs_features=getattr(self.proposer, "needs_features", True),
             adaptive_speculation=adaptive_speculation,
+            grammar=grammar,
         )
 
     def _service(self, sessions: int) -> tuple[RoundService, "LocalPools"]:
@@ -262,9 +265,12 @@ class SpeculativeEngine:
         num_speculative_tokens: int = 4,
         ignore_eos: bool = False,
         adaptive_speculation: bool = False,
+        grammar: GrammarSpec | None = None,
     ) -> list[GenerationResult]:
         sessions = [
-            self.new_session(p, max_new_tokens, sampling, num_speculative_tokens, ignore_eos, adaptive_speculation)
+            self.new_session(
+                p, max_new_tokens, sampling, num_speculative_tokens, ignore_eos, adaptive_speculation, grammar
+            )
             for p in prompts
         ]
         return self.generate_sessions(sessions)

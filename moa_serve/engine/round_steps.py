@@ -138,6 +138,8 @@ def verify_requests(
                 max_tokens=room if steps > 1 else 0,
                 stop_token_ids=tuple(sorted(s.stop_token_ids)),
                 alternatives=list(d.alternatives) if d else [],
+                grammar=s.grammar,
+                grammar_start=s.grammar_start,
             )
         )
     return out
@@ -175,6 +177,8 @@ def lookahead_requests(
                 decode_steps=steps,
                 max_tokens=room if steps > 1 else 0,
                 stop_token_ids=tuple(sorted(s.stop_token_ids)),
+                grammar=s.grammar,
+                grammar_start=s.grammar_start,
             )
         )
     return reqs, asked

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moa_serve.grammar import GrammarSpec
 from moa_serve.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class Session:
     accepted: int = 0
     finish_reason: str | None = None
     accept_ema: float = -1.0  # moving average of drafts accepted per round (-1: none yet)
+    grammar: GrammarSpec | None = None  # structured output: what the generated tokens follow
+    grammar_start: int = -1  # where the generated tokens begin (-1: after the prompt)
 
     def __post_init__(self):
         if not self.prompt:
@@ -107,6 +110,8 @@ class Session:
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
         self.tokens = list(self.prompt)
+        if self.grammar_start < 0:
+            self.grammar_start = len(self.prompt)
 
     def continuation(self, session_id: str) -> "Session":
         """A fresh session that goes on where this one stands: its committed tokens are the
@@ -122,6 +127,8 @@ class Session:
             self.max_model_len,
             drafter_needs_features=self.drafter_needs_features,
             adaptive_speculation=self.adaptive_speculation,
+            grammar=self.grammar,
+            grammar_start=self.grammar_start,
         )
 
     @property

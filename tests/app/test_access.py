@@ -41,6 +41,7 @@ from moa_serve.app.auth import HttpAuthConfig, KeyRing
 from moa_serve.app.frontend import Frontend, Speculation
 from moa_serve.app.http import create_app
 from moa_serve.app.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, HttpLimitsConfig
+from moa_serve.app.schemas import MAX_CHOICES
 from moa_serve.engine.events import TokenEvent
 from moa_serve.engine.round_stats import ServiceStats
 from tests.conftest import SMOLLM
@@ -456,7 +457,7 @@ def test_stop_strings_n_and_best_of_are_bounded_with_a_400_naming_the_field(clie
         ("stop", ["s", "s" * (MAX_STOP_CHARS + 1)]),
     ]
     if path != "/v1/generate":
-        refused += [("n", 2), ("best_of", 2)]
+        refused += [("n", MAX_CHOICES + 1), ("best_of", 2)]
     for field, value in refused:
         r = client.post(path, json={**body, field: value}, headers=AUTH)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, settings
 from starlette.requests import ClientDisconnect
 from transformers import AutoTokenizer
 
+from moa_serve.app import frontend as frontend_mod
 from moa_serve.app import state
 from moa_serve.app.frontend import Frontend, Speculation
 from moa_serve.app.http import create_app
@@ -134,9 +135,12 @@ def assert_error(r, status: int, kind: str, retry_after: bool):
 # ---------------------------------------------------------------------- the schema, fuzzed
 @pytest.fixture
 def api_schema(monkeypatch, tokenizer, service):
-    """The app over a context no generated prompt fills: a prompt longer than the context is a
-    documented 400 that the schema cannot foresee (it counts tokens), tested on its own."""
+    """The app over a context no generated prompt fills, and a grammar engine that compiles every
+    grammar: a prompt longer than the context, or a regular expression the engine cannot compile,
+    is a documented 400 that the schema cannot foresee (it counts tokens, it compiles), tested on
+    its own."""
     monkeypatch.setattr(state, "_STATE", {})
+    monkeypatch.setattr(frontend_mod, "check", lambda spec: None)
     install_frontend(service, tokenizer, max_model_len=1 << 20)
     return schemathesis.openapi.from_asgi("/openapi.json", create_app())
 
@@ -501,3 +505,27 @@ def test_a_client_gone_mid_send_aborts_the_session_before_the_response_ends(
     install_frontend(service, tokenizer, max_model_len=256)
     asyncio.run(stream_then_vanish(create_app(ready_wait_s=0.5), path, {**body, "stream": True}, spec_version))
     assert service.submitted == 1 and service.aborted == 1 and service.open_streams == 0
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+def test_n_choices_each_sample_with_their_own_seed_and_count_the_prompt_once(client, service, path, body):
+    one = client.post(path, json={**body, "max_tokens": 8, "seed": 5}).json()
+    service.sampled.clear()
+    three = client.post(path, json={**body, "max_tokens": 8, "seed": 5, "n": 3}).json()
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+    assert [s.seed for s in service.sampled] == [5, 6, 7]
+    assert three["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    assert three["usage"]["completion_tokens"] == 3 * one["usage"]["completion_tokens"]
+    seen = {}
+    with client.stream("POST", path, json={**body, "max_tokens": 8, "n": 2, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    seen[c["index"]] = seen.get(c["index"], 0) + 1
+    assert sorted(seen) == [0, 1] and seen[0] == seen[1]

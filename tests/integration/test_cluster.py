@@ -215,6 +215,65 @@ def test_openai_client_both_routes(cluster):
     assert [m.id for m in client.models.list().data] == ["stories"]
 
 
+def test_openai_client_parses_a_pydantic_model_identically_with_and_without_speculation(cluster):
+    """``response_format`` from a pydantic model through the official client's ``parse``: the reply
+    validates, and the speculative server (drafter, every round drafting) gives the text of the one
+    without a drafter."""
+    openai = pytest.importorskip("openai")
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=6)
+        legs: int
+        mood: Literal["glad", "sad"]
+
+    messages = [{"role": "user", "content": "Tell me about a dog"}]
+    replies = []
+    for base in (cluster, cluster + "/tight"):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+        done = client.chat.completions.parse(
+            model="stories", messages=messages, response_format=Pet, max_tokens=64, temperature=0
+        )
+        assert isinstance(done.choices[0].message.parsed, Pet), done.choices[0].message.content
+        replies.append(done.choices[0].message.content)
+    assert replies[0] == replies[1]
+    picked = httpx.post(
+        cluster + "/v1/completions",
+        json={"prompt": "The dog was", "max_tokens": 8, "structured_outputs": {"choice": ["happy", "sad"]}},
+        timeout=120,
+    ).json()
+    assert picked["choices"][0]["text"] in ("happy", "sad")
+
+
+def test_n_choices_share_one_prompt_each_with_its_own_seed(cluster):
+    """n > 1 through the official client: n choices indexed 0..n-1, the prompt counted once; seeded
+    choices are reproducible, one per seed stream (choice i samples with seed + i, so choice 1 of
+    seed s is choice 0 of seed s + 1); greedy choices are all the same; a stream's chunks name
+    their choice."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="unused")
+    prompt = "Lily went to the park and she saw a big red ball. She wanted to play with it, so she"
+    ask = dict(model="stories", prompt=prompt, max_tokens=12, temperature=1.0)
+    three = client.completions.create(n=3, seed=5, **ask)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    single = client.completions.create(n=1, seed=5, **ask)
+    assert single.usage.prompt_tokens == three.usage.prompt_tokens
+    assert single.usage.completion_tokens <= 12 < three.usage.completion_tokens <= 36
+    assert client.completions.create(n=1, seed=6, **ask).choices[0].text == three.choices[1].text
+    assert single.choices[0].text == three.choices[0].text
+    greedy = client.completions.create(n=2, **{**ask, "temperature": 0})
+    assert greedy.choices[0].text == greedy.choices[1].text
+    texts = {}
+    for ch in client.chat.completions.create(
+        model="stories", messages=[{"role": "user", "content": "Tell a story"}], max_tokens=8, n=2, seed=5, stream=True
+    ):
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert sorted(texts) == [0, 1]
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [
@@ -226,7 +285,16 @@ def test_openai_client_both_routes(cluster):
         ("/v1/generate", {"prompt": "x", "colour": "red"}, "colour"),
         ("/v1/generate", {"max_tokens": 3}, "body"),
         ("/v1/generate", {"prompt": "Once upon a time " * 200}, "prompt"),
-        ("/v1/completions", {"model": "stories", "prompt": "x", "n": 2}, "n"),
+        ("/v1/completions", {"model": "stories", "prompt": "x", "n": 17}, "n"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}},
+            },
+            "response_format",
+        ),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "([a-"}}, "structured_outputs"),
         ("/v1/chat/completions", {"model": "stories", "messages": []}, "messages"),
         (
             "/v1/chat/completions",

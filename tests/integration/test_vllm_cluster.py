@@ -129,6 +129,12 @@ def test_openai_chat_route_and_clear_errors(cluster, reference):
     assert "".join(pieces) == chat.choices[0].message.content
     bad = httpx.post(cluster + "/v1/generate", json={"prompt": "hi", "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    fmt = httpx.post(
+        cluster + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": q}], "response_format": {"type": "json_object"}},
+    )
+    assert fmt.status_code == 400 and fmt.json()["error"]["param"] == "response_format"
+    assert "backend: torch" in fmt.json()["error"]["message"]
     cs = httpx.get(cluster + "/v1/cs")
     assert cs.status_code == 404 and "backend: torch" in cs.json()["error"]["message"]
 

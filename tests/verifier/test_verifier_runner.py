@@ -392,3 +392,15 @@ def test_features_read_a_bf16_kv_cache(stories_path, stories_drafter):
         assert r.feature_start == 0 and r.features.shape[0] == len(prompt) and r.features.dtype == torch.float32
         feats[kv] = r.features
     torch.testing.assert_close(feats["bfloat16"], feats["float32"], rtol=0.05, atol=0.05)
+
+
+def test_choices_of_one_prompt_in_one_call_share_its_prefill(target, hf):
+    """n > 1: the sessions of one prompt arrive in the same call; the first prefills it, the others
+    answer ``resync`` and, sent again (the round's follow-up call), copy its K/V."""
+    prompt = prompt_of(30, 21)
+    runner = TorchTargetRunner(target, max_sessions=4, max_model_len=128)
+    first = runner.verify([VerifyRequest(f"c{i}", prompt, want_features=False) for i in range(3)])
+    assert [r.resync for r in first] == [False, True, True] and runner.stats["prefix_waits"] == 2
+    again = runner.verify([VerifyRequest(f"c{i}", prompt, want_features=False) for i in (1, 2)])
+    assert [r.num_computed for r in again] == [1, 1] and runner.stats["prefix_tokens"] == 2 * 29
+    assert {tuple(r.tokens) for r in first[:1] + again} == {tuple(hf_greedy(hf, prompt, 1))}
