@@ -170,7 +170,9 @@ class Transport:
     def _attempt(
         self, method: str, path: str, content: bytes, ctype: str | None, timeout_s: float, measure: bool
     ) -> httpx.Response:
-        timeout = httpx.Timeout(timeout_s, connect=min(self.connect_timeout_s, timeout_s))
+        # (connect, read, write, pool) as a tuple: a client of httpx or of its successor httpx2 (which
+        # Starlette's TestClient uses) takes it
+        timeout = (min(self.connect_timeout_s, timeout_s), timeout_s, timeout_s, timeout_s)
         req = self.http.build_request(
             method, path, content=content or None, headers={"content-type": ctype} if ctype else None, timeout=timeout
         )
