@@ -92,10 +92,10 @@ def latencies(url: str, n: int, max_tokens: int = 4) -> list[float]:
     return out
 
 
-def half_open(url: str, connections: int, requests: int = 10) -> dict:
-    """p50 of ``requests`` short generations without and with ``connections`` half-open requests
-    held open throughout (each one the server closes is opened again at once), and how many the
-    server closed meanwhile."""
+def half_open(url: str, connections: int, requests: int = 10, reopen: bool = False) -> dict:
+    """p50 of ``requests`` short generations without and with ``connections`` half-open requests,
+    and how many of them the server closed meanwhile; with ``reopen``, each one the server closes
+    is opened again at once."""
     before = latencies(url, requests)
     socks = open_half(url, connections)
     stop, reopened = threading.Event(), [0]
@@ -103,7 +103,7 @@ def half_open(url: str, connections: int, requests: int = 10) -> dict:
     def hold():
         while not stop.is_set():
             for i, s in enumerate(socks):
-                if closed_by_server(s):
+                if reopen and closed_by_server(s):
                     s.close()
                     socks[i] = open_half(url, 1)[0]
                     reopened[0] += 1
@@ -117,15 +117,17 @@ def half_open(url: str, connections: int, requests: int = 10) -> dict:
     finally:
         stop.set()
         holder.join(timeout=30)
+        closed = reopened[0] + sum(closed_by_server(s) for s in socks)
         for s in socks:
             s.close()
     return {
         "scenario": "half-open",
         "connections": connections,
+        "reopen": reopen,
         "p50_without_s": round(statistics.median(before), 4),
         "p50_with_s": round(statistics.median(during), 4),
         "ratio": round(statistics.median(during) / statistics.median(before), 3),
-        "closed_by_server_and_reopened": reopened[0],
+        "closed_by_server": closed,
     }
 
 
@@ -191,27 +193,38 @@ def active_sessions(url: str) -> int:
     return int(s.get("active_sessions", 0)) + int(s.get("queue_depth", 0))
 
 
+def _wait_idle(url: str, limit_s: float) -> float | None:
+    """Seconds until no session is running or queued (None: still some after ``limit_s``)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        if active_sessions(url) == 0:
+            return round(time.monotonic() - t0, 1)
+        time.sleep(0.5)
+    return None
+
+
 def stalled_reader(url: str, max_tokens: int, limit_s: float = 120.0) -> dict:
-    """A normal stream's tok/s alone and beside a stalled reader, and when the stalled session left."""
-    _, alone = stream_tokens_per_s(url, max_tokens)
+    """A normal stream's tok/s beside a long stream that its client reads, and beside the same
+    long stream whose client never reads; when the stalled session left /v1/stats."""
+    reader = threading.Thread(target=stream_tokens_per_s, args=(url, STALLED_TOKENS), daemon=True)
+    reader.start()
+    time.sleep(1.0)
+    _, beside_reader = stream_tokens_per_s(url, max_tokens)
+    reader.join(timeout=limit_s)
     s = stalled_stream(url, STALLED_TOKENS)
     t0 = time.monotonic()
     try:
-        n, beside = stream_tokens_per_s(url, max_tokens)
-        gone = None
-        while time.monotonic() - t0 < limit_s:
-            if active_sessions(url) == 0:
-                gone = round(time.monotonic() - t0, 1)
-                break
-            time.sleep(0.5)
+        time.sleep(1.0)
+        _, beside_stalled = stream_tokens_per_s(url, max_tokens)
+        gone = _wait_idle(url, limit_s)
     finally:
         s.close()
     return {
         "scenario": "stalled-reader",
-        "tok_s_alone": round(alone, 1),
-        "tok_s_beside": round(beside, 1),
-        "ratio": round(beside / alone, 3),
-        "stalled_session_gone_after_s": gone,
+        "tok_s_beside_a_reader": round(beside_reader, 1),
+        "tok_s_beside_a_stalled_reader": round(beside_stalled, 1),
+        "ratio": round(beside_stalled / beside_reader, 3),
+        "stalled_session_gone_after_s": None if gone is None else round(time.monotonic() - t0, 1),
     }
 
 
@@ -295,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     h = sub.add_parser("half-open")
     h.add_argument("--connections", type=int, default=1000)
     h.add_argument("--requests", type=int, default=10)
+    h.add_argument("--reopen", action="store_true", help="open again at once each connection the server closes")
     sub.add_parser("slow-body")
     st = sub.add_parser("stalled-reader")
     st.add_argument("--max-tokens", type=int, default=256)
@@ -308,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     with contextlib.suppress(KeyboardInterrupt):
         if a.scenario == "half-open":
-            out = half_open(a.url, a.connections, a.requests)
+            out = half_open(a.url, a.connections, a.requests, a.reopen)
         elif a.scenario == "slow-body":
             out = slow_body(a.url)
         elif a.scenario == "stalled-reader":
