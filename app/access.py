@@ -11,10 +11,11 @@ In order, for each HTTP request:
 3. the body is counted as it arrives: over the cap (``app/limits.py``'s ``BodyCaps``) it gets
    413 at once, from its Content-Length or as soon as the bytes received pass the cap, so the
    Gateway never holds more than the cap; within it, the route reads it as usual;
-4. the body must arrive within ``http_limits.body_timeout_s`` of the headers (408 and close
-   otherwise); a body still arriving after ``SLOW_BODY_GRACE_S`` makes the request a slow one of
-   its client address, and one slow request over ``max_slow_requests_per_client`` gets 429 and
-   close at once: announced bodies that never come hold a Gateway request briefly, and few of them.
+4. the body must arrive within ``http_limits.body_timeout_s`` of the headers (and a second more
+   per ``MIN_BODY_BYTES_PER_S`` of its Content-Length; 408 and close otherwise); a body whose next
+   bytes do not come within ``SLOW_BODY_GRACE_S`` makes the request a slow one of its client
+   address, and one slow request over ``max_slow_requests_per_client`` gets 429 and close at once:
+   announced bodies that never come hold a Gateway request briefly, and few of them.
 
 Responses pass through untouched, except that a chunk of a streamed body the client does not take
 within ``http_limits.stalled_stream_timeout_s`` ends the response (its generation is aborted).
@@ -37,6 +38,7 @@ from moa_serve.app.errors import RETRY_AFTER, ApiError, error, retry_after
 from moa_serve.app.limits import (
     DEFAULT_MAX_MODEL_LEN,
     DEFAULT_VOCAB,
+    MIN_BODY_BYTES_PER_S,
     SLOW_BODY_GRACE_S,
     BodyCaps,
     HttpLimitsConfig,
@@ -261,20 +263,22 @@ class AccessMiddleware:
     async def _bounded_body(scope, receive, method: str, cap: int, access: Access):
         """The request's ``receive``, its body read here up to ``cap`` bytes and handed on whole;
         raises ``_TooLarge`` as soon as the body is known to be larger, ``_TooSlow`` when it is not
-        whole ``body_timeout_s`` after the headers, ``_TooManySlow`` when it is still arriving after
+        whole in its time after the headers, ``_TooManySlow`` when its next bytes do not come within
         ``SLOW_BODY_GRACE_S`` and its client has ``max_slow_requests_per_client`` such requests."""
         length = _header(scope, b"content-length")
+        announced = 0
         if length is not None:
             try:
-                if int(length) > cap:
+                announced = int(length)
+                if announced > cap:
                     raise _TooLarge
             except ValueError:
                 pass  # not a number: the server refuses it, or the count below holds
         if method not in BODY_METHODS:
             return receive
         loop = asyncio.get_running_loop()
-        start = loop.time()
-        deadline = start + access.limits.body_timeout_s
+        last_bytes = loop.time()  # when the headers or the latest chunk came
+        deadline = last_bytes + access.limits.body_timeout_s + max(0, announced) / MIN_BODY_BYTES_PER_S
         client, slow = client_address(scope), False
         chunks, size = [], 0
         pending: asyncio.Future | None = None
@@ -282,7 +286,7 @@ class AccessMiddleware:
             while True:
                 if pending is None:
                     pending = asyncio.ensure_future(receive())
-                until = deadline if slow else min(deadline, start + SLOW_BODY_GRACE_S)
+                until = deadline if slow else min(deadline, last_bytes + SLOW_BODY_GRACE_S)
                 done, _ = await asyncio.wait((pending,), timeout=max(0.0, until - loop.time()))
                 if not done:
                     if loop.time() >= deadline:
@@ -292,6 +296,7 @@ class AccessMiddleware:
                     slow = True
                     continue
                 message, pending = pending.result(), None
+                last_bytes = loop.time()
                 if message["type"] != "http.request":  # the client went away: the route sees it as usual
                     return _replay(message, receive)
                 body = message.get("body", b"")

@@ -19,9 +19,12 @@ FRAME_DRAFTS = 64  # the most drafts of one client-server verify (moa_serve.cs.s
 FRAME_BYTES_PER_PROB = 4  # draft_probs in float32, the widest dtype a frame may carry
 DEFAULT_MAX_MODEL_LEN = 2048  # an app without a Gateway (tests, the one-process client-server server)
 DEFAULT_VOCAB = 1 << 18
-# a body still arriving this long after its headers makes its request a slow one (counted per client
-# address); a client that sends its JSON with its headers is never counted
+# a body whose next bytes do not come within this makes its request a slow one (counted per client
+# address); a client that sends its JSON with its headers, or streams a large body, is never counted
 SLOW_BODY_GRACE_S = 0.5
+# a large body gets one more second of body_timeout_s per this many bytes of its Content-Length: a
+# device's verify frame of drafter distributions (megabytes) over a slow link is not cut short
+MIN_BODY_BYTES_PER_S = 64 * 1024
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -66,17 +69,18 @@ class HttpLimitsConfig(BaseModel):
     body_timeout_s: float = Field(
         10.0,
         gt=0,
-        description="seconds a request's body may take to arrive after its headers; a body still incomplete "
-        "then gets 408 and its connection is closed, so a client that sends slowly, or announces a body and "
-        "never sends it, holds a Gateway request for no longer than this",
+        description="seconds a request's body may take to arrive after its headers (one more per 64 KiB of "
+        "its Content-Length); a body still incomplete then gets 408 and its connection is closed, so a client "
+        "that sends slowly, or announces a body and never sends it, holds a Gateway request for no longer",
     )
     max_slow_requests_per_client: int = Field(
         8,
         ge=1,
-        description="requests from one client address whose body is still arriving half a second after "
-        "their headers, at once on one Gateway replica; one more gets 429 with Retry-After and its connection "
-        "is closed. A client that sends its body with its headers is never counted. Behind Serve's HAProxy "
-        "every client has HAProxy's address: the bound then holds for slow requests of all clients together",
+        description="requests from one client address whose body stopped coming for half a second before "
+        "it was whole, at once on one Gateway replica; one more gets 429 with Retry-After and its connection "
+        "is closed. A client that sends its body with its headers, or streams it, is never counted. Behind "
+        "Serve's HAProxy every client has HAProxy's address: the bound then holds for slow requests of all "
+        "clients together",
     )
     max_queue_wait_s: float | None = Field(
         4.0,

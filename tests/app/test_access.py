@@ -528,6 +528,30 @@ def test_slow_bodies_are_bounded_per_client_and_a_client_that_sends_its_body_is_
     assert access_mod.current().slow_clients.slow("10.0.0.1") == 0  # every slow request released its count
 
 
+def test_a_body_streamed_in_chunks_is_never_a_slow_one(served):
+    """A body whose bytes keep coming (a large upload over a slow link) is read to its end however
+    long it takes within its time: its client is never counted among the slow ones."""
+    limit(max_slow_requests_per_client=1, body_timeout_s=30)
+
+    class Chunked(Slow):
+        async def receive(self):
+            await asyncio.sleep(0.2)
+            body, self.payload = self.payload[:8], self.payload[8:]
+            return {"type": "http.request", "body": body, "more_body": bool(self.payload)}
+
+    async def scenario():
+        app = create_app()
+        held = asyncio.create_task(Slow().run(app))  # one slow request: the client is at its bound
+        await asyncio.sleep(0.8)
+        streamed = await asyncio.wait_for(Chunked(prompt=True).run(app), 30)  # ~2 s of 8-byte chunks
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        return streamed
+
+    streamed = asyncio.run(scenario())
+    assert streamed.status == 200, streamed.body
+
+
 def test_a_stream_whose_client_stops_reading_is_ended_and_its_session_aborted(served, monkeypatch):
     limit(stalled_stream_timeout_s=0.3)
     aborted = []
