@@ -20,8 +20,10 @@ FRAME_BYTES_PER_PROB = 4  # draft_probs in float32, the widest dtype a frame may
 DEFAULT_MAX_MODEL_LEN = 2048  # an app without a Gateway (tests, the one-process client-server server)
 DEFAULT_VOCAB = 1 << 18
 # a body whose next bytes do not come within this makes its request a slow one (counted per client
-# address); a client that sends its JSON with its headers, or streams a large body, is never counted
-SLOW_BODY_GRACE_S = 0.5
+# address); a client that sends its JSON with its headers, or streams a large body, is never counted.
+# Behind Serve's Python proxy the body reaches the Gateway by one more call to the proxy, which a
+# burst of requests on a busy machine delays by half a second and more
+SLOW_BODY_GRACE_S = 1.0
 # a large body gets one more second of body_timeout_s per this many bytes of its Content-Length: a
 # device's verify frame of drafter distributions (megabytes) over a slow link is not cut short
 MIN_BODY_BYTES_PER_S = 64 * 1024
@@ -74,9 +76,9 @@ class HttpLimitsConfig(BaseModel):
         "that sends slowly, or announces a body and never sends it, holds a Gateway request for no longer",
     )
     max_slow_requests_per_client: int = Field(
-        8,
+        32,
         ge=1,
-        description="requests from one client address whose body stopped coming for half a second before "
+        description="requests from one client address whose body stopped coming for a second before "
         "it was whole, at once on one Gateway replica; one more gets 429 with Retry-After and its connection "
         "is closed. A client that sends its body with its headers, or streams it, is never counted. Behind "
         "Serve's HAProxy every client has HAProxy's address: the bound then holds for slow requests of all "

@@ -510,11 +510,11 @@ def test_slow_bodies_are_bounded_per_client_and_a_client_that_sends_its_body_is_
 
     async def scenario():
         held = [asyncio.create_task(Slow().run(app)) for _ in range(2)]
-        await asyncio.sleep(0.8)  # past the grace: both are slow requests of 10.0.0.1
+        await asyncio.sleep(1.3)  # past the grace: both are slow requests of 10.0.0.1
         third = await asyncio.wait_for(Slow().run(app), 5)
         other_client = asyncio.create_task(Slow("10.0.0.2").run(app))
         prompt = await asyncio.wait_for(Slow(prompt=True).run(app), 10)  # the same address, its body at once
-        await asyncio.sleep(0.8)
+        await asyncio.sleep(1.3)
         assert not other_client.done() and not any(t.done() for t in held)
         for t in [*held, other_client]:
             t.cancel()
@@ -542,7 +542,7 @@ def test_a_body_streamed_in_chunks_is_never_a_slow_one(served):
     async def scenario():
         app = create_app()
         held = asyncio.create_task(Slow().run(app))  # one slow request: the client is at its bound
-        await asyncio.sleep(0.8)
+        await asyncio.sleep(1.3)
         streamed = await asyncio.wait_for(Chunked(prompt=True).run(app), 30)  # ~2 s of 8-byte chunks
         held.cancel()
         await asyncio.gather(held, return_exceptions=True)
