@@ -13,12 +13,12 @@ Admission is bounded the same way: ``max_sessions`` streams at once (a Router's 
 verifier pool: ``session_groups x max_sessions_per_round``), ``max_queued`` more wait here, beyond
 that ``QueueFullError`` (HTTP 429); with ``max_queue_wait_s``, a request whose expected wait for a
 seat (``admission.expected_wait_s``: the measured time per round, the tokens the running sessions
-and the requests queued ahead may still generate) is longer gets ``QueueFullError`` at once too, with that wait as its Retry-After (the Gateway's
-service for every backend). A stream that breaks (its replica died, a connection dropped) is
-resumed a bounded number of times from the committed tokens, which are the source of truth here
-as with the torch backend: nothing committed is lost or repeated. A request the engine
-itself fails (``error: ...``) errors its own session only. A consumer that goes away aborts the
-stream, which aborts the request in vLLM.
+and the requests queued ahead may still generate) is longer gets ``QueueFullError`` at once too,
+with that wait as its Retry-After (the Gateway's service for every backend). A stream that breaks
+(its replica died, a connection dropped) is resumed a bounded number of times from the committed
+tokens, which are the source of truth here as with the torch backend: nothing committed is lost or
+repeated. A request the engine itself fails (``error: ...``) errors its own session only. A
+consumer that goes away aborts the stream, which aborts the request in vLLM.
 """
 
 from __future__ import annotations
