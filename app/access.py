@@ -328,7 +328,8 @@ def _watched(send, timeout_s: float):
     async def watched(message):
         if message["type"] == "http.response.body" and message.get("more_body", False):
             try:
-                await asyncio.wait_for(send(message), timeout_s)
+                async with asyncio.timeout(timeout_s):  # no task per chunk, unlike wait_for
+                    await send(message)
             except TimeoutError:
                 raise _Stalled from None
         else:
