@@ -22,7 +22,7 @@ DEFAULT_VOCAB = 1 << 18
 # a body whose next bytes do not come within this makes its request a slow one (counted per client
 # address); a client that sends its JSON with its headers, or streams a large body, is never counted.
 # Behind Serve's Python proxy the body reaches the Gateway by one more call to the proxy, which a
-# burst of requests on a busy machine delays by half a second and more
+# burst of requests on a busy machine delays (docs/benchmarks.md#resilience)
 SLOW_BODY_GRACE_S = 1.0
 # a large body gets one more second of body_timeout_s per this many bytes of its Content-Length: a
 # device's verify frame of drafter distributions (megabytes) over a slow link is not cut short
