@@ -12,8 +12,8 @@ updates (``protocol.Update``) are committed to the session and become its
 Admission is bounded the same way: ``max_sessions`` streams at once (a Router's share of the
 verifier pool: ``session_groups x max_sessions_per_round``), ``max_queued`` more wait here, beyond
 that ``QueueFullError`` (HTTP 429); with ``max_queue_wait_s``, a request whose expected wait for a
-seat (``admission.expected_wait_s``: the measured time per round, the tokens the running sessions
-and the requests queued ahead may still generate) is longer gets ``QueueFullError`` at once too,
+seat (``admission.expected_wait_s``: the measured time per token at full seats, the tokens the
+running sessions and the requests queued ahead may still generate) is longer gets ``QueueFullError`` at once too,
 with that wait as its Retry-After (the Gateway's service for every backend). A stream that breaks
 (its replica died, a connection dropped) is resumed a bounded number of times from the committed
 tokens, which are the source of truth here as with the torch backend: nothing committed is lost or
@@ -214,7 +214,7 @@ class StreamService:
                 self.stats.accepted += u.accepted - accepted
                 drafted, accepted = u.drafted, u.accepted
                 if u.tokens:
-                    self.round_clock.committed(s.id, len(kept))
+                    self.round_clock.committed(s.id, len(kept), len(self._running))
                     self.stats.updates += 1
                     self.stats.tokens += len(kept)
                 if reason is not None and not s.finished:  # the engine's own stop (it knows best)

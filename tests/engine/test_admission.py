@@ -22,16 +22,17 @@ class Clock:
         return self.t
 
 
-def timed(round_s: float, tokens: int = 1) -> RoundClock:
-    """A clock that measured rounds of ``round_s`` seconds committing ``tokens`` tokens each."""
+def timed(token_s: float, running: int = 1, tokens: int = 1) -> RoundClock:
+    """A clock that measured rounds of ``tokens`` tokens per session at ``token_s`` seconds per
+    token while ``running`` sessions held seats."""
     clock = Clock()
     rc = RoundClock(clock=clock)
     rc.started("s")
-    clock.t += 30.0  # the first round (queue and prefill) is not a round's time
-    rc.committed("s", 50)
+    clock.t += 30.0  # the first round (queue and prefill) is not timed
+    rc.committed("s", 50, running)
     for _ in range(40):
-        clock.t += round_s
-        rc.committed("s", tokens)
+        clock.t += token_s * tokens
+        rc.committed("s", tokens, running)
     return rc
 
 
@@ -41,20 +42,23 @@ def test_no_estimate_before_a_round_was_timed_and_none_needed_while_a_seat_is_fr
     assert expected_wait_s(rc, [10, 10], [5, 5], 3) == 0.0
 
 
-def test_the_time_per_round_and_tokens_per_round_follow_the_measurements():
-    rc = timed(0.1, tokens=2)
-    assert rc.round_s == pytest.approx(0.1) and rc.tokens_per_round == pytest.approx(2.0, rel=1e-3)
-    assert rc.rounds_for(7) == 4 and rc.rounds_for(0) == 1
+def test_the_time_per_token_grows_with_the_seats_taken_from_where_it_was_measured():
+    rc = timed(0.1, running=2, tokens=4)
+    assert rc.seconds_per_token(1) == pytest.approx(0.1) and rc.seconds_per_token(2) == pytest.approx(0.1)
+    assert rc.seconds_per_token(8) == pytest.approx(0.4)  # a burst: four times the sessions per round
+    busy = timed(0.4, running=8)
+    assert busy.seconds_per_token(8) == pytest.approx(0.4) and busy.seconds_per_token(2) == pytest.approx(0.4)
 
 
 def test_the_seats_are_played_forward_for_the_requests_queued_ahead():
-    rc = timed(0.5)  # 0.5 s per round, one token per round
-    # two seats, their sessions need 4 and 10 more rounds; nobody ahead: the first frees after 2 s
+    rc = timed(0.5, running=2)  # 0.5 s per token at two sessions
+    # two seats, their sessions may generate 4 and 10 more tokens; nobody ahead: the first frees after 2 s
     assert expected_wait_s(rc, [4, 10], [], 0) == pytest.approx(2.0)
     # one request of 6 tokens ahead takes that seat (2 s + 3 s); the newcomer gets the other at 5 s
     assert expected_wait_s(rc, [4, 10], [6], 0) == pytest.approx(5.0)
-    # a free seat goes to the request ahead; the newcomer waits for the first running session
-    assert expected_wait_s(rc, [4, 10], [6], 1) == pytest.approx(2.0)
+    # a free seat goes to the request ahead; the newcomer waits for the first running session, at the
+    # pace of three seats taken (0.75 s per token)
+    assert expected_wait_s(rc, [4, 10], [6], 1) == pytest.approx(3.0)
     assert retry_after_s(0.2) == 1 and retry_after_s(4.01) == 5
 
 
