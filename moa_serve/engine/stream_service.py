@@ -14,7 +14,8 @@ verifier pool: ``session_groups x max_sessions_per_round``), ``max_queued`` more
 that ``QueueFullError`` (HTTP 429); with ``max_queue_wait_s``, a request whose expected wait for a
 seat (``admission.expected_wait_s``: the measured time per token at full seats, the tokens the
 running sessions and the requests queued ahead may still generate) is longer gets ``QueueFullError`` at once too,
-with that wait as its Retry-After (the Gateway's service for every backend). A stream that breaks
+with that wait as its Retry-After, and so does one that finds every seat taken before a round was
+timed (the Gateway's service for every backend). A stream that breaks
 (its replica died, a connection dropped) is resumed a bounded number of times from the committed
 tokens, which are the source of truth here as with the torch backend: nothing committed is lost or
 repeated. A request the engine itself fails (``error: ...``) errors its own session only. A
@@ -123,6 +124,9 @@ class StreamService:
             self.max_sessions - len(self._running),
         )
         self.stats.expected_wait_s = None if wait is None else round(wait, 3)
+        if wait is None and self.max_queue_wait_s is not None:  # every seat taken, no round timed yet
+            self.stats.refused_by_wait += 1
+            raise QueueFullError("every seat is taken and no round was timed yet to estimate a wait")
         if wait is not None and self.max_queue_wait_s is not None and wait > self.max_queue_wait_s:
             self.stats.refused_by_wait += 1
             raise QueueFullError(

@@ -114,3 +114,18 @@ def test_an_admitted_request_is_served_and_without_max_queue_wait_s_only_the_que
             assert [ev async for ev in service.stream(t)][-1].finish_reason == "length"
 
     asyncio.run(main())
+
+
+def test_before_any_round_was_timed_a_request_that_finds_every_seat_taken_is_refused():
+    async def main():
+        async def streams(session):
+            await asyncio.Event().wait()
+            yield
+
+        service = StreamService(streams, max_sessions=1, max_queued=10, max_queue_wait_s=5.0)
+        service.submit(Session("seated", [5], 10))
+        with pytest.raises(QueueFullError) as refused:
+            service.submit(Session("unknown wait", [5], 10))
+        assert refused.value.retry_after_s is None and service.queue_depth == 0  # the configured Retry-After
+
+    asyncio.run(main())
