@@ -90,6 +90,16 @@ def expected_wait_s(clock: RoundClock, remaining: Iterable[int], ahead: Iterable
     return seats[0]
 
 
-def retry_after_s(expected_wait_s: float) -> int:
-    """Retry-After for a request refused by its expected wait: that wait, whole seconds, at least 1."""
-    return max(1, math.ceil(expected_wait_s))
+def next_seat_s(clock: RoundClock, remaining: Iterable[int]) -> float | None:
+    """Seconds until the first running session may end and free its seat (at the pace of the seats
+    taken): when a refused request may find room (its Retry-After)."""
+    remaining = list(remaining)
+    per_token = clock.seconds_per_token(len(remaining))
+    if per_token is None or not remaining:
+        return None
+    return max(1, min(remaining)) * per_token
+
+
+def retry_after_s(seconds: float) -> int:
+    """Retry-After of ``seconds``: whole seconds, at least 1."""
+    return max(1, math.ceil(seconds))

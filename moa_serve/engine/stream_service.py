@@ -13,9 +13,10 @@ Admission is bounded the same way: ``max_sessions`` streams at once (a Router's 
 verifier pool: ``session_groups x max_sessions_per_round``), ``max_queued`` more wait here, beyond
 that ``QueueFullError`` (HTTP 429); with ``max_queue_wait_s``, a request whose expected wait for a
 seat (``admission.expected_wait_s``: the measured time per token at full seats, the tokens the
-running sessions and the requests queued ahead may still generate) is longer gets ``QueueFullError`` at once too,
-with that wait as its Retry-After, and so does one that finds every seat taken before a round was
-timed (the Gateway's service for every backend). A stream that breaks
+running sessions and the requests queued ahead may still generate) is longer gets
+``QueueFullError`` at once too, its Retry-After the time until the first seat may free, and so
+does one that finds every seat taken before a round was timed (the Gateway's service for every
+backend). A stream that breaks
 (its replica died, a connection dropped) is resumed a bounded number of times from the committed
 tokens, which are the source of truth here as with the torch backend: nothing committed is lost or
 repeated. A request the engine itself fails (``error: ...``) errors its own session only. A
@@ -29,7 +30,7 @@ import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from moa_serve.engine.admission import RoundClock, expected_wait_s, retry_after_s
+from moa_serve.engine.admission import RoundClock, expected_wait_s, next_seat_s, retry_after_s
 from moa_serve.engine.events import (
     QueueFullError,
     TokenEvent,
@@ -129,10 +130,11 @@ class StreamService:
             raise QueueFullError("every seat is taken and no round was timed yet to estimate a wait")
         if wait is not None and self.max_queue_wait_s is not None and wait > self.max_queue_wait_s:
             self.stats.refused_by_wait += 1
+            seat = next_seat_s(self.round_clock, (_room(t.session) for t, _ in self._running.values()))
             raise QueueFullError(
                 f"{len(self._waiting)} requests are waiting; this one would wait about {wait:.1f} s for a seat "
                 f"(http_limits.max_queue_wait_s: {self.max_queue_wait_s:g})",
-                retry_after_s=retry_after_s(wait),
+                retry_after_s=retry_after_s(wait if seat is None else min(wait, seat)),
             )
         tracked = Tracked(session)
         self._waiting.append(tracked)
