@@ -87,9 +87,10 @@ class HttpLimitsConfig(BaseModel):
     max_queue_wait_s: float | None = Field(
         4.0,
         gt=0,
-        description="a generation that would wait longer than this for its first round, estimated from the "
-        "measured rate at which sessions end and the requests queued ahead of it, gets 429 with Retry-After at "
-        "once instead of waiting (docs/benchmarks.md#resilience); null: only the queue's length bounds the wait",
+        description="a generation that would wait longer than this for a seat in the rounds, estimated from the "
+        "measured time per token at full seats and the tokens the running sessions and the requests queued ahead "
+        "of it may still generate, gets 429 at once instead of waiting, its Retry-After the time until the first "
+        "seat may free (docs/benchmarks.md#resilience); null: only the queue's length bounds the wait",
     )
     stalled_stream_timeout_s: float = Field(
         30.0,
