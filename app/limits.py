@@ -90,7 +90,7 @@ class HttpLimitsConfig(BaseModel):
         description="a generation that would wait longer than this for a seat in the rounds, estimated from the "
         "measured time per token at full seats and the tokens the running sessions and the requests queued ahead "
         "of it may still generate, gets 429 at once instead of waiting, its Retry-After the time until the first "
-        "seat may free (docs/benchmarks.md#resilience); null: only the queue's length bounds the wait",
+        "seat may free, at most this (docs/benchmarks.md#resilience); null: only the queue's length bounds the wait",
     )
     stalled_stream_timeout_s: float = Field(
         30.0,

@@ -14,7 +14,8 @@ verifier pool: ``session_groups x max_sessions_per_round``), ``max_queued`` more
 that ``QueueFullError`` (HTTP 429); with ``max_queue_wait_s``, a request whose expected wait for a
 seat (``admission.expected_wait_s``: the measured time per token at full seats, the tokens the
 running sessions and the requests queued ahead may still generate) is longer gets
-``QueueFullError`` at once too, its Retry-After the time until the first seat may free, and so
+``QueueFullError`` at once too, its Retry-After the time until the first seat may free (at most
+``max_queue_wait_s``: an estimate made at a burst's start errs long), and so
 does one that finds every seat taken before a round was timed (the Gateway's service for every
 backend). A stream that breaks
 (its replica died, a connection dropped) is resumed a bounded number of times from the committed
@@ -134,7 +135,7 @@ class StreamService:
             raise QueueFullError(
                 f"{len(self._waiting)} requests are waiting; this one would wait about {wait:.1f} s for a seat "
                 f"(http_limits.max_queue_wait_s: {self.max_queue_wait_s:g})",
-                retry_after_s=retry_after_s(wait if seat is None else min(wait, seat)),
+                retry_after_s=retry_after_s(min(wait, seat or wait, self.max_queue_wait_s)),
             )
         tracked = Tracked(session)
         self._waiting.append(tracked)
