@@ -10,16 +10,23 @@ In order, for each HTTP request:
    with Retry-After (the queue's own 429 stays);
 3. the body is counted as it arrives: over the cap (``app/limits.py``'s ``BodyCaps``) it gets
    413 at once, from its Content-Length or as soon as the bytes received pass the cap, so the
-   Gateway never holds more than the cap; within it, the route reads it as usual.
+   Gateway never holds more than the cap; within it, the route reads it as usual;
+4. the body must arrive within ``http_limits.body_timeout_s`` of the headers (and a second more
+   per ``MIN_BODY_BYTES_PER_S`` of its Content-Length; 408 and close otherwise); a body whose next
+   bytes do not come within ``SLOW_BODY_GRACE_S`` makes the request a slow one of its client
+   address, and one slow request over ``max_slow_requests_per_client`` gets 429 and close at once:
+   announced bodies that never come hold a Gateway request briefly, and few of them.
 
-Responses pass through untouched (streams included). The Gateway installs its ``Access`` in
-``moa_serve.app.state`` (``access``); an app without one (tests, the one-process client-server
-server) is open, with the default limits of the installed frontend's context and vocabulary.
-``document`` puts 401, 413 and the per-key 429 in the OpenAPI schema, and the bearer scheme
-while keys are set."""
+Responses pass through untouched, except that a chunk of a streamed body the client does not take
+within ``http_limits.stalled_stream_timeout_s`` ends the response (its generation is aborted).
+The Gateway installs its ``Access`` in ``moa_serve.app.state`` (``access``); an app without one
+(tests, the one-process client-server server) is open, with the default limits of the installed
+frontend's context and vocabulary. ``document`` puts 401, 408, 413 and the 429 in the OpenAPI
+schema, and the bearer scheme while keys are set."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 
@@ -31,10 +38,13 @@ from moa_serve.app.errors import RETRY_AFTER, ApiError, error, retry_after
 from moa_serve.app.limits import (
     DEFAULT_MAX_MODEL_LEN,
     DEFAULT_VOCAB,
+    MIN_BODY_BYTES_PER_S,
+    SLOW_BODY_GRACE_S,
     BodyCaps,
     HttpLimitsConfig,
     KeyConcurrency,
     LimitError,
+    SlowClients,
     capped_max_tokens,
 )
 
@@ -56,9 +66,11 @@ WHY_413 = (
     "the request body is larger than the server's cap (http_limits.max_body_bytes; verify frames: max_frame_bytes)"
 )
 WHY_429 = (
-    "the request queue is full, or this API key has http_limits.max_concurrent_requests_per_key requests in "
-    "flight; retry after Retry-After seconds"
+    "the request queue is full, the request would wait longer than http_limits.max_queue_wait_s for its first "
+    "round, this API key has http_limits.max_concurrent_requests_per_key requests in flight, or this client has "
+    "http_limits.max_slow_requests_per_client bodies still arriving; retry after Retry-After seconds"
 )
+WHY_408 = "the request body did not arrive within http_limits.body_timeout_s of the headers; the connection is closed"
 
 
 class Access:
@@ -76,6 +88,7 @@ class Access:
         self.limits = limits or HttpLimitsConfig()
         self.caps = BodyCaps(self.limits, max_model_len, vocab_size)
         self.concurrency = KeyConcurrency(self.limits.max_concurrent_requests_per_key)
+        self.slow_clients = SlowClients(self.limits.max_slow_requests_per_client)
 
     @classmethod
     def for_gateway(cls, cfg, max_model_len: int, vocab_size: int) -> "Access":
@@ -138,8 +151,25 @@ def _header(scope, name: bytes) -> bytes | None:
     return None
 
 
+def client_address(scope) -> str:
+    client = scope.get("client")
+    return str(client[0]) if client else ""
+
+
 class _TooLarge(Exception):
     pass
+
+
+class _TooSlow(Exception):
+    pass
+
+
+class _TooManySlow(Exception):
+    pass
+
+
+class _Stalled(Exception):
+    """The client took no chunk of a streamed response within ``stalled_stream_timeout_s``."""
 
 
 class AccessMiddleware:
@@ -183,7 +213,7 @@ class AccessMiddleware:
             frame = is_frame_route(path, method)
             cap = access.caps.frame if frame else access.caps.json
             try:
-                receive = await self._bounded_body(scope, receive, method, cap)
+                receive = await self._bounded_body(scope, receive, method, cap, access)
             except _TooLarge:
                 await error(
                     413,
@@ -193,38 +223,119 @@ class AccessMiddleware:
                     {"Connection": "close"},
                 )(scope, receive, send)
                 return
-            await self.app(scope, receive, send)
+            except _TooSlow:
+                await error(
+                    408,
+                    f"the request body did not arrive within {access.limits.body_timeout_s:g} s of the headers "
+                    "(http_limits.body_timeout_s)",
+                    "body",
+                    "invalid_request_error",
+                    {"Connection": "close"},
+                )(scope, receive, send)
+                return
+            except _TooManySlow:
+                await error(
+                    429,
+                    f"this client has {access.slow_clients.limit} requests whose body is still arriving "
+                    "(http_limits.max_slow_requests_per_client); send the body with the headers",
+                    "body",
+                    "rate_limit_error",
+                    {**retry_after(), "Connection": "close"},
+                )(scope, receive, send)
+                return
+            try:
+                await self.app(scope, receive, _watched(send, access.limits.stalled_stream_timeout_s))
+            except Exception as exc:  # noqa: BLE001 - a task group may wrap it
+                if not _stalled(exc):
+                    raise
+                log.warning(
+                    "%s %s: the client took no chunk of its stream for %g s (http_limits.stalled_stream_timeout_s); "
+                    "the stream is ended",
+                    method,
+                    path,
+                    access.limits.stalled_stream_timeout_s,
+                )
         finally:
             if counted:
                 access.concurrency.release(key)
 
     @staticmethod
-    async def _bounded_body(scope, receive, method: str, cap: int):
+    async def _bounded_body(scope, receive, method: str, cap: int, access: Access):
         """The request's ``receive``, its body read here up to ``cap`` bytes and handed on whole;
-        raises ``_TooLarge`` as soon as the body is known to be larger."""
+        raises ``_TooLarge`` as soon as the body is known to be larger, ``_TooSlow`` when it is not
+        whole in its time after the headers, ``_TooManySlow`` when its next bytes do not come within
+        ``SLOW_BODY_GRACE_S`` and its client has ``max_slow_requests_per_client`` such requests."""
         length = _header(scope, b"content-length")
+        announced = 0
         if length is not None:
             try:
-                if int(length) > cap:
+                announced = int(length)
+                if announced > cap:
                     raise _TooLarge
             except ValueError:
                 pass  # not a number: the server refuses it, or the count below holds
         if method not in BODY_METHODS:
             return receive
+        loop = asyncio.get_running_loop()
+        last_bytes = loop.time()  # when the headers or the latest chunk came
+        deadline = last_bytes + access.limits.body_timeout_s + max(0, announced) / MIN_BODY_BYTES_PER_S
+        client, slow = client_address(scope), False
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away: the route sees it as usual
-                return _replay(message, receive)
-            body = message.get("body", b"")
-            size += len(body)
-            if size > cap:
-                raise _TooLarge
-            if body:
-                chunks.append(body)
-            if not message.get("more_body", False):
-                break
+        pending: asyncio.Future | None = None
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(receive())
+                until = deadline if slow else min(deadline, last_bytes + SLOW_BODY_GRACE_S)
+                done, _ = await asyncio.wait((pending,), timeout=max(0.0, until - loop.time()))
+                if not done:
+                    if loop.time() >= deadline:
+                        raise _TooSlow
+                    if not access.slow_clients.acquire(client):
+                        raise _TooManySlow
+                    slow = True
+                    continue
+                message, pending = pending.result(), None
+                last_bytes = loop.time()
+                if message["type"] != "http.request":  # the client went away: the route sees it as usual
+                    return _replay(message, receive)
+                body = message.get("body", b"")
+                size += len(body)
+                if size > cap:
+                    raise _TooLarge
+                if body:
+                    chunks.append(body)
+                if not message.get("more_body", False):
+                    break
+        finally:
+            if pending is not None:
+                pending.cancel()
+            if slow:
+                access.slow_clients.release(client)
         return _replay({"type": "http.request", "body": b"".join(chunks), "more_body": False}, receive)
+
+
+def _stalled(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_stalled(e) for e in exc.exceptions)
+    return isinstance(exc, _Stalled)
+
+
+def _watched(send, timeout_s: float):
+    """``send``, raising ``_Stalled`` when a chunk of a streamed body waits longer than ``timeout_s``
+    for the client (its TCP window full): the response ends, and with it the generation."""
+
+    async def watched(message):
+        if message["type"] == "http.response.body" and message.get("more_body", False):
+            try:
+                async with asyncio.timeout(timeout_s):  # no task per chunk, unlike wait_for
+                    await send(message)
+            except TimeoutError:
+                raise _Stalled from None
+        else:
+            await send(message)
+
+    return watched
 
 
 def _replay(first: dict, receive):
@@ -268,6 +379,7 @@ def document(api: FastAPI) -> None:
                     responses.setdefault("401", _error_response(WHY_401))
                     if "requestBody" in op:
                         responses.setdefault("413", _error_response(WHY_413))
+                        responses.setdefault("408", _error_response(WHY_408))
                     if method == "post":
                         responses["429"] = {
                             **responses.get("429", _error_response(WHY_429, RETRY_AFTER)),

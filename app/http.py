@@ -130,7 +130,8 @@ async def start_generations(readiness: Readiness, body, prompt, messages, max_to
     except InputError as exc:
         raise ApiError(400, str(exc), exc.param) from None
     except QueueFullError as exc:
-        raise ApiError(429, f"server busy: {exc}; retry later", None, "rate_limit_error", retry_after()) from None
+        later = retry_after() if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+        raise ApiError(429, f"server busy: {exc}; retry later", None, "rate_limit_error", later) from None
 
 
 def usage(gen: Generation | list[Generation]) -> dict:

@@ -1,8 +1,11 @@
 """How much one request may ask for, checked before any work is done: the request body's size
-(413, counted while it arrives, by ``app/access.py``), new tokens (``max_tokens``), stop strings
-(their number and length, in the request schemas), and the requests one API key may have in
-flight (429 with Retry-After). ``HttpLimitsConfig`` is the ``http_limits`` block of the serve
-config."""
+(413, counted while it arrives, by ``app/access.py``), the time its body may take (408), the
+requests one client address may have with a body still arriving, new tokens (``max_tokens``),
+stop strings (their number and length, in the request schemas), the requests one API key may
+have in flight (429 with Retry-After), how long an admitted request may expect to wait for its
+first round (``max_queue_wait_s``, ``moa_serve/engine/admission.py``) and how long a stream may
+wait for its client to read (``stalled_stream_timeout_s``). ``HttpLimitsConfig`` is the
+``http_limits`` block of the serve config; docs/security.md says where each limit is enforced."""
 
 from __future__ import annotations
 
@@ -16,6 +19,14 @@ FRAME_DRAFTS = 64  # the most drafts of one client-server verify (moa_serve.cs.s
 FRAME_BYTES_PER_PROB = 4  # draft_probs in float32, the widest dtype a frame may carry
 DEFAULT_MAX_MODEL_LEN = 2048  # an app without a Gateway (tests, the one-process client-server server)
 DEFAULT_VOCAB = 1 << 18
+# a body whose next bytes do not come within this makes its request a slow one (counted per client
+# address); a client that sends its JSON with its headers, or streams a large body, is never counted.
+# Behind Serve's Python proxy the body reaches the Gateway by one more call to the proxy, which a
+# burst of requests on a busy machine delays (docs/benchmarks.md#resilience)
+SLOW_BODY_GRACE_S = 1.0
+# a large body gets one more second of body_timeout_s per this many bytes of its Content-Length: a
+# device's verify frame of drafter distributions (megabytes) over a slow link is not cut short
+MIN_BODY_BYTES_PER_S = 64 * 1024
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -57,6 +68,63 @@ class HttpLimitsConfig(BaseModel):
         description="POST requests one API key may have in flight on one Gateway replica (streams count "
         "until they end); one more gets 429 with Retry-After. Applies when API keys are set; default: no limit",
     )
+    body_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="seconds a request's body may take to arrive after its headers (one more per 64 KiB of "
+        "its Content-Length); a body still incomplete then gets 408 and its connection is closed, so a client "
+        "that sends slowly, or announces a body and never sends it, holds a Gateway request for no longer",
+    )
+    max_slow_requests_per_client: int = Field(
+        32,
+        ge=1,
+        description="requests from one client address whose body stopped coming for a second before "
+        "it was whole, at once on one Gateway replica; one more gets 429 with Retry-After and its connection "
+        "is closed. A client that sends its body with its headers, or streams it, is never counted. Behind "
+        "Serve's HAProxy every client has HAProxy's address: the bound then holds for slow requests of all "
+        "clients together",
+    )
+    max_queue_wait_s: float | None = Field(
+        4.0,
+        gt=0,
+        description="a generation that would wait longer than this for a seat in the rounds, estimated from the "
+        "measured time per token at full seats and the tokens the running sessions and the requests queued ahead "
+        "of it may still generate, gets 429 at once instead of waiting, its Retry-After the time until the first "
+        "seat may free, at most this (docs/benchmarks.md#resilience); null: only the queue's length bounds the wait",
+    )
+    stalled_stream_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a streamed response may wait for its client to take the next chunk (a client "
+        "that stopped reading: its TCP window full); the stream is then ended and its session aborted, its slot "
+        "freed. Other users' rounds never wait for a client",
+    )
+
+
+class SlowClients:
+    """Requests per client address whose body is still arriving after ``SLOW_BODY_GRACE_S``.
+    ``acquire`` answers False at the limit."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._slow: dict[str, int] = {}
+
+    def acquire(self, client: str) -> bool:
+        n = self._slow.get(client, 0)
+        if n >= self.limit:
+            return False
+        self._slow[client] = n + 1
+        return True
+
+    def release(self, client: str) -> None:
+        n = self._slow.get(client, 0) - 1
+        if n > 0:
+            self._slow[client] = n
+        else:
+            self._slow.pop(client, None)
+
+    def slow(self, client: str) -> int:
+        return self._slow.get(client, 0)
 
 
 class BodyCaps:

@@ -124,6 +124,7 @@ class Gateway:
             max_queued=r.max_queued_requests,
             stream_retries=RESUME_RETRIES,
             retry_backoff_s=0.5,
+            max_queue_wait_s=self.cfg.http_limits.max_queue_wait_s,
         )
         kind = self.cfg.drafter_spec.kind
         state.install(

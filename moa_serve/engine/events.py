@@ -15,7 +15,12 @@ from moa_serve.protocol import DraftResult
 
 
 class QueueFullError(RuntimeError):
-    """The bounded queue is full (HTTP 429)."""
+    """The bounded queue is full, or the request would wait too long for a seat (HTTP 429);
+    ``retry_after_s``: when to come back, where the service estimated it."""
+
+    def __init__(self, message: str, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass

@@ -11,11 +11,17 @@ updates (``protocol.Update``) are committed to the session and become its
 
 Admission is bounded the same way: ``max_sessions`` streams at once (a Router's share of the
 verifier pool: ``session_groups x max_sessions_per_round``), ``max_queued`` more wait here, beyond
-that ``QueueFullError`` (HTTP 429). A stream that breaks (its replica died, a connection dropped)
-is resumed a bounded number of times from the committed tokens, which are the source of truth
-here as with the torch backend: nothing committed is lost or repeated. A request the engine
-itself fails (``error: ...``) errors its own session only. A consumer that goes away aborts the
-stream, which aborts the request in vLLM.
+that ``QueueFullError`` (HTTP 429); with ``max_queue_wait_s``, a request whose expected wait for a
+seat (``admission.expected_wait_s``: the measured time per token at full seats, the tokens the
+running sessions and the requests queued ahead may still generate) is longer gets
+``QueueFullError`` at once too, its Retry-After the time until the first seat may free (at most
+``max_queue_wait_s``: an estimate made at a burst's start errs long), and so
+does one that finds every seat taken before a round was timed (the Gateway's service for every
+backend). A stream that breaks
+(its replica died, a connection dropped) is resumed a bounded number of times from the committed
+tokens, which are the source of truth here as with the torch backend: nothing committed is lost or
+repeated. A request the engine itself fails (``error: ...``) errors its own session only. A
+consumer that goes away aborts the stream, which aborts the request in vLLM.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from moa_serve.engine.admission import RoundClock, expected_wait_s, next_seat_s, retry_after_s
 from moa_serve.engine.events import (
     QueueFullError,
     TokenEvent,
@@ -57,6 +64,8 @@ class StreamStats:
     accepted: int = 0
     max_active: int = 0
     stream_retries: int = 0  # streams lost (a replica died) and resumed from the committed tokens
+    refused_by_wait: int = 0  # 429s for an expected wait over max_queue_wait_s
+    expected_wait_s: float | None = None  # of the last request submitted
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -64,6 +73,11 @@ class StreamStats:
         d["mean_accepted_length"] = round(self.tokens / self.updates, 4) if self.updates else 0.0
         d["acceptance_rate"] = round(self.accepted / self.drafted, 4) if self.drafted else 0.0
         return d
+
+
+def _room(s: Session) -> int:
+    """The tokens ``s`` may still generate (its max_tokens, the context)."""
+    return max(0, min(s.max_new_tokens - len(s.generated), s.max_model_len - len(s.tokens)))
 
 
 class StreamService:
@@ -76,6 +90,7 @@ class StreamService:
         stream_retries: int = 3,
         retry_backoff_s: float = 1.0,
         max_backoff_s: float = 8.0,
+        max_queue_wait_s: float | None = None,
     ):
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
@@ -84,6 +99,8 @@ class StreamService:
         self.retry_backoff_s, self.max_backoff_s = retry_backoff_s, max_backoff_s
         self.max_sessions = max_sessions
         self.max_queued = max_queued
+        self.max_queue_wait_s = max_queue_wait_s
+        self.round_clock = RoundClock()
         self.stats = StreamStats()
         self._waiting: list[Tracked] = []
         self._running: dict[str, tuple[Tracked, asyncio.Task]] = {}
@@ -102,6 +119,24 @@ class StreamService:
             raise ValueError("client-server sessions need backend: torch (the Router's rounds)")
         if len(self._waiting) >= self.max_queued and len(self._running) >= self.max_sessions:
             raise QueueFullError(f"{len(self._waiting)} requests are waiting")
+        wait = expected_wait_s(
+            self.round_clock,
+            (_room(t.session) for t, _ in self._running.values()),
+            (_room(t.session) for t in self._waiting),
+            self.max_sessions - len(self._running),
+        )
+        self.stats.expected_wait_s = None if wait is None else round(wait, 3)
+        if wait is None and self.max_queue_wait_s is not None:  # every seat taken, no round timed yet
+            self.stats.refused_by_wait += 1
+            raise QueueFullError("every seat is taken and no round was timed yet to estimate a wait")
+        if wait is not None and self.max_queue_wait_s is not None and wait > self.max_queue_wait_s:
+            self.stats.refused_by_wait += 1
+            seat = next_seat_s(self.round_clock, (_room(t.session) for t, _ in self._running.values()))
+            raise QueueFullError(
+                f"{len(self._waiting)} requests are waiting; this one would wait about {wait:.1f} s for a seat "
+                f"(http_limits.max_queue_wait_s: {self.max_queue_wait_s:g})",
+                retry_after_s=retry_after_s(min(wait, seat or wait, self.max_queue_wait_s)),
+            )
         tracked = Tracked(session)
         self._waiting.append(tracked)
         self._admit()
@@ -118,6 +153,7 @@ class StreamService:
         running = self._running.pop(tracked.session.id, None)
         if running is not None:
             running[1].cancel()  # closes the stream: the verifier aborts the request
+            self.round_clock.ended(tracked.session.id)
             self._admit()
         tracked.emit(TokenEvent([], "abort"))
 
@@ -127,6 +163,7 @@ class StreamService:
             tracked = self._waiting.pop(0)
             task = asyncio.get_running_loop().create_task(self._consume(tracked))
             self._running[tracked.session.id] = (tracked, task)
+            self.round_clock.started(tracked.session.id)
             self.stats.admitted += 1
             self.stats.max_active = max(self.stats.max_active, len(self._running))
 
@@ -163,6 +200,7 @@ class StreamService:
         finally:
             if self._running.get(s.id, (None,))[0] is tracked:
                 del self._running[s.id]
+                self.round_clock.ended(s.id)
                 self._admit()
 
     async def _follow(self, tracked: Tracked) -> None:
@@ -183,6 +221,7 @@ class StreamService:
                 self.stats.accepted += u.accepted - accepted
                 drafted, accepted = u.drafted, u.accepted
                 if u.tokens:
+                    self.round_clock.committed(s.id, len(kept), len(self._running))
                     self.stats.updates += 1
                     self.stats.tokens += len(kept)
                 if reason is not None and not s.finished:  # the engine's own stop (it knows best)

@@ -447,6 +447,141 @@ def test_over_http_a_large_upload_is_cut_short_with_413(served):
     assert served.ran_nothing()
 
 
+# ---------------------------------------------------------------------- slow bodies, stalled readers
+class Slow:
+    """A POST from ``client`` whose body is announced (Content-Length: 100) and never sent, or,
+    with ``prompt``, sent whole with the headers."""
+
+    def __init__(self, client: str = "10.0.0.1", prompt: bool = False):
+        self.client, self.prompt = client, prompt
+        self.status, self.headers, self.body = None, {}, b""
+
+    def scope(self) -> dict:
+        body = json.dumps(GENERATIONS["/v1/generate"]).encode() if self.prompt else b"x" * 100
+        self.payload = body
+        return {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/generate",
+            "raw_path": b"/v1/generate",
+            "root_path": "",
+            "query_string": b"",
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"authorization", AUTH["Authorization"].encode()),
+                (b"content-length", str(len(body)).encode()),
+            ],
+            "client": (self.client, 1),
+            "server": ("127.0.0.1", 8000),
+        }
+
+    async def receive(self):
+        if self.prompt and self.payload is not None:
+            body, self.payload = self.payload, None
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # the body never comes (nor does the client go away)
+
+    async def send(self, message):
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.headers = {k.decode(): v.decode() for k, v in message["headers"]}
+        else:
+            self.body += message.get("body", b"")
+
+    async def run(self, app):
+        await app(self.scope(), self.receive, self.send)
+        return self
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_is_closed(served):
+    limit(body_timeout_s=0.3)
+    slow = asyncio.run(asyncio.wait_for(Slow().run(create_app()), 10))
+    assert slow.status == 408 and slow.headers["connection"] == "close", slow.body
+    err = json.loads(slow.body)["error"]
+    assert err["param"] == "body" and "http_limits.body_timeout_s" in err["message"]
+    assert served.ran_nothing()
+
+
+def test_slow_bodies_are_bounded_per_client_and_a_client_that_sends_its_body_is_never_counted(served):
+    limit(max_slow_requests_per_client=2, body_timeout_s=30)
+    app = create_app()
+
+    async def scenario():
+        held = [asyncio.create_task(Slow().run(app)) for _ in range(2)]
+        await asyncio.sleep(1.3)  # past the grace: both are slow requests of 10.0.0.1
+        third = await asyncio.wait_for(Slow().run(app), 5)
+        other_client = asyncio.create_task(Slow("10.0.0.2").run(app))
+        prompt = await asyncio.wait_for(Slow(prompt=True).run(app), 10)  # the same address, its body at once
+        await asyncio.sleep(1.3)
+        assert not other_client.done() and not any(t.done() for t in held)
+        for t in [*held, other_client]:
+            t.cancel()
+        await asyncio.gather(*held, other_client, return_exceptions=True)
+        return third, prompt
+
+    third, prompt = asyncio.run(scenario())
+    assert third.status == 429 and third.headers["connection"] == "close" and third.headers["retry-after"] == "3"
+    assert "max_slow_requests_per_client" in third.body.decode()
+    assert prompt.status == 200, prompt.body
+    assert access_mod.current().slow_clients.slow("10.0.0.1") == 0  # every slow request released its count
+
+
+def test_a_body_streamed_in_chunks_is_never_a_slow_one(served):
+    """A body whose bytes keep coming (a large upload over a slow link) is read to its end however
+    long it takes within its time: its client is never counted among the slow ones."""
+    limit(max_slow_requests_per_client=1, body_timeout_s=30)
+
+    class Chunked(Slow):
+        async def receive(self):
+            await asyncio.sleep(0.2)
+            body, self.payload = self.payload[:8], self.payload[8:]
+            return {"type": "http.request", "body": body, "more_body": bool(self.payload)}
+
+    async def scenario():
+        app = create_app()
+        held = asyncio.create_task(Slow().run(app))  # one slow request: the client is at its bound
+        await asyncio.sleep(1.3)
+        streamed = await asyncio.wait_for(Chunked(prompt=True).run(app), 30)  # ~2 s of 8-byte chunks
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        return streamed
+
+    streamed = asyncio.run(scenario())
+    assert streamed.status == 200, streamed.body
+
+
+def test_a_stream_whose_client_stops_reading_is_ended_and_its_session_aborted(served, monkeypatch):
+    limit(stalled_stream_timeout_s=0.3)
+    aborted = []
+
+    async def endless(tracked):
+        while True:
+            yield TokenEvent(served.service.tokens[:1])
+            await asyncio.sleep(0.01)
+
+    monkeypatch.setattr(served.service, "stream", endless)
+    monkeypatch.setattr(served.service, "abort", aborted.append)
+    reader = Slow(prompt=True)
+    sent = []
+
+    async def send(message):  # the first chunk goes out, then the client's TCP window is full
+        sent.append(message)
+        if message["type"] == "http.response.body" and len(sent) > 2:
+            await asyncio.Event().wait()
+
+    async def scenario():
+        scope = reader.scope()
+        reader.payload = json.dumps({**GENERATIONS["/v1/generate"], "stream": True, "max_tokens": 1000}).encode()
+        scope["headers"][-1] = (b"content-length", str(len(reader.payload)).encode())
+        await create_app()(scope, reader.receive, send)
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert sent[0]["status"] == 200 and len(aborted) == 1 and served.service.sessions
+
+
 # ---------------------------------------------------------------------- limits on what a request asks for
 @pytest.mark.parametrize("path", list(GENERATIONS))
 def test_stop_strings_n_and_best_of_are_bounded_with_a_400_naming_the_field(client, served, path):
