@@ -36,15 +36,20 @@ class MoAFeatures:
     def prepared(self, device, dtype) -> MoAFeatures:
         return MoAFeatures(for_inference(self.head, device, dtype), self.latest_only)
 
-    def inputs(self, cache, spans, hidden) -> tuple[torch.Tensor, list[int]]:
-        """Every span's per-layer K/V in one gather from the cache."""
+    def rows(self, spans) -> tuple[list[int], list[int], list[int]]:
+        """The (slot, position) pairs the head reads for these spans, and how many each span has."""
         if self.latest_only:
             spans = [(slot, max(start, end - 1), end) for slot, start, end in spans]
         slots = [slot for slot, start, end in spans for _ in range(start, end)]
         positions = [p for _, start, end in spans for p in range(start, end)]
+        return slots, positions, [end - start for _, start, end in spans]
+
+    def inputs(self, cache, spans, hidden) -> tuple[torch.Tensor, list[int]]:
+        """Every span's per-layer K/V in one gather from the cache."""
+        slots, positions, sizes = self.rows(spans)
         device = cache.k.device
-        rows = cache.per_layer_kv_at(torch.tensor(slots, device=device), torch.tensor(positions, device=device))
-        return rows, [end - start for _, start, end in spans]
+        kv = cache.per_layer_kv_at(torch.tensor(slots, device=device), torch.tensor(positions, device=device))
+        return kv, sizes
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.head(inputs)

@@ -31,7 +31,10 @@ class FeatureSource(Protocol):
     ``features_from``, positions decoded in multi-step calls. Otherwise (EAGLE-style hidden states)
     only the positions the call's forward computed have them.
     ``latest_only``: the drafter reads only the freshest verified feature; the others in a span are
-    never read (zeros stand in for them)."""
+    never read (zeros stand in for them).
+    A source that reads the cache may also give ``rows(spans)``: the (slot, position) pairs
+    ``inputs`` gathers and the count per span, so that the verifier can run the gather and the head
+    at fixed shapes (``verifier/static_features.py``)."""
 
     from_cache: bool
     latest_only: bool

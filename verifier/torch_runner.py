@@ -53,6 +53,7 @@ from moa_serve.synthetic import describe, random_target
 from moa_serve.target_model import TargetModel
 from moa_serve.verifier.acceptance import accept_greedy, accept_sampling
 from moa_serve.verifier.api import NO_FEATURES, FeatureSource, TargetBackend
+from moa_serve.verifier.static_features import StaticFeatures
 from moa_serve.verifier.static_forward import StaticForward, packed_layout
 
 log = logging.getLogger(__name__)
@@ -258,6 +259,19 @@ class TorchTargetRunner(TargetBackend):
                 model, self.cache, options.max_num_batched_tokens, graphs=self.device.type == "cuda", stats=self.stats
             )
             if wanted and self.attention_kernel
+            else None
+        )
+        # the feature head at fixed row counts beside the fixed-shape forward (a cache-reading source)
+        self.static_features = (
+            StaticFeatures(
+                self.features,
+                self.cache,
+                self.dtype,
+                options.max_num_batched_tokens,
+                graphs=self.device.type == "cuda",
+                stats=self.stats,
+            )
+            if self.static is not None and self.features is not NO_FEATURES and hasattr(self.features, "rows")
             else None
         )
         # set from another thread (``cut_steps``): the verify running or next ends its multi-step
@@ -751,14 +765,21 @@ class TorchTargetRunner(TargetBackend):
             spans.append((start, end))
             rows.append(offset)
             offset += len(w.fed)
-        inputs, sizes = source.inputs(
-            self.cache,
-            [(w.session.slot, a, e) for w, (a, e) in zip(work, spans)],
-            [self._hidden_rows(hidden, w, o, e - a) for w, o, (a, e) in zip(work, rows, spans)],
-        )
-        if sum(sizes) == 0:
-            return
-        feats = source(inputs.to(self.dtype)).cpu()  # a bfloat16 cache widens here
+        slot_spans = [(w.session.slot, a, e) for w, (a, e) in zip(work, spans)]
+        feats = None
+        if self.static_features is not None:
+            slots, positions, sizes = source.rows(slot_spans)
+            feats = self.static_features(slots, positions)
+        if feats is None:
+            inputs, sizes = source.inputs(
+                self.cache,
+                slot_spans,
+                [self._hidden_rows(hidden, w, o, e - a) for w, o, (a, e) in zip(work, rows, spans)],
+            )
+            if sum(sizes) == 0:
+                return
+            feats = source(inputs.to(self.dtype))  # a bfloat16 cache widens here
+        feats = feats.cpu()
         for r, (a, e), chunk in zip(results, spans, torch.split(feats, sizes)):
             if e - a > len(chunk):  # latest_only: zeros for the positions never read
                 chunk = torch.cat([chunk.new_zeros(e - a - len(chunk), chunk.shape[1]), chunk])

@@ -137,3 +137,36 @@ def test_the_fixed_shape_forward_refuses_positions_past_the_cache(stories_path):
     with pytest.raises(ValueError, match="exceed the cache"):
         runner.static([1, 2], [0, 0], [15, 16], [15, 16])
     assert runner.stats["static_calls"] == 0
+
+
+def test_fixed_shape_feature_head_gives_the_planned_features(stories_path, stories_drafter):
+    from moa_serve.drafter.registry import load_feature_source
+
+    def runner(static):
+        return TorchTargetRunner(
+            str(stories_path),
+            "float32",
+            max_sessions=4,
+            features=load_feature_source(str(stories_drafter)),
+            options=RunnerOptions(static_forward=static),
+        )
+
+    planned, fixed = runner("off"), runner("on")
+    assert planned.static_features is None and fixed.static_features is not None
+    prompts = {"a": list(range(1, 30)), "b": list(range(5, 12))}
+    first = [VerifyRequest(sid, p) for sid, p in prompts.items()]
+    held = {}
+    for call in range(2):
+        requests = (
+            first
+            if call == 0
+            else [
+                VerifyRequest(sid, [], drafts=drafts, base=held[sid]) for sid, drafts in (("a", [7, 8, 9]), ("b", [4]))
+            ]
+        )
+        want, got = planned.verify(requests), fixed.verify(requests)
+        for w, g in zip(want, got):
+            assert (g.tokens, g.feature_start) == (w.tokens, w.feature_start)
+            assert g.features.shape == w.features.shape and torch.allclose(g.features, w.features, atol=1e-5)
+            held[w.session_id] = held.get(w.session_id, len(prompts[w.session_id])) + len(w.tokens)
+    assert fixed.stats["static_feature_calls"] == 2 and "static_feature_calls" not in planned.stats

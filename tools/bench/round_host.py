@@ -1,10 +1,11 @@
 """Host time of one engine round on a CPU: what a GPU cannot hide behind its graphs.
 
-On a GPU the target's forward (``StaticForward``) and the drafting steps after the first
-(``StaticDraftSteps``) replay from CUDA graphs; everything else in a round is Python and host
-launches that the GPU waits for. On a CPU the same fixed-shape code runs uncaptured, so a round's
-wall time minus the time inside those two graph bodies is the round's *host time*, measured here as
-it would be paid on a GPU (the graph bodies themselves cost host time on a CPU only).
+On a GPU the target's forward (``StaticForward``), the feature head over the cache
+(``StaticFeatures``) and the drafting steps (``StaticDraftSteps``) replay from CUDA graphs; everything
+else in a round is Python and host launches that the GPU waits for. On a CPU the same fixed-shape
+code runs uncaptured, so a round's wall time minus the time inside those graph bodies is the round's
+*host time*, measured here as it would be paid on a GPU (the graph bodies themselves cost host time
+on a CPU only).
 
 For each drafter (``moa``: a paper-sized MoA drafter with random weights; ``replay``: drafts replayed
 from the target's own greedy continuation, nothing computed) and each batch size, with K = 4, one
@@ -44,6 +45,7 @@ from moa_serve.drafter.static_steps import StaticDraftSteps  # noqa: E402
 from moa_serve.engine.events import Tracked  # noqa: E402
 from moa_serve.engine.local import SpeculativeEngine  # noqa: E402
 from moa_serve.verifier.api import NO_FEATURES  # noqa: E402
+from moa_serve.verifier.static_features import StaticFeatures  # noqa: E402
 from moa_serve.verifier.static_forward import StaticForward  # noqa: E402
 from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner  # noqa: E402
 from tools.gpu.harness import TOY_LLAMA, random_moa, random_target  # noqa: E402
@@ -57,12 +59,12 @@ REPLAY_TAU = 3.5  # the replayed drafts' mean accepted length (accepted drafts +
 
 class GraphBodyClock:
     """Seconds spent inside the bodies a GPU replays from CUDA graphs (the target's fixed-shape
-    forward, the drafting steps after the first)."""
+    forward, the drafter's feature head over the cache, the drafting steps)."""
 
     def __init__(self):
         self.seconds = 0.0
         self._saved = []
-        for cls in (StaticForward, StaticDraftSteps):
+        for cls in (StaticForward, StaticFeatures, StaticDraftSteps):
             original = cls._body
 
             def timed(obj, *args, _original=original):
