@@ -18,6 +18,7 @@ from jinja2 import TemplateError
 
 from moa_serve.engine.round_service import RoundService
 from moa_serve.engine.session import Session
+from moa_serve.protocol import TokenLogprobs
 from moa_serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # of ``token_ids``, when the request asked
 
 
 class IncrementalDetokenizer:
@@ -101,6 +103,8 @@ class Generation:
         self.tracked = frontend.service.submit(session)
         self._pieces: list[str] = []  # the text emitted so far
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []  # of ``token_ids``, when the request asked
+        self.prompt_logprobs: list[TokenLogprobs] | None = None  # prompt positions 1, 2, ... when scored
         self.finish_reason: str | None = None
         self.on_error = None  # called when the round fails for this generation (before it raises)
 
@@ -130,6 +134,9 @@ class Generation:
                         self.on_error()
                     raise RuntimeError(finish)
                 self.token_ids.extend(ev.tokens)
+                self.logprobs.extend(ev.logprobs or ())
+                if ev.prompt_logprobs is not None:
+                    self.prompt_logprobs = ev.prompt_logprobs
                 pending += detok.add(ev.tokens)
                 if finish is not None:
                     pending += detok.finish()
@@ -143,10 +150,10 @@ class Generation:
                     self.finish_reason = finish
                     if cut is not None:
                         self.frontend.service.abort(self.tracked)  # free the caches now
-                    yield Delta(piece, ev.tokens, finish)
+                    yield Delta(piece, ev.tokens, finish, ev.logprobs)
                     return
                 if piece or ev.tokens:
-                    yield Delta(piece, ev.tokens)
+                    yield Delta(piece, ev.tokens, logprobs=ev.logprobs)
 
     def close(self) -> None:
         """Aborts the session unless it finished (a client gone): its caches are freed now."""
@@ -186,8 +193,12 @@ class Frontend:
         max_model_len: int,
         stop_token_ids: frozenset[int],
         speculation: Speculation,
+        logprobs_unavailable: str | None = None,
     ):
+        """``logprobs_unavailable``: why the served backend cannot give log-probabilities (a
+        request that asks is a 400 naming ``logprobs``); None: it gives them."""
         self.service = service
+        self.logprobs_unavailable = logprobs_unavailable
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.stop_token_ids = stop_token_ids
@@ -209,6 +220,12 @@ class Frontend:
             return list(ids), "messages"
         if not prompt:
             raise InputError("prompt is empty", "prompt")
+        if isinstance(prompt, list):  # token ids
+            vocab = len(self.tokenizer)
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InputError(f"prompt holds token id {bad}, outside the vocabulary [0, {vocab})", "prompt")
+            return list(prompt), "prompt"
         return self.tokenizer.encode(prompt), "prompt"
 
     def _encode_locked(self, prompt: str | None, messages: list | None) -> tuple[list[int], str]:
@@ -237,9 +254,16 @@ class Frontend:
         stops: list[str],
         ignore_eos: bool,
         num_speculative_tokens: int | None,
+        logprobs: int | None = None,
+        score_prompt: bool = False,
+        logprobs_param: str = "logprobs",
     ) -> Generation:
-        """Tokenizes (``tokenize``) and submits a session. Raises ``InputError`` naming the field
-        of a request the server cannot run, ``QueueFullError`` when the queue is full."""
+        """Tokenizes (``tokenize``) and submits a session. ``prompt`` may be token ids. ``logprobs``:
+        the target's log-probability of each new token with that many alternatives;
+        ``score_prompt``: of the prompt's tokens too. Raises ``InputError`` naming the field of a
+        request the server cannot run, ``QueueFullError`` when the queue is full."""
+        if (logprobs is not None or score_prompt) and self.logprobs_unavailable:
+            raise InputError(f"{logprobs_param}: {self.logprobs_unavailable}", logprobs_param)
         ids, field = await self.tokenize(prompt, messages)
         if len(ids) >= self.max_model_len:
             raise InputError(
@@ -259,5 +283,7 @@ class Frontend:
             self.max_model_len,
             adaptive_speculation=spec.adaptive,
             drafter_needs_features=spec.needs_features,
+            logprobs=logprobs,
+            score_prompt=score_prompt,
         )
         return Generation(self, session, stops)

@@ -140,6 +140,11 @@ class Gateway:
                     adaptive=self.cfg.adaptive_speculation,
                     needs_features=kind in ("moa", "eagle"),
                 ),
+                logprobs_unavailable=(
+                    None
+                    if self.cfg.backend == "torch"
+                    else "log-probabilities need backend: torch (this server runs vllm)"
+                ),
             ),
             ready=self.ready,
             retry_after_s=r.retry_after_s,
