@@ -15,6 +15,7 @@ import inspect
 import json
 import time
 from contextlib import aclosing
+from dataclasses import dataclass
 
 import anyio
 from fastapi import FastAPI, Request
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moa_serve.app import access, cs, state
 from moa_serve.app.errors import RETRY_AFTER, ApiError, error, error_param, errors, loc_param, retry_after
 from moa_serve.app.frontend import Generation, InputError
+from moa_serve.app.logprobs import TokenTexts, chat_content, completion_logprobs, completion_text_length, native
 from moa_serve.app.readiness import READY_WAIT_S, Readiness, running_frontend
 from moa_serve.app.schemas import (
     ChatCompletionRequest,
@@ -57,6 +59,7 @@ def _without_422(api: FastAPI) -> None:
         if api.openapi_schema is not None:
             return api.openapi_schema
         schema = build()
+        _bound_token_ids(schema)
         for path in schema.get("paths", {}).values():
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)
@@ -66,6 +69,28 @@ def _without_422(api: FastAPI) -> None:
         return schema
 
     api.openapi = openapi
+
+
+def _bound_token_ids(schema: dict) -> None:
+    """A prompt's token ids are below the served vocabulary's size: the schema says so once the
+    frontend is installed (the bound is the tokenizer's, not known to the models)."""
+    fe = state.get("frontend")
+    if fe is None:
+        return
+
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("type") == "integer":
+                node["maximum"] = len(fe.tokenizer) - 1
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(
+        schema.get("components", {}).get("schemas", {}).get("CompletionRequest", {}).get("properties", {}).get("prompt")
+    )
 
 
 def _install_error_handlers(api: FastAPI) -> None:
@@ -101,8 +126,11 @@ def _install_error_handlers(api: FastAPI) -> None:
 
 
 # ---------------------------------------------------------------------- a generation's steps
-async def start_generation(readiness: Readiness, body, prompt, messages, max_tokens) -> Generation:
-    """Admits the request and starts its generation on the running frontend (400 / 429 / 503 as ApiError)."""
+async def start_generation(
+    readiness: Readiness, body, prompt, messages, max_tokens, logprobs=None, score_prompt=False
+) -> Generation:
+    """Admits the request and starts its generation on the running frontend (400 / 429 / 503 as
+    ApiError); ``logprobs`` / ``score_prompt``: as ``Frontend.start``."""
     max_tokens = access.max_tokens_of(body, max_tokens)  # http_limits.max_tokens
     fe = running_frontend()
     await readiness.admit()
@@ -115,6 +143,8 @@ async def start_generation(readiness: Readiness, body, prompt, messages, max_tok
             stops=body.stop_strings(),
             ignore_eos=body.ignore_eos,
             num_speculative_tokens=body.num_speculative_tokens,
+            logprobs=logprobs,
+            score_prompt=score_prompt,
         )
         gen.on_error = readiness.recheck  # pools that stopped answering: 503s, not a 500 per request
         return gen
@@ -124,8 +154,8 @@ async def start_generation(readiness: Readiness, body, prompt, messages, max_tok
         raise ApiError(429, f"server busy: {exc}; retry later", None, "rate_limit_error", retry_after()) from None
 
 
-def usage(gen: Generation) -> dict:
-    n = len(gen.token_ids)
+def usage(gen: Generation, completion_tokens: int | None = None) -> dict:
+    n = len(gen.token_ids) if completion_tokens is None else completion_tokens
     return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=n, total_tokens=gen.prompt_tokens + n).model_dump()
 
 
@@ -246,13 +276,15 @@ def _native_routes(api: FastAPI, readiness: Readiness) -> None:
         },
     )
     async def generate(body: GenerateRequest, request: Request):
-        gen = await start_generation(readiness, body, body.prompt, body.messages, body.max_tokens)
+        gen = await start_generation(readiness, body, body.prompt, body.messages, body.max_tokens, body.logprobs)
+        wanted = body.logprobs is not None
         if body.stream:
 
             async def events():
                 async with aclosing(gen.deltas()) as deltas:
                     async for d in deltas:
-                        yield sse({"text": d.text, "token_ids": d.token_ids})
+                        extra = {"logprobs": native(d.token_ids, d.logprobs or [])} if wanted else {}
+                        yield sse({"text": d.text, "token_ids": d.token_ids, **extra})
                 yield sse(
                     {
                         "text": "",
@@ -274,6 +306,7 @@ def _native_routes(api: FastAPI, readiness: Readiness) -> None:
             finish_reason=gen.finish_reason,
             usage=Usage(**usage(gen)),
             speculative=SpeculativeStats(**gen.stats()),
+            logprobs=native(gen.token_ids, gen.logprobs) if wanted else None,
         )
 
 
@@ -287,15 +320,63 @@ def check_openai_model(body) -> None:
         )
 
 
-def _openai_stream(body, gen: Generation, chat: bool, rid: str, obj: str, created: int, model_name: str) -> EventStream:
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+@dataclass(frozen=True)
+class Shape:
+    """What an OpenAI choice holds beside the text: ``logprobs`` (alternatives per token; None:
+    none asked), ``echo`` (completions: the prompt's text before the completion) and ``output``
+    (False for ``max_tokens: 0``: the prompt is scored, the token generated with it is dropped)."""
 
-    def chunk(text, finish, role=False):
+    chat: bool
+    logprobs: int | None = None
+    echo: str | None = None
+    output: bool = True
+
+
+class ChoiceLogprobs:
+    """One choice's ``logprobs``, chunk by chunk (completions' text offsets carried on)."""
+
+    def __init__(self, shape: Shape, gen: Generation, texts: TokenTexts):
+        self.shape, self.gen, self.texts = shape, gen, texts
+        self.offset = 0
+
+    def prompt(self) -> dict:
+        """Completions with echo: the prompt's tokens, the first without a log-probability."""
+        ids = self.gen.session.prompt
+        out = completion_logprobs(self.texts, [], ids, [None, *(self.gen.prompt_logprobs or [])])
+        self.offset = completion_text_length(out)
+        return out
+
+    def tokens(self, ids: list[int], lps: list, before: list[int]) -> dict:
+        if self.shape.chat:
+            return {"content": chat_content(self.texts, before, ids, lps)}
+        out = completion_logprobs(self.texts, before, ids, lps, self.offset)
+        self.offset += completion_text_length(out)
+        return out
+
+    def context(self, new: int) -> list[int]:
+        """The tokens just before the last ``new`` generated ones (a few suffice for their texts)."""
+        done = len(self.gen.token_ids) - new
+        return self.gen.session.prompt[-4:] + self.gen.token_ids[max(0, done - 4) : done]
+
+
+def joined(parts: list[dict]) -> dict:
+    """Completions' ``logprobs`` of consecutive token runs as one."""
+    return {k: [v for p in parts for v in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def _openai_stream(
+    body, gen: Generation, shape: Shape, rid: str, obj: str, created: int, model_name: str
+) -> EventStream:
+    chat = shape.chat
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    lps = ChoiceLogprobs(shape, gen, TokenTexts(running_frontend().tokenizer))
+
+    def chunk(text, finish, role=False, logprobs=None):
         if chat:
             delta = ({"role": "assistant", "content": text} if role else {"content": text}) if text or role else {}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         return {
             "id": rid,
             "object": obj + ".chunk" if chat else obj,
@@ -307,10 +388,21 @@ def _openai_stream(body, gen: Generation, chat: bool, rid: str, obj: str, create
     async def events():
         if chat:
             yield sse(chunk("", None, role=True))
+        echoed = shape.echo is None
         async with aclosing(gen.deltas()) as deltas:
             async for d in deltas:
-                if d.text or d.finish_reason:
-                    yield sse(chunk(d.text, d.finish_reason))
+                if not echoed:  # a scored prompt's values come with the first tokens
+                    echoed = True
+                    yield sse(chunk(shape.echo, None, logprobs=lps.prompt() if shape.logprobs is not None else None))
+                if not shape.output:
+                    if d.finish_reason:
+                        yield sse(chunk("", "length"))
+                    continue
+                lp = None
+                if shape.logprobs is not None and d.token_ids:
+                    lp = lps.tokens(d.token_ids, d.logprobs or [], lps.context(len(d.token_ids)))
+                if d.text or d.finish_reason or lp:
+                    yield sse(chunk(d.text, d.finish_reason, logprobs=lp))
         if include_usage:
             yield sse(
                 {
@@ -319,7 +411,7 @@ def _openai_stream(body, gen: Generation, chat: bool, rid: str, obj: str, create
                     "created": created,
                     "model": model_name,
                     "choices": [],
-                    "usage": usage(gen),
+                    "usage": usage(gen, None if shape.output else 0),
                     "speculative": gen.stats(),
                 }
             )
@@ -327,36 +419,58 @@ def _openai_stream(body, gen: Generation, chat: bool, rid: str, obj: str, create
     return EventStream(guarded(gen, events()))
 
 
-async def openai_response(body, gen: Generation, chat: bool):
-    """The completion (``chat``: the chat completion) of ``gen``, as one body or a stream of chunks."""
+def choice_logprobs(shape: Shape, gen: Generation, tokenizer) -> dict | None:
+    """The ``logprobs`` of a whole choice (None when not asked)."""
+    if shape.logprobs is None:
+        return None
+    lps = ChoiceLogprobs(shape, gen, TokenTexts(tokenizer))
+    parts = [lps.prompt()] if shape.echo is not None else []
+    ids, values = (gen.token_ids, gen.logprobs) if shape.output else ([], [])
+    parts.append(lps.tokens(ids, values, gen.session.prompt))
+    return parts[-1] if shape.chat else joined(parts)
+
+
+async def openai_response(body, gen: Generation, shape: Shape):
+    """The completion (``shape.chat``: the chat completion) of ``gen``, as one body or a stream of chunks."""
     fe = running_frontend()
     created = int(time.time())
+    chat = shape.chat
     obj = "chat.completion" if chat else "text_completion"
     rid = ("chatcmpl-" if chat else "cmpl-") + gen.id
     if body.stream:
-        return _openai_stream(body, gen, chat, rid, obj, created, fe.model_name)
+        return _openai_stream(body, gen, shape, rid, obj, created, fe.model_name)
     failed = await finish_or_500(gen)
     if failed:
         return failed
-    finish = "length" if gen.finish_reason == "length" else "stop"
+    finish = "length" if gen.finish_reason == "length" or not shape.output else "stop"
+    logprobs = choice_logprobs(shape, gen, fe.tokenizer)
+    text = (shape.echo or "") + (gen.text if shape.output else "")
     if chat:
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": gen.text},
+            "message": {"role": "assistant", "content": text},
             "finish_reason": finish,
-            "logprobs": None,
+            "logprobs": logprobs,
         }
     else:
-        choice = {"index": 0, "text": gen.text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
     return {
         "id": rid,
         "object": obj,
         "created": created,
         "model": fe.model_name,
         "choices": [choice],
-        "usage": usage(gen),
+        "usage": usage(gen, None if shape.output else 0),
         "speculative": gen.stats(),
     }
+
+
+def _completion_shape(body: CompletionRequest, prompt) -> Shape:
+    """The shape of a completion (``max_tokens: 0``: no output; with echo, the prompt scored)."""
+    echo = None
+    if body.echo:
+        echo = prompt if isinstance(prompt, str) else running_frontend().tokenizer.decode(prompt)
+    return Shape(chat=False, logprobs=body.logprobs, echo=echo, output=body.max_tokens != 0)
 
 
 def _openai_routes(api: FastAPI, readiness: Readiness) -> None:
@@ -369,16 +483,21 @@ def _openai_routes(api: FastAPI, readiness: Readiness) -> None:
     @api.post("/v1/completions", responses=openai_responses)
     async def completions(body: CompletionRequest, request: Request):
         check_openai_model(body)
-        gen = await start_generation(readiness, body, body.prompt_text(), None, body.max_tokens or 16)
-        return await openai_response(body, gen, chat=False)
+        prompt = body.prompt_input()
+        shape = _completion_shape(body, prompt)
+        max_tokens = 16 if body.max_tokens is None else max(1, body.max_tokens)
+        score = body.echo and body.logprobs is not None
+        gen = await start_generation(readiness, body, prompt, None, max_tokens, body.logprobs, score)
+        return await openai_response(body, gen, shape)
 
     @api.post("/v1/chat/completions", responses=openai_responses)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_openai_model(body)
+        logprobs = body.logprobs_wanted()
         gen = await start_generation(
-            readiness, body, None, body.messages, body.max_completion_tokens or body.max_tokens or 256
+            readiness, body, None, body.messages, body.max_completion_tokens or body.max_tokens or 256, logprobs
         )
-        return await openai_response(body, gen, chat=True)
+        return await openai_response(body, gen, Shape(chat=True, logprobs=logprobs))
 
 
 def create_app(ready_wait_s: float = READY_WAIT_S) -> FastAPI:
