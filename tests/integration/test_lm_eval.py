@@ -192,7 +192,10 @@ def test_openai_client_logprobs_parse_and_do_not_depend_on_speculation(served):
             if ch.choices and ch.choices[0].logprobs
             for c in ch.choices[0].logprobs.content
         ]
-        assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+        # (the repeated prompt is in the prefix cache: its last token alone is fed, in a forward of
+        # another size, which rounds float32's last bits differently)
+        assert [c.token for c in streamed] == [c.token for c in content]
+        assert all(abs(a.logprob - b.logprob) <= TOL for a, b in zip(streamed, content))
         comp = client.completions.create(
             model="stories", prompt="Once upon a time, there was a", max_tokens=0, echo=True, logprobs=2
         )
