@@ -19,6 +19,7 @@ from jinja2 import TemplateError
 from moa_serve.engine.round_service import RoundService
 from moa_serve.engine.session import Session
 from moa_serve.grammar import GrammarSpec, check
+from moa_serve.protocol import TokenLogprobs
 from moa_serve.sampling import SEED_MAX, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # of ``token_ids``, when the request asked
 
 
 class IncrementalDetokenizer:
@@ -102,6 +104,8 @@ class Generation:
         self.tracked = frontend.service.submit(session)
         self._pieces: list[str] = []  # the text emitted so far
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []  # of ``token_ids``, when the request asked
+        self.prompt_logprobs: list[TokenLogprobs] | None = None  # prompt positions 1, 2, ... when scored
         self.finish_reason: str | None = None
         self.on_error = None  # called when the round fails for this generation (before it raises)
 
@@ -131,6 +135,9 @@ class Generation:
                         self.on_error()
                     raise RuntimeError(finish)
                 self.token_ids.extend(ev.tokens)
+                self.logprobs.extend(ev.logprobs or ())
+                if ev.prompt_logprobs is not None:
+                    self.prompt_logprobs = ev.prompt_logprobs
                 pending += detok.add(ev.tokens)
                 if finish is not None:
                     pending += detok.finish()
@@ -144,10 +151,10 @@ class Generation:
                     self.finish_reason = finish
                     if cut is not None:
                         self.frontend.service.abort(self.tracked)  # free the caches now
-                    yield Delta(piece, ev.tokens, finish)
+                    yield Delta(piece, ev.tokens, finish, ev.logprobs)
                     return
                 if piece or ev.tokens:
-                    yield Delta(piece, ev.tokens)
+                    yield Delta(piece, ev.tokens, logprobs=ev.logprobs)
 
     def close(self) -> None:
         """Aborts the session unless it finished (a client gone): its caches are freed now."""
@@ -177,6 +184,15 @@ class Speculation:
     needs_features: bool = True
 
 
+@dataclass(frozen=True)
+class Unsupported:
+    """What the served backend cannot give, each with why (a request that asks is a 400 naming its
+    field); None: it gives it."""
+
+    structured_output: str | None = None
+    logprobs: str | None = None  # log-probabilities and prompt scoring
+
+
 class Frontend:
     def __init__(
         self,
@@ -188,12 +204,11 @@ class Frontend:
         stop_token_ids: frozenset[int],
         speculation: Speculation,
         weights: str = "checkpoint",
-        structured_output_unsupported: str | None = None,
+        unsupported: Unsupported = Unsupported(),
     ):
         self.service = service
         self.weights = weights  # what /v1/models says of the target's weights (synthetic ones say so)
-        # why this server cannot constrain output to a grammar (None: it can)
-        self.structured_output_unsupported = structured_output_unsupported
+        self.unsupported = unsupported
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.stop_token_ids = stop_token_ids
@@ -215,6 +230,12 @@ class Frontend:
             return list(ids), "messages"
         if not prompt:
             raise InputError("prompt is empty", "prompt")
+        if isinstance(prompt, list):  # token ids
+            vocab = len(self.tokenizer)
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InputError(f"prompt holds token id {bad}, outside the vocabulary [0, {vocab})", "prompt")
+            return list(prompt), "prompt"
         return self.tokenizer.encode(prompt), "prompt"
 
     def _encode_locked(self, prompt: str | None, messages: list | None) -> tuple[list[int], str]:
@@ -249,13 +270,20 @@ class Frontend:
         ignore_eos: bool,
         num_speculative_tokens: int | None,
         grammar: tuple[GrammarSpec, str] | None = None,
+        logprobs: int | None = None,
+        score_prompt: bool = False,
+        logprobs_param: str = "logprobs",
     ) -> list[Generation]:
         """Tokenizes (``tokenize``) once and submits ``n`` sessions of the prompt, choice ``i`` seeded
         with ``seed + i`` (``choice_sampling``); the verifier's prefix cache lets them share the
-        prompt's K/V. ``grammar``: the structured output asked for and the field that asked, checked
-        here (a grammar the engine cannot compile is an ``InputError`` naming that field). Raises
-        ``InputError`` naming the field of a request the server cannot run, ``QueueFullError`` when
-        the queue cannot take all n (none is left running)."""
+        prompt's K/V. ``prompt`` may be token ids. ``grammar``: the structured output asked for and
+        the field that asked, checked here (a grammar the engine cannot compile is an ``InputError``
+        naming that field). ``logprobs``: the target's log-probability of each new token with that
+        many alternatives, for each choice; ``score_prompt``: of the prompt's tokens too (each choice
+        carries them). Raises ``InputError`` naming the field of a request the server cannot run,
+        ``QueueFullError`` when the queue cannot take all n (none is left running)."""
+        if (logprobs is not None or score_prompt) and self.unsupported.logprobs:
+            raise InputError(f"{logprobs_param}: {self.unsupported.logprobs}", logprobs_param)
         if grammar is not None:
             await self._check_grammar(*grammar)
         ids, field = await self.tokenize(prompt, messages)
@@ -281,6 +309,8 @@ class Frontend:
                     adaptive_speculation=spec.adaptive,
                     drafter_needs_features=spec.needs_features,
                     grammar=grammar[0] if grammar is not None else None,
+                    logprobs=logprobs,
+                    score_prompt=score_prompt,
                 )
                 started.append(Generation(self, session, stops))
         except BaseException:
@@ -290,8 +320,8 @@ class Frontend:
         return started
 
     async def _check_grammar(self, spec: GrammarSpec, param: str) -> None:
-        if self.structured_output_unsupported:
-            raise InputError(f"{param}: {self.structured_output_unsupported}", param)
+        if self.unsupported.structured_output:
+            raise InputError(f"{param}: {self.unsupported.structured_output}", param)
         try:
             await asyncio.to_thread(check, spec)  # a large schema takes milliseconds: off the event loop
         except ValueError as exc:

@@ -16,6 +16,7 @@ import inspect
 import json
 import time
 from contextlib import aclosing
+from dataclasses import dataclass
 
 import anyio
 from fastapi import FastAPI, Request
@@ -26,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moa_serve.app import access, cs, state
 from moa_serve.app.errors import RETRY_AFTER, ApiError, error, error_param, errors, loc_param, retry_after
 from moa_serve.app.frontend import Generation, InputError
+from moa_serve.app.logprobs import TokenTexts, chat_content, completion_logprobs, completion_text_length, native
 from moa_serve.app.readiness import READY_WAIT_S, Readiness, running_frontend
 from moa_serve.app.schemas import (
     ChatCompletionRequest,
@@ -58,6 +60,7 @@ def _without_422(api: FastAPI) -> None:
         if api.openapi_schema is not None:
             return api.openapi_schema
         schema = build()
+        _bound_token_ids(schema)
         for path in schema.get("paths", {}).values():
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)
@@ -67,6 +70,28 @@ def _without_422(api: FastAPI) -> None:
         return schema
 
     api.openapi = openapi
+
+
+def _bound_token_ids(schema: dict) -> None:
+    """A prompt's token ids are below the served vocabulary's size: the schema says so once the
+    frontend is installed (the bound is the tokenizer's, not known to the models)."""
+    fe = state.get("frontend")
+    if fe is None:
+        return
+
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("type") == "integer":
+                node["maximum"] = len(fe.tokenizer) - 1
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(
+        schema.get("components", {}).get("schemas", {}).get("CompletionRequest", {}).get("properties", {}).get("prompt")
+    )
 
 
 def _install_error_handlers(api: FastAPI) -> None:
@@ -102,13 +127,19 @@ def _install_error_handlers(api: FastAPI) -> None:
 
 
 # ---------------------------------------------------------------------- a generation's steps
-async def start_generation(readiness: Readiness, body, prompt, messages, max_tokens) -> Generation:
-    """Admits the request and starts its generation on the running frontend (400 / 429 / 503 as ApiError)."""
-    return (await start_generations(readiness, body, prompt, messages, max_tokens, 1))[0]
+async def start_generation(
+    readiness: Readiness, body, prompt, messages, max_tokens, logprobs=None, score_prompt=False
+) -> Generation:
+    """Admits the request and starts its generation on the running frontend (400 / 429 / 503 as
+    ApiError); ``logprobs`` / ``score_prompt``: as ``Frontend.start_choices``."""
+    return (await start_generations(readiness, body, prompt, messages, max_tokens, 1, logprobs, score_prompt))[0]
 
 
-async def start_generations(readiness: Readiness, body, prompt, messages, max_tokens, n: int) -> list[Generation]:
-    """Admits the request and starts its ``n`` choices on the running frontend (400 / 429 / 503 as ApiError)."""
+async def start_generations(
+    readiness: Readiness, body, prompt, messages, max_tokens, n: int, logprobs=None, score_prompt=False
+) -> list[Generation]:
+    """Admits the request and starts its ``n`` choices on the running frontend (400 / 429 / 503 as
+    ApiError); ``logprobs`` / ``score_prompt``: as ``Frontend.start_choices`` (each choice its own)."""
     max_tokens = access.max_tokens_of(body, max_tokens)  # http_limits.max_tokens
     fe = running_frontend()
     await readiness.admit()
@@ -123,6 +154,8 @@ async def start_generations(readiness: Readiness, body, prompt, messages, max_to
             ignore_eos=body.ignore_eos,
             num_speculative_tokens=body.num_speculative_tokens,
             grammar=body.grammar() if hasattr(body, "grammar") else None,
+            logprobs=logprobs,
+            score_prompt=score_prompt,
         )
         for gen in gens:
             gen.on_error = readiness.recheck  # pools that stopped answering: 503s, not a 500 per request
@@ -134,10 +167,12 @@ async def start_generations(readiness: Readiness, body, prompt, messages, max_to
         raise ApiError(429, f"server busy: {exc}; retry later", None, "rate_limit_error", later) from None
 
 
-def usage(gen: Generation | list[Generation]) -> dict:
-    """The prompt counted once, the completion tokens of every choice."""
+def usage(gen: Generation | list[Generation], output: bool = True) -> dict:
+    """The prompt counted once, the completion tokens of every choice (``output`` False: none, the
+    prompt was only scored)."""
     gens = gen if isinstance(gen, list) else [gen]
-    prompt, n = gens[0].prompt_tokens, sum(len(g.token_ids) for g in gens)
+    prompt = gens[0].prompt_tokens
+    n = sum(len(g.token_ids) for g in gens) if output else 0
     return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n).model_dump()
 
 
@@ -285,13 +320,15 @@ def _native_routes(api: FastAPI, readiness: Readiness) -> None:
         },
     )
     async def generate(body: GenerateRequest, request: Request):
-        gen = await start_generation(readiness, body, body.prompt, body.messages, body.max_tokens)
+        gen = await start_generation(readiness, body, body.prompt, body.messages, body.max_tokens, body.logprobs)
+        wanted = body.logprobs is not None
         if body.stream:
 
             async def events():
                 async with aclosing(gen.deltas()) as deltas:
                     async for d in deltas:
-                        yield sse({"text": d.text, "token_ids": d.token_ids})
+                        extra = {"logprobs": native(d.token_ids, d.logprobs or [])} if wanted else {}
+                        yield sse({"text": d.text, "token_ids": d.token_ids, **extra})
                 yield sse(
                     {
                         "text": "",
@@ -313,6 +350,7 @@ def _native_routes(api: FastAPI, readiness: Readiness) -> None:
             finish_reason=gen.finish_reason,
             usage=Usage(**usage(gen)),
             speculative=SpeculativeStats(**gen.stats()),
+            logprobs=native(gen.token_ids, gen.logprobs) if wanted else None,
         )
 
 
@@ -326,16 +364,67 @@ def check_openai_model(body) -> None:
         )
 
 
-def _openai_stream(body, gens: list[Generation], chat: bool, rid: str, obj: str, created: int, model_name: str):
-    """The choices' deltas as they come, each chunk naming its choice (``index``)."""
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+@dataclass(frozen=True)
+class Shape:
+    """What an OpenAI choice holds beside the text: ``logprobs`` (alternatives per token; None:
+    none asked), ``echo`` (completions: the prompt's text before the completion) and ``output``
+    (False for ``max_tokens: 0``: the prompt is scored, the token generated with it is dropped).
+    Every choice of a request has the same shape."""
 
-    def chunk(index, text, finish, role=False):
+    chat: bool
+    logprobs: int | None = None
+    echo: str | None = None
+    output: bool = True
+
+
+class ChoiceLogprobs:
+    """One choice's ``logprobs``, chunk by chunk (completions' text offsets carried on)."""
+
+    def __init__(self, shape: Shape, gen: Generation, texts: TokenTexts):
+        self.shape, self.gen, self.texts = shape, gen, texts
+        self.offset = 0
+
+    def prompt(self) -> dict:
+        """Completions with echo: the prompt's tokens, the first without a log-probability."""
+        ids = self.gen.session.prompt
+        out = completion_logprobs(self.texts, [], ids, [None, *(self.gen.prompt_logprobs or [])])
+        self.offset = completion_text_length(out)
+        return out
+
+    def tokens(self, ids: list[int], lps: list, before: list[int]) -> dict:
+        if self.shape.chat:
+            return {"content": chat_content(self.texts, before, ids, lps)}
+        out = completion_logprobs(self.texts, before, ids, lps, self.offset)
+        self.offset += completion_text_length(out)
+        return out
+
+    def context(self, new: int) -> list[int]:
+        """The tokens just before the last ``new`` generated ones (a few suffice for their texts)."""
+        done = len(self.gen.token_ids) - new
+        return self.gen.session.prompt[-4:] + self.gen.token_ids[max(0, done - 4) : done]
+
+
+def joined(parts: list[dict]) -> dict:
+    """Completions' ``logprobs`` of consecutive token runs as one."""
+    return {k: [v for p in parts for v in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def _openai_stream(
+    body, gens: list[Generation], shape: Shape, rid: str, obj: str, created: int, model_name: str
+) -> EventStream:
+    """The choices' deltas as they come, each chunk naming its choice (``index``) and carrying its
+    own ``logprobs`` when asked."""
+    chat = shape.chat
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    texts = TokenTexts(running_frontend().tokenizer)
+    lps = [ChoiceLogprobs(shape, gen, texts) for gen in gens]
+
+    def chunk(index, text, finish, role=False, logprobs=None):
         if chat:
             delta = ({"role": "assistant", "content": text} if role else {"content": text}) if text or role else {}
-            choice = {"index": index, "delta": delta, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         return {
             "id": rid,
             "object": obj + ".chunk" if chat else obj,
@@ -348,10 +437,22 @@ def _openai_stream(body, gens: list[Generation], chat: bool, rid: str, obj: str,
         if chat:
             for i in range(len(gens)):
                 yield sse(chunk(i, "", None, role=True))
+        echoed = [shape.echo is None] * len(gens)
         async with aclosing(merged_deltas(gens)) as deltas:
             async for i, d in deltas:
-                if d.text or d.finish_reason:
-                    yield sse(chunk(i, d.text, d.finish_reason))
+                if not echoed[i]:  # a scored prompt's values come with the first tokens
+                    echoed[i] = True
+                    lp = lps[i].prompt() if shape.logprobs is not None else None
+                    yield sse(chunk(i, shape.echo, None, logprobs=lp))
+                if not shape.output:
+                    if d.finish_reason:
+                        yield sse(chunk(i, "", "length"))
+                    continue
+                lp = None
+                if shape.logprobs is not None and d.token_ids:
+                    lp = lps[i].tokens(d.token_ids, d.logprobs or [], lps[i].context(len(d.token_ids)))
+                if d.text or d.finish_reason or lp:
+                    yield sse(chunk(i, d.text, d.finish_reason, logprobs=lp))
         if include_usage:
             yield sse(
                 {
@@ -360,7 +461,7 @@ def _openai_stream(body, gens: list[Generation], chat: bool, rid: str, obj: str,
                     "created": created,
                     "model": model_name,
                     "choices": [],
-                    "usage": usage(gens),
+                    "usage": usage(gens, shape.output),
                     "speculative": choices_stats(gens),
                 }
             )
@@ -404,41 +505,64 @@ async def merged_deltas(gens: list[Generation]):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def openai_response(body, gens: list[Generation], chat: bool):
-    """The completion (``chat``: the chat completion) of a request's choices, as one body or a
+def choice_logprobs(shape: Shape, gen: Generation, texts: TokenTexts) -> dict | None:
+    """The ``logprobs`` of a whole choice (None when not asked)."""
+    if shape.logprobs is None:
+        return None
+    lps = ChoiceLogprobs(shape, gen, texts)
+    parts = [lps.prompt()] if shape.echo is not None else []
+    ids, values = (gen.token_ids, gen.logprobs) if shape.output else ([], [])
+    parts.append(lps.tokens(ids, values, gen.session.prompt))
+    return parts[-1] if shape.chat else joined(parts)
+
+
+async def openai_response(body, gens: list[Generation], shape: Shape):
+    """The completion (``shape.chat``: the chat completion) of a request's choices, as one body or a
     stream of chunks."""
     fe = running_frontend()
     created = int(time.time())
+    chat = shape.chat
     obj = "chat.completion" if chat else "text_completion"
     rid = ("chatcmpl-" if chat else "cmpl-") + gens[0].id
     if body.stream:
-        return _openai_stream(body, gens, chat, rid, obj, created, fe.model_name)
+        return _openai_stream(body, gens, shape, rid, obj, created, fe.model_name)
     for failed in await asyncio.gather(*(finish_or_500(g) for g in gens)):
         if failed:
             return failed
+    texts = TokenTexts(fe.tokenizer)
     choices = []
     for i, gen in enumerate(gens):
-        finish = "length" if gen.finish_reason == "length" else "stop"
+        finish = "length" if gen.finish_reason == "length" or not shape.output else "stop"
+        logprobs = choice_logprobs(shape, gen, texts)
+        text = (shape.echo or "") + (gen.text if shape.output else "")
         if chat:
             choices.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": gen.text},
+                    "message": {"role": "assistant", "content": text},
                     "finish_reason": finish,
-                    "logprobs": None,
+                    "logprobs": logprobs,
                 }
             )
         else:
-            choices.append({"index": i, "text": gen.text, "finish_reason": finish, "logprobs": None})
+            choices.append({"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs})
     return {
         "id": rid,
         "object": obj,
         "created": created,
         "model": fe.model_name,
         "choices": choices,
-        "usage": usage(gens),
+        "usage": usage(gens, shape.output),
         "speculative": choices_stats(gens),
     }
+
+
+def _completion_shape(body: CompletionRequest, prompt) -> Shape:
+    """The shape of a completion (``max_tokens: 0``: no output; with echo, the prompt scored)."""
+    echo = None
+    if body.echo:
+        echo = prompt if isinstance(prompt, str) else running_frontend().tokenizer.decode(prompt)
+    return Shape(chat=False, logprobs=body.logprobs, echo=echo, output=body.max_tokens != 0)
 
 
 def _openai_routes(api: FastAPI, readiness: Readiness) -> None:
@@ -451,15 +575,20 @@ def _openai_routes(api: FastAPI, readiness: Readiness) -> None:
     @api.post("/v1/completions", responses=openai_responses)
     async def completions(body: CompletionRequest, request: Request):
         check_openai_model(body)
-        gens = await start_generations(readiness, body, body.prompt_text(), None, body.max_tokens or 16, body.n)
-        return await openai_response(body, gens, chat=False)
+        prompt = body.prompt_input()
+        shape = _completion_shape(body, prompt)
+        max_tokens = 16 if body.max_tokens is None else max(1, body.max_tokens)
+        score = body.echo and body.logprobs is not None
+        gens = await start_generations(readiness, body, prompt, None, max_tokens, body.n, body.logprobs, score)
+        return await openai_response(body, gens, shape)
 
     @api.post("/v1/chat/completions", responses=openai_responses)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_openai_model(body)
+        logprobs = body.logprobs_wanted()
         max_tokens = body.max_completion_tokens or body.max_tokens or 256
-        gens = await start_generations(readiness, body, None, body.messages, max_tokens, body.n)
-        return await openai_response(body, gens, chat=True)
+        gens = await start_generations(readiness, body, None, body.messages, max_tokens, body.n, logprobs)
+        return await openai_response(body, gens, Shape(chat=True, logprobs=logprobs))
 
 
 def create_app(ready_wait_s: float = READY_WAIT_S) -> FastAPI:

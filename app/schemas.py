@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from moa_serve.app.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, Stop
 from moa_serve.grammar import GrammarSpec
 from moa_serve.sampling import TEMPERATURE_MAX, SamplingParams, Seed, Temperature, TopK, TopP
+from moa_serve.verifier.logprobs import MAX_TOP_LOGPROBS
 
 
 def _integral(value):
@@ -71,6 +72,12 @@ class SamplingFields(_Body):
         return [s for s in stops if s]
 
 
+LOGPROBS_DOC = (
+    "the target's log-probabilities (its distribution before temperature, top-p and top-k), from "
+    "the logits that verified each token"
+)
+
+
 class GenerateRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra=exactly_one_of(("prompt", "string"), ("messages", "array")))
 
@@ -78,6 +85,9 @@ class GenerateRequest(SamplingFields):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     max_tokens: int = Field(128, ge=1, le=32768)
     stream: bool = False
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description=f"{LOGPROBS_DOC}: each token's, with this many alternatives"
+    )
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -160,15 +170,17 @@ class StructuredOutputs(_Body):
 MAX_CHOICES = 16  # n: sessions one request may start (each holds a KV slot while it runs)
 
 
+# response_format and structured_outputs not both (the schema of every OpenAI body)
+ONE_GRAMMAR = {
+    "not": {
+        "required": ["response_format", "structured_outputs"],
+        "properties": {"response_format": {"type": "object"}, "structured_outputs": {"type": "object"}},
+    }
+}
+
+
 class _OpenAIFields(SamplingFields):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "not": {
-                "required": ["response_format", "structured_outputs"],
-                "properties": {"response_format": {"type": "object"}, "structured_outputs": {"type": "object"}},
-            }
-        }
-    )
+    model_config = ConfigDict(json_schema_extra=ONE_GRAMMAR)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=32768)
     n: int = Field(
@@ -209,30 +221,59 @@ class _OpenAIFields(SamplingFields):
         return GrammarSpec.json_schema(fmt.json_schema.schema_), "response_format"
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+ONE_PROMPT = "exactly one prompt per request is supported"
+
+
 class CompletionRequest(_OpenAIFields):
     prompt: (
         Annotated[str, Field(min_length=1)]
         | Annotated[
-            list[Annotated[str, Field(min_length=1)]],
-            Field(min_length=1, max_length=1, description="exactly one prompt per request is supported"),
+            list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1, description=ONE_PROMPT)
         ]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=1, description=ONE_PROMPT)]
     )
-    echo: bool = Field(False, json_schema_extra={"const": False}, description="not supported; must be false")
+    max_tokens: int | None = Field(None, ge=0, le=32768, description="0: with echo, score the prompt only")
+    echo: bool = Field(False, description="the prompt before the completion (with logprobs: its tokens' too)")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description=f"{LOGPROBS_DOC}: each token's, with this many alternatives"
+    )
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompt_input(self) -> str | list[int]:
+        """The prompt: text, or token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return self.prompt
+        return self.prompt[0]
 
 
 class ChatCompletionRequest(_OpenAIFields):
+    # top_logprobs only with logprobs: true (as OpenAI's API); one grammar field at most
+    model_config = ConfigDict(
+        json_schema_extra={
+            **ONE_GRAMMAR,
+            "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+            "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+        }
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=32768)
+    logprobs: bool = Field(False, description=f"{LOGPROBS_DOC}: each token's")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token (needs logprobs: true)"
+    )
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top: int | None, info):
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
+
+    def logprobs_wanted(self) -> int | None:
+        """Alternatives per token when log-probabilities are asked (None: not asked)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class Usage(BaseModel):
@@ -248,6 +289,17 @@ class SpeculativeStats(BaseModel):
     mean_accepted_length: float
 
 
+class TopLogprob(BaseModel):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(BaseModel):
+    token_id: int
+    logprob: float
+    top_logprobs: list[TopLogprob]
+
+
 class GenerateResponse(BaseModel):
     id: str
     text: str
@@ -255,6 +307,7 @@ class GenerateResponse(BaseModel):
     finish_reason: str
     usage: Usage
     speculative: SpeculativeStats
+    logprobs: list[TokenLogprob] | None = Field(None, description="one per token id, when asked")
 
 
 class ReadyStatus(BaseModel):

@@ -31,7 +31,7 @@ from ray.serve.handle import DeploymentHandle
 
 from moa_serve.app import state
 from moa_serve.app.access import Access
-from moa_serve.app.frontend import Frontend, Speculation
+from moa_serve.app.frontend import Frontend, Speculation, Unsupported
 from moa_serve.app.http import create_app
 from moa_serve.deployments.config import AppConfig
 from moa_serve.deployments.router import RouterCore, detached, load_target_info
@@ -143,10 +143,13 @@ class Gateway:
                     adaptive=self.cfg.adaptive_speculation,
                     needs_features=kind in ("moa", "eagle"),
                 ),
-                structured_output_unsupported=(
-                    "structured output needs backend: torch (this server runs backend: vllm)"
+                unsupported=(
+                    Unsupported(
+                        structured_output="structured output needs backend: torch (this server runs backend: vllm)",
+                        logprobs="log-probabilities need backend: torch (this server runs backend: vllm)",
+                    )
                     if self.cfg.backend == "vllm"
-                    else None
+                    else Unsupported()
                 ),
             ),
             ready=self.ready,

@@ -18,6 +18,16 @@ from moa_serve.sampling import GREEDY, SamplingParams
 
 
 @dataclass
+class TokenLogprobs:
+    """The target's log-probability of one token at its position (its distribution before any
+    temperature or top-p) and the ``top`` most likely tokens there, most likely first, as
+    ``(token id, log-probability)``."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class DraftRequest:
     """One session's share of a draft call. Like ``VerifyRequest``, tokens travel as deltas: the
     session's committed tokens are ``replica_copy[:base] + tokens`` (``base=0``: the whole list)."""
@@ -88,6 +98,13 @@ class VerifyRequest:
     # draft it forbids ends the drafts there
     grammar: GrammarSpec | None = None
     grammar_start: int = 0
+    # log-probabilities of the returned tokens, each with this many most likely alternatives (0: the
+    # token's alone), from the logits that chose or accepted them; None: none computed
+    logprobs: int | None = None
+    # prompt scoring: the log-probabilities of the committed tokens from this position on (position 0
+    # has none), from the prefill's logits: the replica feeds them from ``score_from - 1`` even where
+    # it holds their K/V. None: none computed
+    score_from: int | None = None
 
 
 @dataclass
@@ -106,6 +123,9 @@ class VerifyResult:
     # chunked prefill: the prompt is not fully in the cache yet; ``tokens`` is empty (nothing is
     # committed this round) and this many committed tokens still wait to be prefilled
     prefill_remaining: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
+    scores_start: int = 0  # position of scores[0]
+    scores: list[TokenLogprobs] | None = None  # prompt scoring: committed tokens fed this call
 
 
 @dataclass
@@ -130,3 +150,5 @@ class Update:
     drafted: int = 0
     accepted: int = 0
     replica: str | None = None  # set by the serving layer: which verifier replica ran it
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the session asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # the prompt's tokens from position 1 on, once

@@ -166,7 +166,7 @@ def test_vllm_is_a_room_of_the_verifier(modules):
     allowed = ("moa_serve.verifier.vllm.", "moa_serve.commands.vllm_bench")
     assert [name for name, tree in modules.items() if imports_vllm(tree) and not name.startswith(allowed)] == []
     top = sorted(p.stem for p in (REPO / "verifier").glob("*.py"))
-    assert top == ["__init__", "acceptance", "api", "static_features", "static_forward", "torch_runner"]
+    assert top == ["__init__", "acceptance", "api", "logprobs", "static_features", "static_forward", "torch_runner"]
 
 
 def test_imports_at_the_top(imports):

@@ -53,6 +53,7 @@ from moa_serve.synthetic import describe, random_target
 from moa_serve.target_model import TargetModel
 from moa_serve.verifier.acceptance import accept_greedy, accept_sampling
 from moa_serve.verifier.api import NO_FEATURES, FeatureSource, TargetBackend
+from moa_serve.verifier.logprobs import token_logprobs
 from moa_serve.verifier.static_features import StaticFeatures
 from moa_serve.verifier.static_forward import StaticForward, packed_layout
 
@@ -453,6 +454,8 @@ class TorchTargetRunner(TargetBackend):
         # replica's own: only the delta is compared and written, never the whole context.
         limit = min(s.cached, length - 1)
         m = limit if limit <= base else base + common_prefix(s.committed[base:], tokens, limit - base)
+        if req.score_from is not None:  # the logits that score position p come from feeding p - 1
+            m = min(m, max(0, req.score_from - 1))
         del s.committed[base:]
         s.committed.extend(tokens)
         s.cached = m
@@ -580,18 +583,22 @@ class TorchTargetRunner(TargetBackend):
             )
             reqs = [plain[w.req.session_id] for w in live]
             mask = self._grammar_mask([(w.session, r, i) for i, (w, r) in enumerate(zip(live, reqs))], len(live))
-            logits, choice = self._logits_and_choice(hidden, reqs, mask)
+            logits, host, choice = self._logits_and_choice(hidden, reqs, mask)
+            scored = []  # (row, token, top) of the sessions that want log-probabilities
             for i, w in enumerate(live):
                 s, r = w.session, results[w.req.session_id]
                 position = w.req.base + len(w.req.tokens) + len(r.tokens)  # this token's index
                 _, tok = self._accept(
-                    plain[w.req.session_id], None if logits is None else logits[i : i + 1], choice[i : i + 1], position
+                    plain[w.req.session_id], None if host is None else host[i : i + 1], choice[i : i + 1], position
                 )
+                if w.req.logprobs is not None:
+                    scored.append((i, tok, w.req.logprobs))
                 s.cached += 1
                 s.committed.append(tok)
                 self.cache.lengths[s.slot] = s.cached
                 r.tokens.append(tok)
                 r.num_computed += 1
+            self._attach_logprobs(logits, scored, [results[live[i].req.session_id] for i, _, _ in scored])
             step += 1
             self.stats["forwards"] += 1
             self.stats["tokens"] += len(live)
@@ -613,18 +620,19 @@ class TorchTargetRunner(TargetBackend):
                 constrained.append((w.session, w.req, len(rows)))
                 rows.extend(range(first, first + k + 1 + len(w.alt_depth)))
             offset += len(w.fed)
-        logits, choice = (
+        logits, host, choice = (
             self._logits_and_choice(
                 hidden[rows], [w.req for w in work if w.done], self._grammar_mask(constrained, len(rows))
             )
             if rows
-            else (None, [])
+            else (None, None, [])
         )
+        scores = self._scores(work, hidden)
         self.stats["forwards"] += 1
         self.stats["tokens"] += hidden.shape[0]
         self.stats["forward_s"] += time.perf_counter() - t0
 
-        results, row = [], 0
+        results, row, scored, scored_results = [], 0, [], []
         for w in work:
             s = w.session
             if not w.done:  # a prefill chunk: cache it, answer nothing yet
@@ -637,14 +645,19 @@ class TorchTargetRunner(TargetBackend):
                 continue
             k, n_alt = len(w.req.drafts), len(w.alt_depth)
             n_acc, nxt = self._accept(
-                w.req, None if logits is None else logits[row : row + k + 1], choice[row : row + k + 1]
+                w.req, None if host is None else host[row : row + k + 1], choice[row : row + k + 1]
             )
             out = list(w.req.drafts[:n_acc]) + [nxt]
+            out_rows = list(range(row, row + n_acc + 1))  # the logits row that chose or accepted each token
             alt = self._accepted_alternative(w, n_acc, nxt) if n_alt else None
             if alt is not None:  # the target's token at the first rejected depth was an alternative
                 out.append(choice[row + k + 1 + alt])  # the target's token after it
+                out_rows.append(row + k + 1 + alt)
                 n_acc += 1
                 self._move_alternative(w, alt, n_acc)
+            if w.req.logprobs is not None:
+                scored.extend((i, t, w.req.logprobs) for i, t in zip(out_rows, out))
+                scored_results.extend([None] * (len(out) - 1))
             row += k + 1 + n_alt
             kept = w.chain - k + n_acc  # uncached committed tokens + accepted drafts
             s.cached = w.start + kept
@@ -654,6 +667,12 @@ class TorchTargetRunner(TargetBackend):
                     w.req.session_id, out, n_acc, feature_start=w.start, features=None, num_computed=len(w.fed)
                 )
             )
+            if w.req.logprobs is not None:
+                scored_results.append(results[-1])
+        self._attach_logprobs(logits, scored, scored_results)
+        for w, r in zip(work, results):
+            if w.req.session_id in scores:
+                r.scores_start, r.scores = scores[w.req.session_id]
         for w in work:
             self.cache.lengths[w.session.slot] = w.session.cached
         self._attach_features(work, results, hidden)
@@ -683,15 +702,55 @@ class TorchTargetRunner(TargetBackend):
         the whole call). The float32 logits come to the host only when a request samples (its
         acceptance runs there); for greedy calls only the argmax leaves the device (on a GPU the
         logits of a large call are hundreds of MB). ``mask``: the grammars' token bitmask of the
-        rows (``_grammar_mask``), applied before anything reads the logits. Returns (host logits or
-        None, argmax list)."""
+        rows (``_grammar_mask``), applied before the argmax and the sampling read the logits.
+        Returns (the raw logits where they were computed, before the mask: log-probabilities are
+        the target's own, as vLLM's ``raw_logprobs``; host logits or None; argmax list)."""
         logits = self.model.lm_head(hidden).float()
+        raw = logits
         if mask is not None:
+            if any(r.logprobs is not None for r in answering):
+                raw = logits.clone()  # the mask writes -inf in place; the log-probabilities read raw
             self.grammars.apply(logits, mask)
         choice = logits.argmax(-1).tolist()
         if any(not r.sampling.greedy for r in answering):
-            return logits.cpu(), choice
-        return None, choice
+            return raw, logits.cpu(), choice
+        return raw, None, choice
+
+    @staticmethod
+    def _attach_logprobs(logits: torch.Tensor | None, scored: list[tuple[int, int, int]], results: list) -> None:
+        """The log-probabilities of ``scored`` tokens ((logits row, token, top) each), computed in one
+        go; ``results[i]`` is the result the i-th belongs to, given at the last token of its result
+        (each result's tokens are scored in order)."""
+        if not scored:
+            return
+        values = token_logprobs(logits[[i for i, _, _ in scored]], [t for _, t, _ in scored], [n for _, _, n in scored])
+        start = 0
+        for i, r in enumerate(results):
+            if r is not None:
+                r.logprobs = (r.logprobs or []) + values[start : i + 1]
+                start = i + 1
+
+    def _scores(self, work: list[_Work], hidden: torch.Tensor) -> dict[str, tuple[int, list]]:
+        """Prompt scoring: for each session that asks (``score_from``), the log-probabilities of the
+        committed tokens this call fed (from ``score_from`` on), each scored by the row of the token
+        before it: (position of the first, their values)."""
+        rows, tokens, top, spans, offset = [], [], [], {}, 0
+        for w in work:
+            r, s = w.req, w.session
+            committed_fed = w.chain - len(r.drafts) if w.done else len(w.fed)
+            if r.score_from is not None:
+                first = max(r.score_from, w.start + 1)
+                last = min(w.start + committed_fed, len(s.committed))  # positions scored: [first, last)
+                if last > first:
+                    spans[r.session_id] = (first, len(tokens), last - first)
+                    rows.extend(offset + p - 1 - w.start for p in range(first, last))
+                    tokens.extend(s.committed[first:last])
+                    top.extend([r.logprobs or 0] * (last - first))
+            offset += len(w.fed)
+        if not rows:
+            return {}
+        values = token_logprobs(self.model.lm_head(hidden[rows]), tokens, top)
+        return {sid: (first, values[i : i + n]) for sid, (first, i, n) in spans.items()}
 
     def _accepted_alternative(self, w: _Work, n_acc: int, token: int) -> int | None:
         """Index (among the work's alternatives) of the alternative at the first rejected draft's

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 from moa_serve.engine.session import Session
-from moa_serve.protocol import DraftResult
+from moa_serve.protocol import DraftResult, TokenLogprobs
 
 
 class QueueFullError(RuntimeError):
@@ -27,6 +27,8 @@ class QueueFullError(RuntimeError):
 class TokenEvent:
     tokens: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # of ``tokens``, when the session asks
+    prompt_logprobs: list[TokenLogprobs] | None = None  # a scored prompt's, with its first tokens
 
 
 @dataclass

@@ -80,7 +80,18 @@ class LaneHub:
         if queue is None:  # the link closed (its sessions are being aborted)
             return
         queue.put_nowait(
-            (session.id, Update(list(ev.tokens), ev.finish_reason, session.drafted, session.accepted, self.replica))
+            (
+                session.id,
+                Update(
+                    list(ev.tokens),
+                    ev.finish_reason,
+                    session.drafted,
+                    session.accepted,
+                    self.replica,
+                    ev.logprobs,
+                    ev.prompt_logprobs,
+                ),
+            )
         )
 
 

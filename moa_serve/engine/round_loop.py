@@ -336,6 +336,6 @@ class RoundLoop:
                 profile.drafted_sessions += 1
                 self.observer.accepted(len(c.new_tokens))
             profile.tokens += len(c.new_tokens)
-            t.emit(TokenEvent(c.new_tokens, t.session.finish_reason))
+            t.emit(TokenEvent(c.new_tokens, t.session.finish_reason, c.logprobs, c.prompt_logprobs))
             if t.session.finished:
                 self.stats.completed += 1

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 
 from moa_serve.engine.session import Session
-from moa_serve.protocol import DraftRequest, DraftResult, VerifyRequest, VerifyResult
+from moa_serve.protocol import DraftRequest, DraftResult, TokenLogprobs, VerifyRequest, VerifyResult
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,8 @@ def verify_requests(
                 alternatives=list(d.alternatives) if d else [],
                 grammar=s.grammar,
                 grammar_start=s.grammar_start,
+                logprobs=s.logprobs,
+                score_from=s.score_from,
             )
         )
     return out
@@ -179,6 +181,7 @@ def lookahead_requests(
                 stop_token_ids=tuple(sorted(s.stop_token_ids)),
                 grammar=s.grammar,
                 grammar_start=s.grammar_start,
+                logprobs=s.logprobs,
             )
         )
     return reqs, asked
@@ -221,6 +224,8 @@ class Committed:
     drafted: int = 0  # drafts this session verified this round
     prefill: bool = False  # a chunk of the prompt was prefilled; nothing committed
     feature_gap: bool = False  # features arrived past a hole (see Session.add_features)
+    logprobs: list[TokenLogprobs] | None = None  # of new_tokens, when the session asks
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with a scored prompt's first tokens
 
 
 def commit(
@@ -239,6 +244,9 @@ def commit(
             s.verifier_base = 0
             continue
         gap = not s.add_features(r.feature_start, r.features)
+        scoring = s.score_from is not None
+        if scoring:
+            s.add_scores(r.scores_start, r.scores)
         if not r.tokens:  # chunked prefill: the replica holds what it got, nothing to commit yet
             if r.prefill_remaining <= 0:
                 log.warning("session %s: verify returned no tokens and nothing left to prefill", sid)
@@ -249,8 +257,18 @@ def commit(
         s.prefilling = False
         d = drafted.get(sid)
         n_drafts = len(d.drafts) if d else 0
-        kept = s.commit(r.tokens, n_drafts, r.num_accepted)
+        held = len(s.token_logprobs)
+        kept = s.commit(r.tokens, n_drafts, r.num_accepted, r.logprobs)
         # the replica holds the tokens it got + those it returned; ours are a prefix of that
         s.verifier_base = len(s.tokens)
-        out.append(Committed(s, kept, n_drafts, feature_gap=gap))
+        out.append(
+            Committed(
+                s,
+                kept,
+                n_drafts,
+                feature_gap=gap,
+                logprobs=s.token_logprobs[held:] if s.logprobs is not None else None,
+                prompt_logprobs=list(s.prompt_logprobs) if scoring and kept else None,
+            )
+        )
     return out

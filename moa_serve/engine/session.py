@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moa_serve.grammar import GrammarSpec
+from moa_serve.protocol import TokenLogprobs
 from moa_serve.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,11 @@ class Session:
     accept_ema: float = -1.0  # moving average of drafts accepted per round (-1: none yet)
     grammar: GrammarSpec | None = None  # structured output: what the generated tokens follow
     grammar_start: int = -1  # where the generated tokens begin (-1: after the prompt)
+    # the target's log-probability of each generated token with this many alternatives (None: off)
+    logprobs: int | None = None
+    score_prompt: bool = False  # the prompt's tokens' log-probabilities too, from its prefill
+    token_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per generated token
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt positions 1, 2, ...
 
     def __post_init__(self):
         if not self.prompt:
@@ -129,6 +135,9 @@ class Session:
             adaptive_speculation=self.adaptive_speculation,
             grammar=self.grammar,
             grammar_start=self.grammar_start,
+            logprobs=self.logprobs,
+            # the prompt's scores come with the first tokens: once those arrived they were delivered
+            score_prompt=self.score_prompt and not self.generated,
         )
 
     @property
@@ -200,11 +209,33 @@ class Session:
         """(position of the first feature the drafter lacks, those features or None)."""
         return self.features_sent, self.features.since(self.features_sent)
 
+    # -- log-probabilities -----------------------------------------------------------
+    @property
+    def score_from(self) -> int | None:
+        """The first prompt position whose log-probability the verifier is still to compute (None:
+        none wanted, or all of them arrived with the first tokens)."""
+        if not self.score_prompt or self.generated:
+            return None
+        return 1 + len(self.prompt_logprobs)
+
+    def add_scores(self, start: int, scores: list[TokenLogprobs] | None) -> None:
+        """Keeps the verifier's prompt scores of positions ``[start, start + len(scores))`` (a
+        re-prefill may send some again); scores past a gap are dropped (they are asked again)."""
+        if not scores or start > 1 + len(self.prompt_logprobs):
+            return
+        held = self.prompt_logprobs[: start - 1]
+        self.prompt_logprobs = (held + list(scores))[: len(self.prompt) - 1]
+
     # -- commit --------------------------------------------------------------------
-    def commit(self, new_tokens: list[int], drafted: int, accepted: int) -> list[int]:
-        """Appends the round's tokens up to a stop condition; returns those kept."""
+    def commit(
+        self, new_tokens: list[int], drafted: int, accepted: int, logprobs: list[TokenLogprobs] | None = None
+    ) -> list[int]:
+        """Appends the round's tokens up to a stop condition (``logprobs``: theirs, kept alike);
+        returns those kept."""
         if self.finished:  # aborted while the round was in flight
             return []
+        if logprobs is not None:
+            self.token_logprobs.extend(logprobs[: self._room(new_tokens)])
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -221,6 +252,14 @@ class Session:
             if self.finished:
                 break
         return kept
+
+    def _room(self, new_tokens: list[int]) -> int:
+        """How many of ``new_tokens`` a commit keeps (up to and including the first that ends it)."""
+        room = min(self.max_new_tokens - len(self.generated), self.max_model_len - len(self.tokens))
+        for i, tok in enumerate(new_tokens[:room]):
+            if tok in self.stop_token_ids:
+                return i + 1
+        return min(room, len(new_tokens))
 
     def stats(self) -> dict:
         return {

@@ -216,7 +216,14 @@ class StreamService:
                 reason = u.finish_reason
                 if reason is not None and reason.startswith("error"):
                     raise _VerifierError(reason)
-                kept = s.commit(list(u.tokens), u.drafted - drafted, u.accepted - accepted) if u.tokens else []
+                logprobs = getattr(u, "logprobs", None)
+                prompt_logprobs = getattr(u, "prompt_logprobs", None)
+                if prompt_logprobs is not None:
+                    s.prompt_logprobs = list(prompt_logprobs)
+                held = len(s.token_logprobs)
+                kept = (
+                    s.commit(list(u.tokens), u.drafted - drafted, u.accepted - accepted, logprobs) if u.tokens else []
+                )
                 self.stats.drafted += u.drafted - drafted
                 self.stats.accepted += u.accepted - accepted
                 drafted, accepted = u.drafted, u.accepted
@@ -227,7 +234,8 @@ class StreamService:
                 if reason is not None and not s.finished:  # the engine's own stop (it knows best)
                     s.finish_reason = reason if reason in ("stop", "length", "abort") else "stop"
                 if kept or s.finished:
-                    tracked.emit(TokenEvent(kept, s.finish_reason))
+                    got = s.token_logprobs[held:] if logprobs is not None else None
+                    tracked.emit(TokenEvent(kept, s.finish_reason, got, prompt_logprobs))
                 if s.finished:
                     self.stats.completed += s.finish_reason != "abort"
                     return

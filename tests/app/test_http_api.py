@@ -26,10 +26,11 @@ from transformers import AutoTokenizer
 
 from moa_serve.app import frontend as frontend_mod
 from moa_serve.app import state
-from moa_serve.app.frontend import Frontend, Speculation
+from moa_serve.app.frontend import Frontend, Speculation, Unsupported
 from moa_serve.app.http import create_app
 from moa_serve.engine.events import QueueFullError, TokenEvent
 from moa_serve.engine.round_stats import ServiceStats
+from moa_serve.protocol import TokenLogprobs
 from moa_serve.sampling import SAMPLING_EPS, SEED_MAX, sample, warp_probs
 from tests.conftest import SMOLLM
 
@@ -73,8 +74,21 @@ class FakeRoundService:
         if self.fail:
             yield TokenEvent([], "error: RuntimeError: every verify retry failed")
             return
-        yield TokenEvent(self.tokens[:2])
-        yield TokenEvent(self.tokens[2:], "length")
+        yield TokenEvent(self.tokens[:2], None, *self.logprobs(tracked, self.tokens[:2], tracked.prompt))
+        yield TokenEvent(self.tokens[2:], "length", self.logprobs(tracked, self.tokens[2:], [])[0])
+
+    @staticmethod
+    def logprobs(session, tokens: list[int], prompt: list[int]):
+        """(log-probabilities of ``tokens``, of the prompt's tokens from position 1 on), as the
+        session asks: each token's is -0.5, its alternatives' the token itself and the next id."""
+        if session.logprobs is None:
+            return None, None
+
+        def one(t: int) -> TokenLogprobs:
+            return TokenLogprobs(-0.5, [(t, -0.5), (t + 1, -1.5)][: session.logprobs])
+
+        scores = [one(t) for t in prompt[1:]] if session.score_prompt else None
+        return [one(t) for t in tokens], scores
 
     def abort(self, tracked):
         pass
@@ -225,6 +239,16 @@ def test_openapi_describes_the_client_server_frames_and_links_a_sessions_calls(c
         ("/v1/generate", {"prompt": "x", "colour": "red"}, "colour"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ("/v1/completions", {"prompt": "word " * 300}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": [1, 2, 10**9]}, "prompt"),
+        ("/v1/completions", {"prompt": [[1, 2], [3]]}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        ("/v1/generate", {"prompt": "x", "logprobs": -1}, "logprobs"),
     ],
 )
 def test_bad_input_is_a_documented_400_naming_the_field(client, path, body, param):
@@ -529,3 +553,88 @@ def test_n_choices_each_sample_with_their_own_seed_and_count_the_prompt_once(cli
                 for c in json.loads(line[6:])["choices"]:
                     seen[c["index"]] = seen.get(c["index"], 0) + 1
     assert sorted(seen) == [0, 1] and seen[0] == seen[1]
+
+
+# ---------------------------------------------------------------------- log-probabilities
+def sse_chunks(client: TestClient, path: str, body: dict) -> list[dict]:
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_logprobs_in_the_openai_shapes_streamed_and_not(client, service, tokenizer):
+    n = len(service.tokens)
+    chat = {"messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 4, "logprobs": True}
+    body = client.post("/v1/chat/completions", json={**chat, "top_logprobs": 2}).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == n and all(c["logprob"] == -0.5 and len(c["top_logprobs"]) == 2 for c in content)
+    assert "".join(c["token"] for c in content) == body["choices"][0]["message"]["content"]
+    assert bytes(content[0]["bytes"]).decode() == content[0]["token"]
+    chunks = sse_chunks(client, "/v1/chat/completions", chat)
+    streamed = [c for ch in chunks if ch["choices"][0]["logprobs"] for c in ch["choices"][0]["logprobs"]["content"]]
+    assert [c["token"] for c in streamed] == [c["token"] for c in content] and streamed[0]["top_logprobs"] == []
+    assert (
+        client.post("/v1/chat/completions", json={**chat, "logprobs": False}).json()["choices"][0]["logprobs"] is None
+    )
+
+    comp = {"prompt": "Once upon a time", "max_tokens": 4, "logprobs": 1}
+    lp = client.post("/v1/completions", json=comp).json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == n and lp["token_logprobs"] == [-0.5] * n
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+    assert all(max(top.values()) == -0.5 for top in lp["top_logprobs"])
+    chunks = sse_chunks(client, "/v1/completions", comp)
+    assert [t for ch in chunks if ch["choices"][0]["logprobs"] for t in ch["choices"][0]["logprobs"]["tokens"]] == (
+        lp["tokens"]
+    )
+    native = client.post("/v1/generate", json={"prompt": "x", "max_tokens": 4, "logprobs": 0}).json()
+    assert [x["token_id"] for x in native["logprobs"]] == native["token_ids"]
+
+
+@pytest.mark.parametrize("max_tokens", [0, 4])
+def test_echo_scores_the_prompt_given_as_text_or_token_ids(client, service, tokenizer, max_tokens):
+    ids = tokenizer.encode("Once upon a time")
+    for prompt in ("Once upon a time", ids, [ids]):
+        body = {"prompt": prompt, "max_tokens": max_tokens, "echo": True, "logprobs": 1}
+        r = client.post("/v1/completions", json=body).json()
+        choice, lp = r["choices"][0], r["choices"][0]["logprobs"]
+        generated = 0 if max_tokens == 0 else len(service.tokens)
+        assert len(lp["tokens"]) == len(ids) + generated and r["usage"]["completion_tokens"] == generated
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == [-0.5] * (len(ids) - 1 + generated)
+        assert choice["text"].startswith("Once upon a time") and "".join(lp["tokens"]) == choice["text"]
+        assert choice["finish_reason"] == "length"
+        chunks = sse_chunks(client, "/v1/completions", body)
+        assert "".join(ch["choices"][0]["text"] for ch in chunks) == choice["text"]
+        assert [
+            v for ch in chunks if ch["choices"][0]["logprobs"] for v in ch["choices"][0]["logprobs"]["token_logprobs"]
+        ] == lp["token_logprobs"]
+
+
+def test_a_backend_without_logprobs_answers_400_naming_the_field(client, served):
+    served.unsupported = Unsupported(logprobs="log-probabilities need backend: torch")
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    r = client.post("/v1/completions", json={"prompt": "x", "logprobs": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_each_of_n_choices_carries_its_own_logprobs_streamed_and_not(client, service, tokenizer):
+    n = len(service.tokens)
+    chat = {"messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 4, "logprobs": True, "n": 2}
+    body = client.post("/v1/chat/completions", json=chat).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    for c in body["choices"]:
+        content = c["logprobs"]["content"]
+        assert len(content) == n and "".join(x["token"] for x in content) == c["message"]["content"]
+    per_choice = {0: [], 1: []}
+    for ch in sse_chunks(client, "/v1/chat/completions", chat):
+        for c in ch["choices"]:
+            per_choice[c["index"]] += [x["token"] for x in (c["logprobs"] or {}).get("content", [])]
+    assert per_choice[0] == per_choice[1] == [x["token"] for x in content]
+
+    ids = tokenizer.encode("Once upon a time")
+    scored = {"prompt": "Once upon a time", "max_tokens": 0, "echo": True, "logprobs": 1, "n": 2}
+    r = client.post("/v1/completions", json=scored).json()
+    assert r["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    first, second = (c["logprobs"] for c in r["choices"])
+    assert first == second and len(first["tokens"]) == len(ids) and first["token_logprobs"][0] is None
