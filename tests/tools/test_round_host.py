@@ -1,6 +1,6 @@
 """The host-time benchmark (tools/bench/round_host.py) at toy size: it runs each drafter at each batch
-size and reports a round's parts; the replayed drafts are accepted and the MoA drafter's steps after
-the first run through the fixed-shape bodies a GPU captures."""
+size and reports a round's parts; the replayed drafts are accepted, and the target's forward runs
+through the fixed-shape bodies a GPU captures."""
 
 import json
 import math
@@ -40,7 +40,7 @@ def test_toy_round_host_reports_every_drafter_and_batch(tmp_path):
     for r in rows:
         assert all(math.isfinite(r[key]) and r[key] >= 0 for key in ("wall_ms", "graph_ms", "verify_ms"))
         assert math.isclose(r["host_ms"], r["wall_ms"] - r["graph_ms"])
-        assert r["graph_ms"] > 0  # the target's fixed-shape forward ran (and the MoA steps after the first)
+        assert r["graph_ms"] > 0  # the target's fixed-shape forward ran (and the MoA feature head and steps)
     replay = [r for r in rows if r["drafter"] == "replay"]
     assert all(r["tokens_per_round"] > 1.5 for r in replay)  # replayed drafts are the target's own tokens
     assert "Ordered by: internal time" in proc.stdout
