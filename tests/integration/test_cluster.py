@@ -3,7 +3,6 @@ openai client, failure injection (killed replicas, disconnects, a full queue).""
 
 import asyncio
 import json
-import shutil
 import socket
 import threading
 import time
@@ -16,12 +15,8 @@ from ray import serve  # noqa: E402
 
 from moa_serve.deployments.app import build_app  # noqa: E402
 from moa_serve.engine.local import SpeculativeEngine  # noqa: E402
+from tests.support.chat_model import with_chat_template  # noqa: E402
 from tests.support.ray_harness import kill_replica  # noqa: E402
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
 
 
 def free_port() -> int:
@@ -33,14 +28,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def target(tmp_path_factory, stories_path):
     """stories260k with a chat template, so the chat routes have something to apply."""
-    out = tmp_path_factory.mktemp("stories-chat")
-    for f in stories_path.iterdir():
-        if f.is_file():
-            shutil.copy(f, out / f.name)
-    cfg = json.loads((out / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return out
+    return with_chat_template(stories_path, tmp_path_factory.mktemp("stories-chat"))
 
 
 def app_args(target, drafter, **router):

@@ -13,8 +13,6 @@ speculation at ``/`` and without a drafter at ``/plain``.
 from __future__ import annotations
 
 import copy
-import json
-import shutil
 import time
 
 import httpx
@@ -24,7 +22,7 @@ import yaml
 from moa_serve.protocol import VerifyRequest
 from moa_serve.verifier.torch_runner import TorchTargetRunner
 from tests.conftest import REPO
-from tests.integration.test_cluster import CHAT_TEMPLATE
+from tests.support.chat_model import with_chat_template
 from tests.support.ray_harness import serve_run
 
 FIXTURES = REPO / "tests" / "fixtures" / "lm_eval"
@@ -35,14 +33,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def stories_chat(tmp_path_factory, stories_path):
     """stories260k with a chat template (the chat route needs one)."""
-    out = tmp_path_factory.mktemp("stories-chat")
-    for f in stories_path.iterdir():
-        if f.is_file():
-            shutil.copy(f, out / f.name)
-    cfg = json.loads((out / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return out
+    return with_chat_template(stories_path, tmp_path_factory.mktemp("stories-chat"))
 
 
 def served_config(target, out):
