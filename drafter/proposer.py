@@ -399,13 +399,7 @@ class ProposerBase:
         out = self.static_steps.with_first_step(feed, slots.tolist(), starts, steps, extra, carry)
         if out is None:
             return False
-        every = list(range(len(live)))
-        for j in range(steps):
-            rows = [i for i in every if want[i] > j]
-            picked.append(
-                (rows, out[:, j] if len(rows) == len(every) else out[torch.tensor(rows, device=out.device), j])
-            )
-        self.stats["steps"] += steps
+        self._pick_static(out, want, 0, picked)
         return True
 
     def _static_steps_apply(self, live, ctx, slots: torch.Tensor) -> bool:
@@ -426,10 +420,18 @@ class ProposerBase:
         steps = max(want) - 1
         extra, carry = self._static_inputs(ctx, slots)
         out = self.static_steps(first, slots.tolist(), self.static_cache.lengths[slots].tolist(), steps, extra, carry)
-        for j in range(steps):
-            rows = [i for i in range(len(live)) if want[i] > j + 1]
-            picked.append((rows, out[torch.tensor(rows, device=out.device), j]))
-        self.stats["steps"] += steps
+        self._pick_static(out, want, 1, picked)
+
+    def _pick_static(self, out: torch.Tensor, want: list[int], first_step: int, picked) -> None:
+        """The static steps' drafts ``out`` [B, steps] (step ``first_step`` on) into ``picked``, one
+        entry per step with the sessions that still draft at it, as the planned loop's."""
+        every = list(range(len(want)))
+        for j in range(out.shape[1]):
+            rows = [i for i in every if want[i] > first_step + j]
+            picked.append(
+                (rows, out[:, j] if len(rows) == len(every) else out[torch.tensor(rows, device=out.device), j])
+            )
+        self.stats["steps"] += out.shape[1]
 
     def _runners_up(self, logits: torch.Tensor, width: int, reach: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The tokens ranked 2nd..``width``-th by the drafter, [B, width - 1] target ids (on the device);
