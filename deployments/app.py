@@ -25,6 +25,7 @@ from moa_serve.deployments.config import (
     GatewayConfig,
     PoolConfig,
     RouterConfig,
+    drain_warnings,
     placement_report,
     reservations,
     session_warnings,
@@ -60,6 +61,7 @@ def _options(pool: PoolConfig | RouterConfig | GatewayConfig, env: dict | None =
         "autoscaling_config": autoscaling,
         "ray_actor_options": actor,
         "max_ongoing_requests": pool.max_ongoing_requests,
+        "graceful_shutdown_timeout_s": pool.graceful_shutdown_timeout_s,
     }
 
 
@@ -68,7 +70,7 @@ def validate(
 ) -> list[fit.Fit]:
     """Raises ConfigError for a config that cannot work; logs the ones that waste or thrash."""
     results = fit.check_fit(cfg, target, drafter)
-    warnings = session_warnings(cfg) + fit.host_warnings(cfg, results)
+    warnings = session_warnings(cfg) + drain_warnings(cfg, dict(os.environ)) + fit.host_warnings(cfg, results)
     for w in warnings:
         log.warning("config: %s", w)
     for f in results:

@@ -92,6 +92,23 @@ class RayActorOptions(_Strict):
     )
 
 
+def drain_field(default: float, what: str):
+    """``graceful_shutdown_timeout_s`` of a deployment: how long a replica being replaced (an update,
+    a scale-down, its node drained) keeps serving what it has before Ray stops it."""
+    return Field(
+        default,
+        gt=0,
+        description=f"seconds a replica that is being replaced keeps serving {what} before Ray stops it "
+        "(Ray Serve's graceful_shutdown_timeout_s; it stops as soon as they are done)",
+    )
+
+
+# A Gateway or Router replica holds streams: an update that replaces it lets the longest stream finish
+# there (max_model_len tokens at full seats, with the pools restarting under it):
+# docs/benchmarks.md#resilience. A pool replica holds only calls of one round each.
+STREAM_DRAIN_S = 600.0
+
+
 class PoolConfig(_Strict):
     autoscaling_config: PoolAutoscalingConfig = Field(
         PoolAutoscalingConfig(), description="replica range and the sessions per replica the pool scales to"
@@ -100,6 +117,7 @@ class PoolConfig(_Strict):
     max_ongoing_requests: int = Field(
         16, ge=1, description="calls queued at one replica (forwards + releases of its groups)"
     )
+    graceful_shutdown_timeout_s: float = drain_field(20.0, "the calls it has (each one round)")
     max_sessions: int = Field(16, ge=1, description="sessions whose caches one replica holds")
     torch_threads: int | None = Field(None, ge=1, description="default: ray_actor_options.num_cpus")
     gpu_memory_gb: float = Field(80.0, gt=0, description="GiB of one GPU (device cuda): the memory fit check")
@@ -150,7 +168,8 @@ class RouterConfig(_Strict):
         "its own: a first token crosses one process fewer, a shorter time to first token "
         "(docs/benchmarks.md#the-router-inside-the-gateway), but a Router failure is then its Gateway's "
         "(no standby resumes the streams), each Gateway replica batches only its own users, and "
-        "autoscaling_config, ray_actor_options and max_ongoing_requests below do not apply",
+        "autoscaling_config, ray_actor_options, max_ongoing_requests and graceful_shutdown_timeout_s below "
+        "do not apply",
     )
     autoscaling_config: AutoscalingConfig = Field(
         AutoscalingConfig(),
@@ -165,6 +184,7 @@ class RouterConfig(_Strict):
         ge=1,
         description="calls one Router replica serves at once (lane links, session starts, client-server rounds)",
     )
+    graceful_shutdown_timeout_s: float = drain_field(STREAM_DRAIN_S, "its sessions, to the end of each")
     max_queued_requests: int = Field(
         64, ge=0, description="waiting requests beyond which new ones get 429 (the Gateway's queue; each Router's too)"
     )
@@ -237,6 +257,7 @@ class GatewayConfig(_Strict):
     max_ongoing_requests: int = Field(
         256, ge=1, description="HTTP requests one Gateway replica serves at once (running and queued)"
     )
+    graceful_shutdown_timeout_s: float = drain_field(STREAM_DRAIN_S, "its HTTP streams, to the end of each")
     lanes: int = Field(
         1,
         ge=1,
@@ -524,6 +545,27 @@ def session_warnings(cfg: AppConfig) -> list[str]:
                 f"{start * pool.max_sessions}: sessions are evicted and re-prefilled until the pool scales up"
             )
     return out
+
+
+# Ray Serve's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1) reloads on every change of replicas; a
+# reloaded HAProxy's old process keeps its connections at most this long (Ray's default, seconds)
+HAPROXY_HARD_STOP_ENV, HAPROXY_HARD_STOP_DEFAULT_S = "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S", 120
+
+
+def drain_warnings(cfg: AppConfig, env: dict[str, str]) -> list[str]:
+    """A stream outlives its replica's drain only if the ingress keeps its connection as long."""
+    stream_holder = cfg.gateway if cfg.router.in_gateway else cfg.router
+    drain = min(cfg.gateway.graceful_shutdown_timeout_s, stream_holder.graceful_shutdown_timeout_s)
+    if env.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        return []
+    hard_stop = int(env.get(HAPROXY_HARD_STOP_ENV) or HAPROXY_HARD_STOP_DEFAULT_S)
+    if hard_stop >= drain:
+        return []
+    return [
+        f"{HAPROXY_HARD_STOP_ENV}={hard_stop} s is shorter than the Gateway's drain ({drain:g} s): a stream "
+        f"that runs through an update is cut by the HAProxy reload after {hard_stop} s; set it to at least "
+        f"{drain:g} where Ray starts (serve run, the Ray containers)"
+    ]
 
 
 # ---------------------------------------------------------------------------------------

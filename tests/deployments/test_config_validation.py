@@ -10,9 +10,11 @@ import yaml
 from moa_serve.deployments import fit
 from moa_serve.deployments.app import KUBERAY_ENV, _options, build_app, check_placement, cluster_may_grow, validate
 from moa_serve.deployments.config import (
+    STREAM_DRAIN_S,
     AppConfig,
     ConfigError,
     Reservation,
+    drain_warnings,
     placement_report,
     reservations,
     session_warnings,
@@ -443,3 +445,21 @@ def test_the_kuberay_head_alone_warns_instead_of_refusing(llama3_dir, monkeypatc
     ) in warnings[0]
     with pytest.raises(ConfigError, match="reserve 18 CPUs"):  # the same cluster that cannot grow
         check_placement(cfg, head, may_grow=False)
+
+
+def test_replicas_that_hold_streams_drain_them_before_an_update_replaces_them():
+    cfg = AppConfig.model_validate(small())
+    assert _options(cfg.gateway)["graceful_shutdown_timeout_s"] == STREAM_DRAIN_S
+    assert _options(cfg.router)["graceful_shutdown_timeout_s"] == STREAM_DRAIN_S
+    assert _options(cfg.verifier_pool)["graceful_shutdown_timeout_s"] < STREAM_DRAIN_S  # calls of one round
+    cfg = AppConfig.model_validate(small(gateway={"graceful_shutdown_timeout_s": 90}))
+    assert _options(cfg.gateway)["graceful_shutdown_timeout_s"] == 90
+
+
+def test_haproxy_that_cuts_streams_before_the_drain_is_warned_about():
+    cfg = AppConfig.model_validate(small())
+    assert drain_warnings(cfg, {}) == []  # Serve's Python proxy: no hard stop
+    haproxy = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    [w] = drain_warnings(cfg, haproxy)  # Ray's default hard stop, 120 s
+    assert "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S=120" in w and f"{STREAM_DRAIN_S:g}" in w
+    assert drain_warnings(cfg, {**haproxy, "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": str(int(STREAM_DRAIN_S))}) == []
