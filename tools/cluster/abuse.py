@@ -203,28 +203,45 @@ def _wait_idle(url: str, limit_s: float) -> float | None:
     return None
 
 
-def stalled_reader(url: str, max_tokens: int, limit_s: float = 120.0) -> dict:
-    """A normal stream's tok/s beside a long stream that its client reads, and beside the same
-    long stream whose client never reads; when the stalled session left /v1/stats."""
+def _beside_reader(url: str, max_tokens: int, limit_s: float) -> float:
+    """A normal stream's tok/s beside a long stream that its client reads to the end."""
     reader = threading.Thread(target=stream_tokens_per_s, args=(url, STALLED_TOKENS), daemon=True)
     reader.start()
     time.sleep(1.0)
-    _, beside_reader = stream_tokens_per_s(url, max_tokens)
+    _, tok_s = stream_tokens_per_s(url, max_tokens)
     reader.join(timeout=limit_s)
+    return tok_s
+
+
+def _beside_stalled(url: str, max_tokens: int, limit_s: float) -> tuple[float, float | None]:
+    """A normal stream's tok/s beside the same long stream whose client never reads, and when the
+    stalled session left /v1/stats (seconds after it was sent)."""
     s = stalled_stream(url, STALLED_TOKENS)
     t0 = time.monotonic()
     try:
         time.sleep(1.0)
-        _, beside_stalled = stream_tokens_per_s(url, max_tokens)
+        _, tok_s = stream_tokens_per_s(url, max_tokens)
         gone = _wait_idle(url, limit_s)
     finally:
         s.close()
+    return tok_s, None if gone is None else round(time.monotonic() - t0, 1)
+
+
+def stalled_reader(url: str, max_tokens: int, limit_s: float = 120.0, repeats: int = 1) -> dict:
+    """A normal stream beside a long stream that its client reads, then beside the same long stream
+    whose client never reads, alternated ``repeats`` times: tok/s of each, their ratio per pair
+    and its geometric mean, and when each stalled session left /v1/stats."""
+    pairs = []
+    for _ in range(repeats):
+        reader = _beside_reader(url, max_tokens, limit_s)
+        stalled, gone = _beside_stalled(url, max_tokens, limit_s)
+        pairs.append({"beside_reader": round(reader, 1), "beside_stalled": round(stalled, 1), "stalled_gone_s": gone})
+    ratios = [p["beside_stalled"] / p["beside_reader"] for p in pairs]
     return {
         "scenario": "stalled-reader",
-        "tok_s_beside_a_reader": round(beside_reader, 1),
-        "tok_s_beside_a_stalled_reader": round(beside_stalled, 1),
-        "ratio": round(beside_stalled / beside_reader, 3),
-        "stalled_session_gone_after_s": None if gone is None else round(time.monotonic() - t0, 1),
+        "pairs": pairs,
+        "ratios": [round(r, 3) for r in ratios],
+        "ratio_geomean": round(statistics.geometric_mean(ratios), 3),
     }
 
 
@@ -312,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("slow-body")
     st = sub.add_parser("stalled-reader")
     st.add_argument("--max-tokens", type=int, default=256)
+    st.add_argument("--repeats", type=int, default=1, help="reader / stalled pairs, alternated")
     o = sub.add_parser("overload")
     o.add_argument("--users", type=int, default=160)
     o.add_argument("--max-tokens", type=int, default=128)
@@ -326,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         elif a.scenario == "slow-body":
             out = slow_body(a.url)
         elif a.scenario == "stalled-reader":
-            out = stalled_reader(a.url, a.max_tokens)
+            out = stalled_reader(a.url, a.max_tokens, repeats=a.repeats)
         elif a.scenario == "closed-loop":
             out = closed_loop(a.url, a.users, a.duration, a.max_tokens)
         else:
