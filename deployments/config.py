@@ -412,6 +412,13 @@ class AppConfig(_Strict):
         """How many Routers run: the Router replicas, or with ``router.in_gateway`` one per Gateway replica."""
         return self.gateway.autoscaling_config if self.router.in_gateway else self.router.autoscaling_config
 
+    @property
+    def stream_drain_s(self) -> float:
+        """How long a replica that holds streams (the Gateway; the Router unless it runs in the
+        Gateway) keeps serving them once it is being replaced."""
+        holders = [self.gateway] + ([] if self.router.in_gateway else [self.router])
+        return max(h.graceful_shutdown_timeout_s for h in holders)
+
 
 def session_problems(cfg: AppConfig) -> list[str]:
     """Sessions the Routers admit against the sessions the pools can hold."""
@@ -554,15 +561,14 @@ HAPROXY_HARD_STOP_ENV, HAPROXY_HARD_STOP_DEFAULT_S = "RAY_SERVE_HAPROXY_HARD_STO
 
 def drain_warnings(cfg: AppConfig, env: dict[str, str]) -> list[str]:
     """A stream outlives its replica's drain only if the ingress keeps its connection as long."""
-    stream_holder = cfg.gateway if cfg.router.in_gateway else cfg.router
-    drain = min(cfg.gateway.graceful_shutdown_timeout_s, stream_holder.graceful_shutdown_timeout_s)
+    drain = cfg.stream_drain_s
     if env.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         return []
     hard_stop = int(env.get(HAPROXY_HARD_STOP_ENV) or HAPROXY_HARD_STOP_DEFAULT_S)
     if hard_stop >= drain:
         return []
     return [
-        f"{HAPROXY_HARD_STOP_ENV}={hard_stop} s is shorter than the Gateway's drain ({drain:g} s): a stream "
+        f"{HAPROXY_HARD_STOP_ENV}={hard_stop} s is shorter than the streams' drain ({drain:g} s): a stream "
         f"that runs through an update is cut by the HAProxy reload after {hard_stop} s; set it to at least "
         f"{drain:g} where Ray starts (serve run, the Ray containers)"
     ]

@@ -4,9 +4,9 @@
 
 1. asks Ray to drain this node (``ray drain-node``, as autoscaler v2 does before it removes a
    node): Serve starts the node's replicas again elsewhere and stops these gracefully, each
-   within its ``graceful_shutdown_timeout_s`` (a Gateway keeps its streams to their end), and the
-   node's Serve proxy reports itself draining (``/-/healthz`` 503), so the readiness probe takes
-   the Pod out of the Service and no new connection comes;
+   within its ``graceful_shutdown_timeout_s`` (a Gateway keeps its streams to their end); a node
+   left without replicas has its Serve proxy report draining (``/-/healthz`` 503), so the
+   readiness probe takes the Pod out of the Service;
 2. waits until no Serve replica runs on this node and no client connection to the Serve port is
    open (the streams the Pod's proxy carries), or the deadline passes.
 

@@ -305,10 +305,8 @@ class GroupSize:
 
 
 def stream_drain_s(app_config) -> int:
-    """How long a replica that holds streams (Gateway; Router unless it runs in the Gateway) keeps
-    serving them once it is being replaced."""
-    holders = [app_config.gateway] + ([] if app_config.router.in_gateway else [app_config.router])
-    return math.ceil(max(h.graceful_shutdown_timeout_s for h in holders))
+    """``AppConfig.stream_drain_s`` in whole seconds (what Kubernetes fields take)."""
+    return math.ceil(app_config.stream_drain_s)
 
 
 def service_values(app_config) -> dict[str, int]:

@@ -228,13 +228,18 @@ def _beside_stalled(url: str, max_tokens: int, limit_s: float) -> tuple[float, f
 
 
 def stalled_reader(url: str, max_tokens: int, limit_s: float = 120.0, repeats: int = 1) -> dict:
-    """A normal stream beside a long stream that its client reads, then beside the same long stream
-    whose client never reads, alternated ``repeats`` times: tok/s of each, their ratio per pair
-    and its geometric mean, and when each stalled session left /v1/stats."""
+    """A normal stream beside a long stream that its client reads, and beside the same long stream
+    whose client never reads, ``repeats`` pairs in alternating order (reader first, then stalled
+    first): tok/s of each, their ratio per pair and its geometric mean, and when each stalled
+    session left /v1/stats."""
     pairs = []
-    for _ in range(repeats):
-        reader = _beside_reader(url, max_tokens, limit_s)
-        stalled, gone = _beside_stalled(url, max_tokens, limit_s)
+    for i in range(repeats):
+        if i % 2 == 0:
+            reader = _beside_reader(url, max_tokens, limit_s)
+            stalled, gone = _beside_stalled(url, max_tokens, limit_s)
+        else:
+            stalled, gone = _beside_stalled(url, max_tokens, limit_s)
+            reader = _beside_reader(url, max_tokens, limit_s)
         pairs.append({"beside_reader": round(reader, 1), "beside_stalled": round(stalled, 1), "stalled_gone_s": gone})
     ratios = [p["beside_stalled"] / p["beside_reader"] for p in pairs]
     return {
