@@ -103,10 +103,12 @@ def drain_field(default: float, what: str):
     )
 
 
-# A Gateway or Router replica holds streams: an update that replaces it lets the longest stream finish
-# there (max_model_len tokens at full seats, with the pools restarting under it):
-# docs/benchmarks.md#resilience. A pool replica holds only calls of one round each.
+# A Gateway replica holds its clients' streams: an update that replaces it lets the longest stream
+# finish there (max_model_len tokens at full seats, with the pools restarting under it):
+# docs/benchmarks.md#resilience. A Router's sessions resume on another Router from their committed
+# tokens, and a pool replica holds only calls of one round each: Ray's default drain serves them.
 STREAM_DRAIN_S = 600.0
+SHORT_DRAIN_S = 20.0
 
 
 class PoolConfig(_Strict):
@@ -117,7 +119,7 @@ class PoolConfig(_Strict):
     max_ongoing_requests: int = Field(
         16, ge=1, description="calls queued at one replica (forwards + releases of its groups)"
     )
-    graceful_shutdown_timeout_s: float = drain_field(20.0, "the calls it has (each one round)")
+    graceful_shutdown_timeout_s: float = drain_field(SHORT_DRAIN_S, "the calls it has (each one round)")
     max_sessions: int = Field(16, ge=1, description="sessions whose caches one replica holds")
     torch_threads: int | None = Field(None, ge=1, description="default: ray_actor_options.num_cpus")
     gpu_memory_gb: float = Field(80.0, gt=0, description="GiB of one GPU (device cuda): the memory fit check")
@@ -184,7 +186,11 @@ class RouterConfig(_Strict):
         ge=1,
         description="calls one Router replica serves at once (lane links, session starts, client-server rounds)",
     )
-    graceful_shutdown_timeout_s: float = drain_field(STREAM_DRAIN_S, "its sessions, to the end of each")
+    graceful_shutdown_timeout_s: float = drain_field(
+        SHORT_DRAIN_S,
+        "its lanes; their sessions then resume on another Router from their committed tokens (a lane "
+        "of a Gateway that is gone never ends by itself, so a long drain would only keep the replica)",
+    )
     max_queued_requests: int = Field(
         64, ge=0, description="waiting requests beyond which new ones get 429 (the Gateway's queue; each Router's too)"
     )
@@ -414,10 +420,9 @@ class AppConfig(_Strict):
 
     @property
     def stream_drain_s(self) -> float:
-        """How long a replica that holds streams (the Gateway; the Router unless it runs in the
-        Gateway) keeps serving them once it is being replaced."""
-        holders = [self.gateway] + ([] if self.router.in_gateway else [self.router])
-        return max(h.graceful_shutdown_timeout_s for h in holders)
+        """How long a Gateway replica, which holds the clients' streams, keeps serving them once it
+        is being replaced."""
+        return self.gateway.graceful_shutdown_timeout_s
 
 
 def session_problems(cfg: AppConfig) -> list[str]:

@@ -450,8 +450,9 @@ def test_the_kuberay_head_alone_warns_instead_of_refusing(llama3_dir, monkeypatc
 def test_replicas_that_hold_streams_drain_them_before_an_update_replaces_them():
     cfg = AppConfig.model_validate(small())
     assert _options(cfg.gateway)["graceful_shutdown_timeout_s"] == STREAM_DRAIN_S
-    assert _options(cfg.router)["graceful_shutdown_timeout_s"] == STREAM_DRAIN_S
-    assert _options(cfg.verifier_pool)["graceful_shutdown_timeout_s"] < STREAM_DRAIN_S  # calls of one round
+    # a Router's sessions resume on another Router; a pool replica holds calls of one round each
+    assert _options(cfg.router)["graceful_shutdown_timeout_s"] < STREAM_DRAIN_S
+    assert _options(cfg.verifier_pool)["graceful_shutdown_timeout_s"] < STREAM_DRAIN_S
     cfg = AppConfig.model_validate(small(gateway={"graceful_shutdown_timeout_s": 90}))
     assert _options(cfg.gateway)["graceful_shutdown_timeout_s"] == 90
 

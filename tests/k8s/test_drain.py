@@ -53,15 +53,9 @@ def test_an_upgrade_keeps_the_old_cluster_until_its_streams_can_have_ended(name,
     assert rs["spec"]["rayClusterDeletionDelaySeconds"] >= stream_drain_s(rs) + render.PRESTOP_MARGIN_S
 
 
-def test_the_drain_follows_the_serve_config():
+def test_the_drain_follows_the_gateway_of_the_serve_config():
     cfg = render.app_config_class().model_validate(
-        {
-            "target": "t",
-            "router": {"in_gateway": False, "session_groups": 1, "graceful_shutdown_timeout_s": 900},
-            "gateway": {"graceful_shutdown_timeout_s": 300},
-        }
+        {"target": "t", "router": {"session_groups": 1}, "gateway": {"graceful_shutdown_timeout_s": 300.5}}
     )
-    assert render.stream_drain_s(cfg) == 900  # the Router's streams outlive a Gateway's drain here
-    assert render.service_values(cfg)["rayClusterDeletionDelaySeconds"] == 900 + render.PRESTOP_MARGIN_S
-    cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"in_gateway": True})})
-    assert render.stream_drain_s(cfg) == 300  # the Router runs inside the Gateway: its drain is the Gateway's
+    assert render.stream_drain_s(cfg) == 301  # whole seconds, rounded up
+    assert render.service_values(cfg)["rayClusterDeletionDelaySeconds"] == 301 + render.PRESTOP_MARGIN_S
