@@ -20,7 +20,7 @@ from tests.support.ray_harness import serve_run
 from tools.cluster import updates
 
 STREAMS = 8
-MAX_TOKENS = 1000  # about 30 s per stream at 8 streams on 2 cores
+MAX_TOKENS = 1000  # streams that outlive Ray's default drain at 8 users (asserted below)
 
 
 @pytest.fixture
