@@ -309,10 +309,16 @@ def stream_drain_s(app_config) -> int:
     return math.ceil(app_config.stream_drain_s)
 
 
+def drain_grace_s(app_config) -> int:
+    """How long a Pod's drain, or an old cluster after an upgrade, may take: the streams' drain
+    and the margin."""
+    return stream_drain_s(app_config) + PRESTOP_MARGIN_S
+
+
 def service_values(app_config) -> dict[str, int]:
     """Tagged ``service.<field>``: an upgrade to a new Ray cluster keeps the old one until the
     streams it still serves can have ended."""
-    return {"rayClusterDeletionDelaySeconds": stream_drain_s(app_config) + PRESTOP_MARGIN_S}
+    return {"rayClusterDeletionDelaySeconds": drain_grace_s(app_config)}
 
 
 def group_sizes(app_config, groups: dict[str, dict], placement) -> dict[str, GroupSize]:
@@ -334,8 +340,9 @@ def group_sizes(app_config, groups: dict[str, dict], placement) -> dict[str, Gro
             demand = pool_demand(cfg)
             lo += [demand] * cfg.autoscaling_config.min_replicas
             hi += [demand] * cfg.autoscaling_config.max_replicas
-        grace = stream_drain_s(app_config) + PRESTOP_MARGIN_S
-        sizes[group] = GroupSize(group, shape, tuple(pools), pods_needed(lo, shape), pods_needed(hi, shape), grace)
+        sizes[group] = GroupSize(
+            group, shape, tuple(pools), pods_needed(lo, shape), pods_needed(hi, shape), drain_grace_s(app_config)
+        )
     return sizes
 
 

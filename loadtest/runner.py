@@ -193,6 +193,12 @@ def derived_config(config_path: str | Path, no_speculation: bool, port: int | No
     return dst, url
 
 
+def serve_cli() -> list[str]:
+    """Ray Serve's ``serve`` command of this Python (its module where the script is not installed)."""
+    serve = Path(sys.executable).with_name("serve")
+    return [str(serve)] if serve.exists() else [sys.executable, "-m", "ray.serve.scripts"]
+
+
 class Cluster:
     """``serve run CONFIG`` in its own session; ``stop()`` ends everything it spawned."""
 
@@ -206,10 +212,7 @@ class Cluster:
         if _port_open(u.host, u.port or 80):
             raise LoadTestError(f"{u.host}:{u.port} is already in use (another cluster?); stop it or pass --port")
         # address=local: our own Ray, never a colleague's cluster that happens to run here
-        cmd = [sys.executable, "-m", "ray.serve.scripts", "run", "--address", "local", str(self.config)]
-        serve = Path(sys.executable).with_name("serve")
-        if serve.exists():
-            cmd = [str(serve), "run", "--address", "local", str(self.config)]
+        cmd = serve_cli() + ["run", "--address", "local", str(self.config)]
         log(f"starting the cluster: {' '.join(cmd)} (log: {self.log_path})")
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(

@@ -24,13 +24,14 @@ import copy
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import yaml
+
+from moa_serve.loadtest.runner import serve_cli
 
 PROMPTS = [
     "Tell a long story about a lighthouse keeper and a storm.",
@@ -103,8 +104,7 @@ def deploy(doc: dict, dashboard: str) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(doc, f, sort_keys=False)
     try:
-        serve = Path(sys.executable).with_name("serve")
-        cmd = [str(serve) if serve.exists() else "serve", "deploy", "--address", dashboard, f.name]
+        cmd = serve_cli() + ["deploy", "--address", dashboard, f.name]
         subprocess.run(cmd, check=True, env=serve_env(), capture_output=True, timeout=120)
     finally:
         os.unlink(f.name)
