@@ -116,17 +116,16 @@ def build_app(args: dict | AppConfig) -> serve.Application:
     if cfg.backend == "vllm":
         if not vllm_available():
             raise ConfigError(f"backend: vllm, but {INSTALL_HINT}")
-    plain = cfg.model_dump()
     drafter = None
     if cfg.drafter_checkpoint is not None:  # prompt lookup alone needs no pool: the Router drafts
-        drafter = DrafterPool.options(**_options(cfg.drafter_pool), request_router_config=AFFINITY).bind(plain)
+        drafter = DrafterPool.options(**_options(cfg.drafter_pool), request_router_config=AFFINITY).bind(cfg)
     if cfg.backend == "vllm":  # vLLM batches every user's steps; its replica calls the drafter pool
         # vLLM steps on its own thread: OpenMP gives a new thread OMP_NUM_THREADS (Ray: num_cpus),
         # not the main thread's setting, and vLLM's CPU attention insists both agree
         pool = cfg.verifier_pool
-        verifier = VllmVerifier.options(**_options(pool, {"OMP_NUM_THREADS": str(pool.threads())})).bind(plain, drafter)
+        verifier = VllmVerifier.options(**_options(pool, {"OMP_NUM_THREADS": str(pool.threads())})).bind(cfg, drafter)
         return _ingress(cfg, verifier, None)
-    verifier = VerifierPool.options(**_options(cfg.verifier_pool), request_router_config=AFFINITY).bind(plain)
+    verifier = VerifierPool.options(**_options(cfg.verifier_pool), request_router_config=AFFINITY).bind(cfg)
     return _ingress(cfg, verifier, drafter)
 
 
@@ -134,8 +133,7 @@ def _ingress(cfg: AppConfig, verifier, drafter) -> serve.Application:
     """The Gateway (HTTP) in front of the Routers. Calls to a Router carry an affinity key (a
     lane, a client-server session id), so they stick to one Router replica while it lives. With
     ``router.in_gateway`` each Gateway replica runs its Router itself and calls the pools."""
-    plain = cfg.model_dump()
     if cfg.router.in_gateway:
-        return Gateway.options(**_options(cfg.gateway)).bind(plain, None, verifier, drafter)
-    router = Router.options(**_options(cfg.router), request_router_config=AFFINITY).bind(plain, verifier, drafter)
-    return Gateway.options(**_options(cfg.gateway)).bind(plain, router)
+        return Gateway.options(**_options(cfg.gateway)).bind(cfg, None, verifier, drafter)
+    router = Router.options(**_options(cfg.router), request_router_config=AFFINITY).bind(cfg, verifier, drafter)
+    return Gateway.options(**_options(cfg.gateway)).bind(cfg, router)

@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from moa_serve.app.auth import HttpAuthConfig
 from moa_serve.app.limits import HttpLimitsConfig
 from moa_serve.drafter.spec import DrafterSpec, parse_branching
+from moa_serve.engine.options import RoundOptions
+
+_ROUND = RoundOptions()  # the round's defaults: RouterConfig's fields below start from them
 
 
 class ConfigError(ValueError):
@@ -192,19 +195,21 @@ class RouterConfig(_Strict):
         "of a Gateway that is gone never ends by itself, so a long drain would only keep the replica)",
     )
     max_queued_requests: int = Field(
-        64, ge=0, description="waiting requests beyond which new ones get 429 (the Gateway's queue; each Router's too)"
+        _ROUND.max_queued,
+        ge=0,
+        description="waiting requests beyond which new ones get 429 (the Gateway's queue; each Router's too)",
     )
     max_sessions_per_round: int = Field(
-        16, ge=1, description="sessions one session group admits (and verifies per round)"
+        _ROUND.max_sessions_per_round, ge=1, description="sessions one session group admits (and verifies per round)"
     )
     session_groups: int = Field(
         2, ge=1, description="round loops per Router replica; >= 2 lets one group draft while another verifies"
     )
     speculation_token_budget: int = Field(
-        32, ge=0, description="draft tokens per round of a group, over all its sessions"
+        _ROUND.speculation_token_budget, ge=0, description="draft tokens per round of a group, over all its sessions"
     )
     decode_steps: int = Field(
-        4,
+        _ROUND.decode_steps,
         ge=1,
         le=32,
         description="multi-step decoding: rounds without drafts, of at most "
@@ -212,10 +217,12 @@ class RouterConfig(_Strict):
         "per session from one verify call (1 = one token per round)",
     )
     multi_step_max_sessions: int = Field(
-        4, ge=1, description="multi-step decoding applies to rounds of at most this many sessions"
+        _ROUND.multi_step_max_sessions,
+        ge=1,
+        description="multi-step decoding applies to rounds of at most this many sessions",
     )
     verify_row_tile: int = Field(
-        1,
+        _ROUND.verify_row_tile,
         ge=1,
         le=64,
         description="rows the verifier's matmuls multiply together (the CPU's packed kernels: 4, a forward of "
@@ -230,7 +237,7 @@ class RouterConfig(_Strict):
         "so its prompt goes out in the next call sooner (time to first token)",
     )
     lookahead: bool = Field(
-        False,
+        _ROUND.lookahead,
         description="verify-call pipelining: a round without drafts (none allowed, no "
         "features, no prompt prefilling, nobody queued) sends the next round's verify call before "
         "its own returns, each session continuing from the length it is predicted to hold, so the "
@@ -238,7 +245,7 @@ class RouterConfig(_Strict):
         "discarded row",
     )
     speculation_governor: bool = Field(
-        True,
+        _ROUND.speculation_governor,
         description="speculate only in rounds where it measurably pays "
         "(moving averages of ms per token on/off per batch size, with probes)",
     )
@@ -248,6 +255,19 @@ class RouterConfig(_Strict):
     cs_session_ttl_s: float = Field(
         300.0, gt=0, description="client-server mode: a session idle this long is dropped (its client resyncs)"
     )
+
+    def round_options(self) -> RoundOptions:
+        """The options of this Router's round service (each session group's round loop)."""
+        return RoundOptions(
+            max_sessions_per_round=self.max_sessions_per_round,
+            max_queued=self.max_queued_requests,
+            speculation_token_budget=self.speculation_token_budget,
+            speculation_governor=self.speculation_governor,
+            decode_steps=self.decode_steps,
+            multi_step_max_sessions=self.multi_step_max_sessions,
+            lookahead=self.lookahead,
+            verify_row_tile=self.verify_row_tile,
+        )
 
 
 class GatewayConfig(_Strict):

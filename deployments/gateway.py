@@ -104,14 +104,14 @@ class RouterSessions:
 class Gateway:
     def __init__(
         self,
-        cfg: dict,
+        cfg: AppConfig,
         router: DeploymentHandle | None,
         verifier: DeploymentHandle | None = None,
         drafter: DeploymentHandle | None = None,
     ):
         """``router``: the Router deployment; None with ``router.in_gateway``, where this replica
         runs a ``RouterCore`` over the pools ``verifier`` and ``drafter`` itself."""
-        self.cfg = AppConfig.model_validate(cfg)
+        self.cfg = cfg
         self.router = router
         self.core = RouterCore(self.cfg, verifier, drafter) if router is None else None
         info = load_target_info(self.cfg)

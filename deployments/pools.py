@@ -117,9 +117,9 @@ class _Pool:
 class VerifierPool(_Pool):
     pool_name = "verifier"
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: AppConfig):
         super().__init__()
-        self.cfg = AppConfig.model_validate(cfg)
+        self.cfg = cfg
         pool = self.cfg.verifier_pool
         _threads(pool)
         options = RunnerOptions(
@@ -176,9 +176,9 @@ class VerifierPool(_Pool):
 class DrafterPool(_Pool):
     pool_name = "drafter"
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: AppConfig):
         super().__init__()
-        self.cfg = AppConfig.model_validate(cfg)
+        self.cfg = cfg
         pool = self.cfg.drafter_pool
         _threads(pool)
         # a hybrid's prompt lookup runs in the Router: the pool serves the trained drafter

@@ -34,7 +34,6 @@ from moa_serve.drafter.lookup import LookupTable
 from moa_serve.drafter.registry import lookup_store
 from moa_serve.engine.feature_policy import feature_policy
 from moa_serve.engine.lanes import LaneHub
-from moa_serve.engine.options import RoundOptions
 from moa_serve.engine.pool_calls import Pools
 from moa_serve.engine.round_service import RoundService
 from moa_serve.engine.session import Session
@@ -109,8 +108,8 @@ def load_target_info(cfg: AppConfig) -> TargetInfo:
 
 
 class RouterCore:
-    def __init__(self, cfg: dict | AppConfig, verifier: DeploymentHandle, drafter: DeploymentHandle | None = None):
-        self.cfg = cfg if isinstance(cfg, AppConfig) else AppConfig.model_validate(cfg)
+    def __init__(self, cfg: AppConfig, verifier: DeploymentHandle, drafter: DeploymentHandle | None = None):
+        self.cfg = cfg
         self.verifier = verifier
         self.drafter = drafter
         self.replica = _replica_id()
@@ -176,16 +175,7 @@ class RouterCore:
         r = self.cfg.router
         # prompt lookup runs here, on the tokens the Router holds: no call, no replica
         lookup = router_lookup(self.cfg, 2 * r.session_groups * r.max_sessions_per_round, max_model_len)
-        options = RoundOptions(
-            max_sessions_per_round=r.max_sessions_per_round,
-            max_queued=r.max_queued_requests,
-            speculation_token_budget=r.speculation_token_budget,
-            speculation_governor=r.speculation_governor,
-            decode_steps=r.decode_steps,
-            multi_step_max_sessions=r.multi_step_max_sessions,
-            lookahead=r.lookahead,
-            verify_row_tile=r.verify_row_tile,
-        )
+        options = r.round_options()
         # MoA features come from the verifier's K/V cache: skipped ones can be recomputed later;
         # devices of a client drafter the Router does not draft with get features all the same
         features = feature_policy(

@@ -63,8 +63,8 @@ class PoolDraftSource:
 
 @serve.deployment(name="VllmVerifier")
 class VllmVerifier:
-    def __init__(self, cfg: dict, drafter: DeploymentHandle | None = None):
-        self.cfg = AppConfig.model_validate(cfg)
+    def __init__(self, cfg: AppConfig, drafter: DeploymentHandle | None = None):
+        self.cfg = cfg
         pool = self.cfg.verifier_pool
         self._replica = _replica_name()
         # before vLLM starts: its CPU worker forbids torch.set_num_threads afterwards, and Ray sets

@@ -197,6 +197,7 @@ class SpeculativeEngine:
             max_queued=max(1, sessions),
             speculation_token_budget=self.speculation_token_budget,
             speculation_governor=False,
+            decode_steps=1,  # one forward per verify call: a round's numbers are one step's
             verify_retries=0,
             verify_timeout_s=LOCAL_CALL_LIMIT_S,
             draft_timeout_s=LOCAL_CALL_LIMIT_S,

@@ -1,5 +1,6 @@
-"""The round service's options, in one typed object (the Router fills it from the config's
-``router:`` section; the in-process engine from its arguments)."""
+"""The round service's options, in one typed object. Its defaults are the served ones:
+``RouterConfig`` (deployments/config.py) starts its fields from them and builds one with
+``round_options()``; the in-process engine sets what differs for it."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class RoundOptions(CallLimits):
     # multi-step decoding: a round without feature drafts, of at most ``multi_step_max_sessions``
     # decoding sessions and nobody queued, asks for up to ``decode_steps`` tokens per session in
     # one verify call (the call's transport and the round's overhead paid once)
-    decode_steps: int = 1
+    decode_steps: int = 4
     multi_step_max_sessions: int = 4
     # pipelined verify calls for draft-free rounds (pipeliner.py)
     lookahead: bool = False

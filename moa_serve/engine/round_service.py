@@ -173,7 +173,7 @@ class RoundService:
         s = tracked.session
         if s.finished:
             return TokenEvent([], s.finish_reason)
-        room = max(0, min(s.max_new_tokens - s.num_generated, s.max_model_len - len(s.tokens)) - 1)
+        room = max(0, s.room - 1)
         drafts = list(drafts)[:room]
         probs = probs[: len(drafts)] if probs is not None and drafts else None
         alternatives = [list(a) for a in (alternatives or [])[: len(drafts)]]

@@ -150,7 +150,7 @@ def verify_requests(
 def step_budget(s: Session, length: int, decode_steps: int) -> tuple[int, int]:
     """(forwards, room) for a session whose committed length will be ``length``: room is how many
     more tokens its output and context can take, forwards at most ``decode_steps`` and at least 1."""
-    room = min(s.max_new_tokens - (s.num_generated + length - len(s.tokens)), s.max_model_len - length)
+    room = s.room - (length - len(s.tokens))
     return max(1, min(decode_steps, room)), room
 
 

@@ -154,6 +154,11 @@ class Session:
         return self.finish_reason is not None
 
     @property
+    def room(self) -> int:
+        """Tokens this session may still generate: what its max_new_tokens and the context allow."""
+        return max(0, min(self.max_new_tokens - self.num_generated, self.max_model_len - len(self.tokens)))
+
+    @property
     def num_features(self) -> int:
         return self.features.end
 
@@ -175,7 +180,7 @@ class Session:
         than ``cap`` (the round-wide limit that keeps verification cheap)."""
         if self.prefilling or (needs_features and self.drafter_needs_features and self.num_features == 0):
             return 0
-        room = min(self.max_new_tokens - self.num_generated, self.max_model_len - len(self.tokens)) - 1
+        room = self.room - 1
         k = self.num_speculative_tokens
         if self.adaptive_speculation and self.accept_ema >= 0:
             # drafts beyond what the drafter usually gets accepted cost drafter steps and
@@ -255,7 +260,7 @@ class Session:
 
     def _room(self, new_tokens: list[int]) -> int:
         """How many of ``new_tokens`` a commit keeps (up to and including the first that ends it)."""
-        room = min(self.max_new_tokens - len(self.generated), self.max_model_len - len(self.tokens))
+        room = self.room
         for i, tok in enumerate(new_tokens[:room]):
             if tok in self.stop_token_ids:
                 return i + 1

@@ -75,11 +75,6 @@ class StreamStats:
         return d
 
 
-def _room(s: Session) -> int:
-    """The tokens ``s`` may still generate (its max_tokens, the context)."""
-    return max(0, min(s.max_new_tokens - len(s.generated), s.max_model_len - len(s.tokens)))
-
-
 class StreamService:
     def __init__(
         self,
@@ -121,8 +116,8 @@ class StreamService:
             raise QueueFullError(f"{len(self._waiting)} requests are waiting")
         wait = expected_wait_s(
             self.round_clock,
-            (_room(t.session) for t, _ in self._running.values()),
-            (_room(t.session) for t in self._waiting),
+            (t.session.room for t, _ in self._running.values()),
+            (t.session.room for t in self._waiting),
             self.max_sessions - len(self._running),
         )
         self.stats.expected_wait_s = None if wait is None else round(wait, 3)
@@ -131,7 +126,7 @@ class StreamService:
             raise QueueFullError("every seat is taken and no round was timed yet to estimate a wait")
         if wait is not None and self.max_queue_wait_s is not None and wait > self.max_queue_wait_s:
             self.stats.refused_by_wait += 1
-            seat = next_seat_s(self.round_clock, (_room(t.session) for t, _ in self._running.values()))
+            seat = next_seat_s(self.round_clock, (t.session.room for t, _ in self._running.values()))
             raise QueueFullError(
                 f"{len(self._waiting)} requests are waiting; this one would wait about {wait:.1f} s for a seat "
                 f"(http_limits.max_queue_wait_s: {self.max_queue_wait_s:g})",

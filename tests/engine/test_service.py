@@ -36,6 +36,7 @@ def make_service(engine, *, drafter_fails_on=(), **kw):
             engine.release(i)
 
     kw.setdefault("speculation_governor", False)  # these tests follow every round's drafts
+    kw.setdefault("decode_steps", 1)  # one token per draft-free round, as these tests count them
     groups = kw.pop("groups", None)
     return RoundService(Pools(verify, draft, release), RoundOptions(**kw), groups=groups)
 

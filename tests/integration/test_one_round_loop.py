@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from moa_serve.client import DeviceDrafter, LinkPolicy, RemoteGenerator, Transport
+from moa_serve.deployments.config import AppConfig
 from moa_serve.deployments.pools import PoolReply
 from moa_serve.deployments.router import Router
 from moa_serve.engine import round_loop
@@ -101,7 +102,7 @@ def test_the_router_runs_its_rounds_in_the_round_loop(stories_path, rounds_run):
         "verifier_pool": {"max_sessions": 16, "autoscaling_config": {"max_replicas": 1}},
     }
     runner = TorchTargetRunner(str(stories_path), "float32", "cpu", max_sessions=8, max_model_len=512)
-    router = Router.func_or_class(cfg, _Handle(runner))
+    router = Router.func_or_class(AppConfig.model_validate(cfg), _Handle(runner))
     assert isinstance(router.service, RoundService)
     tokenizer = load_tokenizer(stories_path)
     prompts = [tokenizer.encode(p) for p in PROMPTS]

@@ -214,6 +214,7 @@ def make_service(verifier, drafter=None, **kw):
     release = FakeRelease(*(p for p in (verifier, drafter) if p is not None))
     kw.setdefault("retry_backoff_s", 0.01)
     kw.setdefault("speculation_governor", False)  # these tests follow every round's drafts
+    kw.setdefault("decode_steps", 1)  # one token per draft-free round, as these tests count them
     extra = {k: kw.pop(k) for k in ("features", "lookup", "groups", "observer") if k in kw}
     pools = Pools(verifier, drafter, release, cut=kw.pop("cut", None))
     return RoundService(pools, RoundOptions(**kw), **extra), release
