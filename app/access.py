@@ -1,5 +1,5 @@
 """Who may call the HTTP API and how much, decided before a route runs: ``AccessMiddleware``, a
-pure ASGI middleware in front of every route of ``app/http.py`` and ``app/cs.py``.
+pure ASGI middleware in front of every route of ``app/http.py`` and ``app/client_server.py``.
 
 In order, for each HTTP request:
 

@@ -1,5 +1,5 @@
 """The API's one error shape, ``{"error": {"message", "type", "param", "code"}}``, shared by the
-routes of ``app/http.py`` and client-server mode's ``app/cs.py``: the ``responses=`` entries that
+routes of ``app/http.py`` and client-server mode's ``app/client_server.py``: the ``responses=`` entries that
 put every error status in the OpenAPI schema, ``ApiError`` (answered by the app's handler), and
 the field a validation error names."""
 

@@ -1,6 +1,6 @@
 """FastAPI routes: /v1/generate, OpenAI-compatible /v1/completions and /v1/chat/completions
 (streaming as server-sent events), /v1/models, /healthz, /readyz, /v1/stats, and client-server
-mode's /v1/cs (``app/cs.py``, installed on the same app). The routes read the ``Frontend``, the
+mode's /v1/cs (``app/client_server.py``, installed on the same app). The routes read the ``Frontend``, the
 readiness check and Retry-After from ``moa_serve.app.state``; the error shape is ``app/errors.py``'s,
 admission (``Readiness``) ``app/readiness.py``'s.
 
@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moa_serve.app import access, cs, state
+from moa_serve.app import access, client_server, state
 from moa_serve.app.errors import RETRY_AFTER, ApiError, error, error_param, errors, loc_param, retry_after
 from moa_serve.app.frontend import Generation, InputError
 from moa_serve.app.logprobs import TokenTexts, chat_content, completion_logprobs, completion_text_length, native
@@ -600,7 +600,7 @@ def create_app(ready_wait_s: float = READY_WAIT_S) -> FastAPI:
     _without_422(api)
     readiness = Readiness(ready_wait_s)
     _install_error_handlers(api)
-    cs.install(api, readiness)  # client-server mode: /v1/cs (its own module, same error shape)
+    client_server.install(api, readiness)  # client-server mode: /v1/cs (its own module, same error shape)
     _ops_routes(api, readiness)
     _native_routes(api, readiness)
     _openai_routes(api, readiness)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MIN_BODY_BYTES = 1 << 20  # the default body cap is never below this
 BODY_BYTES_PER_TOKEN = 64  # default body cap per token of the context: JSON-escaped text of a full prompt
-FRAME_DRAFTS = 64  # the most drafts of one client-server verify (moa_serve.cs.sessions.MAX_DRAFTS)
+FRAME_DRAFTS = 64  # the most drafts of one client-server verify (moa_serve.client_server.sessions.MAX_DRAFTS)
 FRAME_BYTES_PER_PROB = 4  # draft_probs in float32, the widest dtype a frame may carry
 DEFAULT_MAX_MODEL_LEN = 2048  # an app without a Gateway (tests, the one-process client-server server)
 DEFAULT_VOCAB = 1 << 18

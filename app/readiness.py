@@ -1,6 +1,6 @@
 """Admission of requests on an ingress replica: the running ``Frontend`` (503 until the ingress has
 installed one) and ``Readiness``, which holds generation requests back with a 503 until the pools
-have answered the readiness check. The routes of ``app/http.py`` and ``app/cs.py`` share both."""
+have answered the readiness check. The routes of ``app/http.py`` and ``app/client_server.py`` share both."""
 
 from __future__ import annotations
 

@@ -224,7 +224,7 @@ def vllm_kv_bytes(cfg: AppConfig, target: ModelShape) -> int:
 
 
 def graph_pool_bytes(cfg: AppConfig, target: ModelShape) -> int:
-    """The CUDA graphs' memory pool of a torch verifier on a GPU (``verifier/static_forward.py``):
+    """The CUDA graphs' memory pool of a torch verifier on a GPU (``verifier/torch/static_forward.py``):
     the largest captured forward's live activations, one layer's widest intermediates at a time
     (the fused gate/up output, its product, the fused q/k/v output, the attention output, the
     residual stream and its norm), the float32 partial sums of the widest split-K matmul
@@ -233,7 +233,7 @@ def graph_pool_bytes(cfg: AppConfig, target: ModelShape) -> int:
     if cfg.backend == "vllm" or cfg.device != "cuda":
         return 0
     from moa_serve.kernels.gpu_invariant import attention_scratch_bytes, tile_config
-    from moa_serve.verifier.static_forward import GRAPH_SIZES
+    from moa_serve.verifier.torch.static_forward import GRAPH_SIZES
 
     rows = max((s for s in GRAPH_SIZES if s <= cfg.verifier_pool.max_num_batched_tokens), default=0)
     b = dtype_bytes(cfg.dtype, cfg.device)

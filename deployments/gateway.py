@@ -58,7 +58,7 @@ def unwrapped(exc: BaseException) -> BaseException:
 
 
 class RouterSessions:
-    """Client-server sessions (``app/cs.py``'s ``state["cs"]``) held by the Router replicas: each
+    """Client-server sessions (``app/client_server.py``'s ``state["cs"]``) held by the Router replicas: each
     call goes to the replica holding the session (affinity key = session id). ``close`` answers
     from the sessions this Gateway opened (the route needs the answer at once) and closes the
     session on its Router in the background."""

@@ -24,7 +24,7 @@ import time
 import torch
 from ray import serve
 
-from moa_serve.cs.fingerprint import model_fingerprint
+from moa_serve.client_server.fingerprint import model_fingerprint
 from moa_serve.deployments.autoscaling import SESSIONS_METRIC
 from moa_serve.deployments.config import AppConfig, PoolConfig
 from moa_serve.deployments.metrics import PoolMetrics
@@ -33,7 +33,7 @@ from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.drafter.spec import parse_branching
 from moa_serve.protocol import PoolReply
 from moa_serve.synthetic import describe
-from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
+from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner
 
 log = logging.getLogger("ray.serve")
 

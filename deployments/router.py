@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from moa_serve.cs.sessions import ClientSessions, Reply, ServerIdentity
+from moa_serve.client_server.sessions import ClientSessions, Reply, ServerIdentity
 from moa_serve.deployments import assignment
 from moa_serve.deployments.config import AppConfig
 from moa_serve.deployments.metrics import CallMetrics, PrometheusObserver

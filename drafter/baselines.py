@@ -22,8 +22,8 @@ from torch import nn
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.moa_model import TargetParts
 from moa_serve.drafter.proposer import ProposerBase, last_position, load_for_drafting
-from moa_serve.kv_cache import PackedBatch, SlotKVCache
-from moa_serve.layers import DecoderLayer, RMSNorm
+from moa_serve.model.kv_cache import PackedBatch, SlotKVCache
+from moa_serve.model.layers import DecoderLayer, RMSNorm
 from moa_serve.protocol import DraftRequest
 
 

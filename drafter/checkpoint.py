@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 from moa_serve.drafter.config import FORMAT, DrafterConfig
 from moa_serve.drafter.moa_model import MoADrafter, init_weights
 from moa_serve.drafter.spec import DrafterSpec, checkpoint_kind, resolve_drafter_path
+from moa_serve.model.target import TargetArch
 from moa_serve.model_files import read_config, resolve_model_path
-from moa_serve.target_model import TargetArch
 
 DRAFT_VOCAB_KEY = "draft_vocab_ids"
 _PARTS = ("layer_self_attention", "self_attention", "cross_attention")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from moa_serve.drafter.spec import FORMAT
-from moa_serve.layers import LayerShape
-from moa_serve.target_model import TargetArch
+from moa_serve.model.layers import LayerShape
+from moa_serve.model.target import TargetArch
 
 KINDS = ("moa", "eagle", "independent")
 

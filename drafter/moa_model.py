@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from moa_serve.drafter.config import DrafterConfig
-from moa_serve.layers import DecoderLayer, PreNormLayer, RMSNorm, Rotary, apply_rope, attend
+from moa_serve.model.layers import DecoderLayer, PreNormLayer, RMSNorm, Rotary, apply_rope, attend
+from moa_serve.model.target import TargetArch, TargetModel, assign_weights
 from moa_serve.model_files import load_selected_tensors, read_config, resolve_model_path
-from moa_serve.target_model import TargetArch, TargetModel, assign_weights
 
 
 class FeatureHead(nn.Module):

@@ -22,17 +22,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moa_serve import kernels
 from moa_serve.drafter.checkpoint import DRAFT_VOCAB_KEY, load_drafter
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.moa_model import DraftHead, MoADrafter, TargetParts
 from moa_serve.drafter.spec import TreeShape
+from moa_serve.kernels import cpu as cpu_kernels
 from moa_serve.kernels.packed import FusedStack, fuse_projections, pack_bf16_exact, packed_lm_head
-from moa_serve.kv_cache import PackedBatch, SlotKVCache, invariant_attention
+from moa_serve.model.kv_cache import PackedBatch, SlotKVCache, invariant_attention
+from moa_serve.model.target import TargetArch, TargetModel
 from moa_serve.model_files import load_selected_tensors, read_config, resolve_model_path, target_dtype
 from moa_serve.protocol import DraftRequest, DraftResult
 from moa_serve.sampling import generator_for, sample, warp_probs
-from moa_serve.target_model import TargetArch, TargetModel
 
 
 @dataclass
@@ -373,7 +373,7 @@ class ProposerBase:
         kernel = (
             (gpu_invariant.available(self.device) and hd & (hd - 1) == 0)
             if self.device.type != "cpu"
-            else kernels.library() is not None or gpu_invariant.available("cpu")
+            else cpu_kernels.library() is not None or gpu_invariant.available("cpu")
         )
         if len(self.parts.tli) or not kernel:
             self.static_steps = None

@@ -16,7 +16,7 @@ Inputs sit in preallocated device buffers (per row: first token, slot, its cache
 it is a real row, where it is stored, one proposer-specific position — MoA: its last feature — and
 one hidden-size vector carried into the steps — MoA: the single-feature CA output; EAGLE-style: the
 first step's output). Attention reads its context length from those buffers (the batch-invariant
-kernels of ``moa_serve.kv_cache.invariant_attention``), so one graph serves every context length.
+kernels of ``moa_serve.model.kv_cache.invariant_attention``), so one graph serves every context length.
 Padding rows and steps past the cache's end write only the cache's scratch column. The proposer
 supplies the step (``_static_step``); sampling, trees and TLI keep the planned per-step loop. On a
 CPU the same code runs uncaptured (``graphs=False``), which is how the tests compare it with the
@@ -29,7 +29,7 @@ import logging
 
 import torch
 
-from moa_serve import cuda_graphs
+from moa_serve.model import cuda_graphs
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.drafter.training.diagnose import register as register_diagnose
 from moa_serve.drafter.training.shrink_vocab import register as register_shrink_vocab
 from moa_serve.drafter.training.train import register as register_train
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.loadtest.runner import LoadTestError
 from moa_serve.loadtest.runner import add_arguments as add_loadtest_arguments
 from moa_serve.loadtest.runner import run as run_loadtest

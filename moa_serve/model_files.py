@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from moa_serve import kernels
+from moa_serve.kernels import cpu as cpu_kernels
 from moa_serve.kernels.packed import gguf_file
 from moa_serve.local_cache import cache_dir
 from moa_serve.synthetic import SHAPES
@@ -190,8 +190,8 @@ def load_selected_tensors(path: Path, keep: Callable[[str], bool]) -> dict[str, 
 
 
 def _runs_packed(path: Path) -> bool:
-    """Whether a float32 target in ``path`` would run through the packed GGUF kernels."""
-    return path.is_dir() and gguf_file(path) is not None and kernels.library() is not None
+    """Whether a float32 target in ``path`` would run through the packed GGUF cpu_kernels."""
+    return path.is_dir() and gguf_file(path) is not None and cpu_kernels.library() is not None
 
 
 def cpu_has_native_bf16() -> bool:

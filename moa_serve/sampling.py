@@ -4,7 +4,7 @@ depend only on (seed, position, stream) so replicas and rounds agree, and drawin
 
 The field types below (``Temperature``, ``TopP``, ``TopK``, ``Seed``) are the one definition of
 what each sampling parameter accepts: ``SamplingParams`` and every request body that carries
-sampling parameters (``app/schemas.py``, ``app/cs_schemas.py``) use them, so the HTTP routes, the
+sampling parameters (``app/schemas.py``, ``app/client_server_schemas.py``) use them, so the HTTP routes, the
 client-server protocol and the CLIs refuse the same values with an error naming the field. A float
 field takes finite numbers only (NaN and infinities are refused, never compared); a positive
 temperature below ``SAMPLING_EPS`` is greedy decoding (dividing logits by it would overflow

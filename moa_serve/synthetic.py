@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from moa_serve.layers import RMSNorm, Rotary
-from moa_serve.target_model import TargetArch, TargetModel, rotary_for
+from moa_serve.model.layers import RMSNorm, Rotary
+from moa_serve.model.target import TargetArch, TargetModel, rotary_for
 
 log = logging.getLogger(__name__)
 

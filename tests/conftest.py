@@ -146,6 +146,6 @@ def device(stories_path, stories_drafter):
 @pytest.fixture(scope="module")
 def plain(stories_path):
     """Plain target decoding: the engine with drafter none (``moa generate --drafter none``)."""
-    from moa_serve.engine.local import SpeculativeEngine
+    from moa_serve.engine.in_process import SpeculativeEngine
 
     return SpeculativeEngine.load(str(stories_path), None, "float32")

@@ -137,7 +137,7 @@ def test_the_runtime_never_imports_the_tools(imports):
         "moa_serve.verifier",
         "moa_serve.deployments",
         "moa_serve.app",
-        "moa_serve.cs",
+        "moa_serve.client_server",
         "moa_serve.client.",
     )
     uses = [

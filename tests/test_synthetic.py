@@ -9,7 +9,7 @@ import torch
 from moa_serve.deployments.config import AppConfig
 from moa_serve.model_files import load_tokenizer, resolve_model_path
 from moa_serve.synthetic import describe
-from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
+from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner
 
 
 @pytest.fixture

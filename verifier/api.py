@@ -34,7 +34,7 @@ class FeatureSource(Protocol):
     never read (zeros stand in for them).
     A source that reads the cache may also give ``rows(spans)``: the (slot, position) pairs
     ``inputs`` gathers and the count per span, so that the verifier can run the gather and the head
-    at fixed shapes (``verifier/static_features.py``)."""
+    at fixed shapes (``verifier/torch/static_features.py``)."""
 
     from_cache: bool
     latest_only: bool

@@ -29,8 +29,8 @@ from moa_serve.drafter.moa_model import MoADrafter, TargetParts
 from moa_serve.drafter.spec import resolve_drafter_path
 from moa_serve.drafter.training import masks
 from moa_serve.drafter.training.data import batches, build_examples, load_conversations
+from moa_serve.model.target import TargetModel
 from moa_serve.model_files import load_state_dict, load_tokenizer, read_config, resolve_model_path
-from moa_serve.target_model import TargetModel
 
 
 def _load(spec: str):

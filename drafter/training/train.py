@@ -56,8 +56,8 @@ from moa_serve.drafter.training.data import (
     top_vocab,
     vocab_coverage,
 )
+from moa_serve.model.target import TargetArch, TargetModel
 from moa_serve.model_files import load_state_dict, load_tokenizer, read_config, resolve_model_path
-from moa_serve.target_model import TargetArch, TargetModel
 
 DEFAULTS = dict(
     target="HuggingFaceTB/SmolLM2-135M-Instruct",

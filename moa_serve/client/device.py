@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moa_serve.cs.fingerprint import drafter_fingerprint, model_fingerprint, tokenizer_fingerprint
+from moa_serve.client_server.fingerprint import drafter_fingerprint, model_fingerprint, tokenizer_fingerprint
 from moa_serve.drafter.lookup import HybridProposer
 from moa_serve.drafter.registry import load_proposer
 from moa_serve.drafter.spec import DrafterSpec

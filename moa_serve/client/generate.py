@@ -28,7 +28,7 @@ import torch
 from moa_serve.client.adaptive import KController
 from moa_serve.client.device import DeviceDrafter
 from moa_serve.client.transport import ResyncError, ServerError, Transport, Unreachable
-from moa_serve.cs import wire
+from moa_serve.client_server import wire
 from moa_serve.drafter.spec import TreeShape, parse_branching
 from moa_serve.engine.session import FeatureStore
 from moa_serve.protocol import DraftRequest

@@ -22,7 +22,7 @@ import torch
 
 from moa_serve.app.auth import API_KEY_ENV  # noqa: F401 - the key ``moa client`` sends when --api-key is not given
 from moa_serve.client.deadline import CallDeadline
-from moa_serve.cs import wire
+from moa_serve.client_server import wire
 
 # headers the protocol does not need (HTTP/1.1 connections persist without "connection: keep-alive")
 DEFAULT_TRIM = ("accept", "accept-encoding", "user-agent", "connection")

@@ -24,8 +24,9 @@ from moa_serve.cli_args import DEFAULT_DRAFTER, add_load_format_arg, add_model_a
 from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.drafter.spec import DrafterSpec, parse_branchings
 from moa_serve.drafter.training.data import default_system_prompt, prompt_ids
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.kernels.packed import pack_target
+from moa_serve.model.target import TargetModel
 from moa_serve.model_files import (
     load_state_dict,
     load_tokenizer,
@@ -36,8 +37,7 @@ from moa_serve.model_files import (
 )
 from moa_serve.sampling import SamplingParams
 from moa_serve.synthetic import random_target
-from moa_serve.target_model import TargetModel
-from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
+from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner
 from moa_serve.verifier.vllm.engine import VllmEngine, VllmOptions
 
 DEFAULT_QUESTIONS = "../shared/data/specbench/question.jsonl"

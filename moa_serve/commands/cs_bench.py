@@ -46,16 +46,17 @@ from moa_serve.app.http import create_app
 from moa_serve.cli_args import DEFAULT_TARGET, add_kernel_args
 from moa_serve.client import DeviceDrafter, LinkPolicy, RemoteGenerator, Transport
 from moa_serve.client.generate import AUTO
+from moa_serve.client_server.fingerprint import model_fingerprint, tokenizer_fingerprint
 from moa_serve.commands.bench import DEFAULT_QUESTIONS, load_questions
 from moa_serve.commands.cs_local_stack import LocalStack, UvicornThread
 from moa_serve.commands.netem import PROFILES, netem_proxy
-from moa_serve.cs.fingerprint import model_fingerprint, tokenizer_fingerprint
 from moa_serve.drafter.checkpoint import load_draft_vocab
 from moa_serve.drafter.registry import load_feature_source
 from moa_serve.drafter.spec import DrafterSpec, parse_branchings
 from moa_serve.drafter.training.data import prompt_ids
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.kernels.packed import pack_target
+from moa_serve.model.target import TargetModel
 from moa_serve.model_files import (
     load_state_dict,
     load_tokenizer,
@@ -66,8 +67,7 @@ from moa_serve.model_files import (
 )
 from moa_serve.protocol import DraftResult
 from moa_serve.sampling import GREEDY
-from moa_serve.target_model import TargetModel
-from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
+from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CKPT = REPO_ROOT / "drafter" / "checkpoints" / "smollm2-135m-instruct"

@@ -11,8 +11,8 @@ from typing import Callable
 
 from moa_serve.app import state
 from moa_serve.app.frontend import Frontend, Speculation
-from moa_serve.cs.fingerprint import model_fingerprint
-from moa_serve.cs.sessions import ClientSessions, ServerIdentity
+from moa_serve.client_server.fingerprint import model_fingerprint
+from moa_serve.client_server.sessions import ClientSessions, ServerIdentity
 from moa_serve.engine.feature_policy import AlwaysFeatures, FeaturePolicy
 from moa_serve.engine.options import RoundOptions
 from moa_serve.engine.pool_calls import Pools

@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
-from moa_serve import kernels
 from moa_serve.cli_args import DEFAULT_TARGET
 from moa_serve.commands.bench import DEFAULT_QUESTIONS, load_questions, printing_command
 from moa_serve.drafter.training.data import prompt_ids
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
+from moa_serve.kernels import cpu as cpu_kernels
 from moa_serve.kernels.packed import MATMUL_PRECISIONS
-from moa_serve.kv_cache import PackedBatch
+from moa_serve.model.kv_cache import PackedBatch
 from moa_serve.sampling import GREEDY
 
 REFERENCE = "highest"
@@ -168,7 +168,7 @@ def run_fidelity(args) -> dict:
             "ppl_tokens": args.ppl_tokens,
             "dtype": "float32",
             "threads": torch.get_num_threads(),
-            "bf16_products": kernels.bf16_dot_available(),
+            "bf16_products": cpu_kernels.bf16_dot_available(),
             "machine": cpu_name(),
             "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         },

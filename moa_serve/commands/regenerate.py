@@ -43,7 +43,7 @@ from pathlib import Path
 
 from moa_serve.drafter.outputs import pack_replies
 from moa_serve.drafter.training.data import default_system_prompt, load_conversations, prompt_ids, read_rows
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.verifier.vllm.engine import VllmEngine, VllmOptions, release_process_state
 
 

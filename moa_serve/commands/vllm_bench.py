@@ -34,9 +34,9 @@ from tqdm import tqdm
 
 from moa_serve.cli_args import DEFAULT_TARGET
 from moa_serve.commands.bench import DEFAULT_QUESTIONS, load_questions, printing_command
-from moa_serve.commands.steal import cpu_ticks, steal_percent
 from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.drafter.training.data import prompt_ids
+from moa_serve.measure.cpu_steal import cpu_ticks, steal_percent
 from moa_serve.verifier.vllm.engine import VllmEngine, VllmOptions, in_process_environment
 
 MODIFIERS = {

@@ -45,7 +45,7 @@ class RoundOptions(CallLimits):
     # one verify call (the call's transport and the round's overhead paid once)
     decode_steps: int = 4
     multi_step_max_sessions: int = 4
-    # pipelined verify calls for draft-free rounds (pipeliner.py)
+    # pipelined verify calls for draft-free rounds (lookahead.py)
     lookahead: bool = False
     # rows the verifier's matmuls multiply together (draft_gate.DraftGate.keep_round); 1: none
     verify_row_tile: int = 1

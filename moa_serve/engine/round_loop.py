@@ -3,7 +3,7 @@ one call per pool. The one round loop of the project: the cluster's Router, the 
 (``moa generate`` / ``moa bench``) and client-server sessions all run their rounds here.
 
 The pure pieces (requests as token deltas, commit, resync) are in ``round_steps``; the pool calls
-with their limits and retries in ``pool_calls``; pipelined draft-free rounds in ``pipeliner``;
+with their limits and retries in ``pool_calls``; pipelined draft-free rounds in ``lookahead``;
 which sessions ask for features in ``feature_policy``. This module decides, round by round, how many
 drafts each session may verify (the token budget's cap, the governor, the draft gate), who
 drafts (prompt lookup here, the drafter pool, or a remote client's device), how many decode steps
@@ -28,8 +28,8 @@ from moa_serve.engine.draft_gate import DraftGate
 from moa_serve.engine.events import TokenEvent, Tracked
 from moa_serve.engine.feature_policy import FeaturePolicy
 from moa_serve.engine.governor import SpeculationGovernor
+from moa_serve.engine.lookahead import Ahead, Lookahead
 from moa_serve.engine.options import RoundContext
-from moa_serve.engine.pipeliner import Ahead, Lookahead
 from moa_serve.engine.pool_calls import PoolCalls
 from moa_serve.engine.round_stats import RoundProfile
 from moa_serve.engine.session import Session

@@ -15,7 +15,7 @@ verify forward runs must be invariant to the rows beside it.
 * :func:`slot_attention` — causal attention of packed tokens over a per-slot KV cache layer, one
   program per (token, KV head): each token reads its own slot's keys in a fixed block order with an
   online softmax in float32, so its output depends on its own position only (the same contract as
-  the CPU kernel ``moa_serve.kernels.attention``). The loop bound is read from the position buffer
+  the CPU kernel ``moa_serve.kernels.cpu.attention``). The loop bound is read from the position buffer
   on the device, so a captured CUDA graph replays it for any context length.
 * :func:`chunked_slot_attention` — the same contract with a token's keys split into chunks whose
   size depends on the cache only, run side by side and merged in chunk order (flash-decoding):
@@ -583,7 +583,7 @@ def slot_attention(
     positions: torch.Tensor,
     store_at: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The contract of ``moa_serve.kernels.attention`` on the GPU: q [n, H, hd]; k/v one cache layer
+    """The contract of ``moa_serve.kernels.cpu.attention`` on the GPU: q [n, H, hd]; k/v one cache layer
     [slots, KVH, max_len, hd] (rows contiguous); token i attends to keys 0..positions[i]-1 of slot
     slots[i] and to its own key at ``store_at[i]`` (default: positions[i]). Returns [n, H, hd] in
     q's dtype. ``head_dim`` must be a power of two."""

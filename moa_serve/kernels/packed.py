@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moa_serve import kernels
+from moa_serve.kernels import cpu as cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def hf_module_name(gguf_name: str) -> str | None:
 class PackedMatrix:
     """W [N, K] in blocks of 32 along K: ``q4_1`` (qs uint8 [N, K/2], d, m float32 [N, K/32]),
     ``q8_0`` (qs int8 [N, K], d float32 [N, K/32]) or ``bf16`` (qs: the bfloat16 weights' bits as
-    int16 [N, K], no scales). ``products`` (``kernels.PRODUCTS``): ``float32``; ``bfloat16`` rounds x
+    int16 [N, K], no scales). ``products`` (``cpu_kernels.PRODUCTS``): ``float32``; ``bfloat16`` rounds x
     and W to bfloat16 and sums their products in float32 (matmul precision ``medium``; AVX512-BF16
     CPUs); ``int8`` rounds x to 8-bit blocks and multiplies the weights' integers (precision ``low``;
     Q4_1 / Q8_0 only)."""
@@ -116,7 +116,7 @@ class PackedMatrix:
         """W as float32 [N, K]."""
         if self.kind == "bf16":
             return self.qs.view(torch.bfloat16).float()
-        return kernels.dequantize_rows(self.kind, self.qs, self.d, self.m, torch.arange(self.shape[0]))
+        return cpu_kernels.dequantize_rows(self.kind, self.qs, self.d, self.m, torch.arange(self.shape[0]))
 
     def operands(self) -> tuple:
         """(qs, d, m) as the kernel for ``products`` reads them: the blocks as stored, or for ``int8``
@@ -129,7 +129,7 @@ class PackedMatrix:
 
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> x @ W.T [M, N] float32."""
-        return kernels.packed_matmul(self.kind, self.products, x, *self.operands(), n=self.shape[0])
+        return cpu_kernels.packed_matmul(self.kind, self.products, x, *self.operands(), n=self.shape[0])
 
 
 def interleave8(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> tuple:
@@ -213,7 +213,7 @@ def gguf_file(path: Path) -> str | None:
     return files[0] if files else None
 
 
-# matmul precision -> what the packed matmuls multiply (kernels.PRODUCTS)
+# matmul precision -> what the packed matmuls multiply (cpu_kernels.PRODUCTS)
 PRECISION_PRODUCTS = {"highest": "float32", "medium": "bfloat16", "low": "int8"}
 MATMUL_PRECISIONS = tuple(PRECISION_PRODUCTS)
 
@@ -241,8 +241,8 @@ def pack_target(model: nn.Module, path: Path, matmul_precision: str = "highest")
     gguf_path = gguf_file(path)
     if gguf_path is None:
         return {"packed": 0, "reason": "no GGUF file: the weights are not block-quantized"}
-    if kernels.library() is None:
-        return {"packed": 0, "reason": kernels.unavailable_reason()}
+    if cpu_kernels.library() is None:
+        return {"packed": 0, "reason": cpu_kernels.unavailable_reason()}
     if dtype != torch.float32:
         return {"packed": 0, "reason": "packed kernels run float32 (or bfloat16) on CPU"}
     import gguf
@@ -276,7 +276,7 @@ def pack_target(model: nn.Module, path: Path, matmul_precision: str = "highest")
         dense_bytes += dense.numel() * 4
     fused = fuse_projections(model.model.layers)
     precision = "highest"
-    if matmul_precision == "medium" and not kernels.bf16_dot_available():
+    if matmul_precision == "medium" and not cpu_kernels.bf16_dot_available():
         log.warning("matmul precision medium needs AVX512-BF16; this CPU multiplies in float32 (highest)")
     elif matmul_precision != "highest":
         precision = matmul_precision
@@ -324,8 +324,8 @@ def pack_bf16(model: nn.Module) -> dict:
     token's result does not depend on how many rows share the call (torch's bf16 GEMM may pick
     a kernel by the number of rows). Same report as :func:`pack_target`; a weight whose input
     size is not a multiple of 32 stays a torch layer."""
-    if kernels.library() is None:
-        return {"packed": 0, "reason": kernels.unavailable_reason()}
+    if cpu_kernels.library() is None:
+        return {"packed": 0, "reason": cpu_kernels.unavailable_reason()}
     packed, kept, nbytes = 0, [], 0
     for parent, attr, name, module in _linear_layers(model):
         if module.weight.dtype != torch.bfloat16:
@@ -349,8 +349,8 @@ def pack_bf16_exact(module: nn.Module) -> dict:
     time is bound by reading its weights), float32 sums in a fixed order. The float32 weight stays
     the layer's readable ``weight``. A layer whose weights are not bf16 values, or whose input
     size is not a multiple of 32, stays as it is. Returns {"packed": n, "bytes": bf16 bytes}."""
-    if kernels.library() is None:
-        return {"packed": 0, "bytes": 0, "reason": kernels.unavailable_reason()}
+    if cpu_kernels.library() is None:
+        return {"packed": 0, "bytes": 0, "reason": cpu_kernels.unavailable_reason()}
     packed, nbytes = 0, 0
     for parent, attr, _, layer in _linear_layers(module):
         weight = layer.weight.detach()
@@ -406,7 +406,7 @@ def packed_lm_head(lm_head: nn.Module, path: Path | None, rows: torch.Tensor | N
             gguf_path is None
             or weight.dtype != torch.float32
             or weight.device.type != "cpu"
-            or kernels.library() is None
+            or cpu_kernels.library() is None
         ):
             return None
         import gguf
@@ -443,13 +443,13 @@ def fuse_projections(layers) -> int:
 
 class FusedStack:
     """Llama decoder layers whose projections are packed (fused q/k/v and gate/up, no biases,
-    float32 norms) as one kernel call per forward (``kernels.decoder_layers``): the per-op cost of
+    float32 norms) as one kernel call per forward (``cpu_kernels.decoder_layers``): the per-op cost of
     ~40 small torch ops per layer disappears from every decode step. :func:`pack_target` builds
     one for all layers of a float32 ``TargetModel``; :meth:`for_layers` for any such layers (a
     drafter's self-attention layer over its own cache). ``MOA_FUSED_LAYERS=off`` keeps the
     per-layer torch path."""
 
-    KINDS = kernels.KIND_IDS
+    KINDS = cpu_kernels.KIND_IDS
 
     def __init__(self, shape, layers: list[tuple]):
         self.shape = shape  # a LayerShape
@@ -468,7 +468,7 @@ class FusedStack:
     def for_layers(cls, shape, layers: list[nn.Module]) -> "FusedStack | None":
         """``layers`` (``DecoderLayer``s of ``shape``, their projections packed and fused) as one
         stack, or None when the kernels cannot run them."""
-        if kernels.switched_off("MOA_FUSED_LAYERS") or kernels.library() is None or shape.qkv_bias:
+        if cpu_kernels.switched_off("MOA_FUSED_LAYERS") or cpu_kernels.library() is None or shape.qkv_bias:
             return None
         if shape.hidden_size % 8 or shape.intermediate_size % 8 or shape.head_dim % 8 or shape.head_dim > 256:
             return None
@@ -495,7 +495,7 @@ class FusedStack:
                     pm = m.packed
                     qs, d, m = pm.operands()
                     row += [
-                        kernels.kind_id(pm.kind, pm.products),
+                        cpu_kernels.kind_id(pm.kind, pm.products),
                         qs.data_ptr(),
                         d.data_ptr() if d is not None else 0,
                         m.data_ptr() if m is not None else 0,
@@ -504,7 +504,7 @@ class FusedStack:
                 row += [cache.k[i].data_ptr(), cache.v[i].data_ptr()]
                 rows.append(row)
             params = self._params[key] = torch.tensor(rows, dtype=torch.int64)
-            assert params.shape[1] == kernels.LAYER_PARAMS
+            assert params.shape[1] == cpu_kernels.LAYER_PARAMS
         return params
 
     def usable(self, x: torch.Tensor, cache) -> bool:
@@ -528,10 +528,10 @@ class FusedStack:
         store_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [n, hidden] through every layer (K/V of the n tokens written to ``cache`` at
-        ``slots``/``positions``, or ``store_at``: see ``kernels.attention``); cos/sin [n, head_dim]."""
+        ``slots``/``positions``, or ``store_at``: see ``cpu_kernels.attention``); cos/sin [n, head_dim]."""
         a = self.shape
         _, ss, hs, ps, _ = cache.k.stride()
-        return kernels.decoder_layers(
+        return cpu_kernels.decoder_layers(
             x.contiguous(),
             self._params_for(cache),
             a.rms_norm_eps,

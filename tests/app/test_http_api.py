@@ -202,7 +202,7 @@ def test_openapi_describes_the_client_server_frames_and_links_a_sessions_calls(c
     answers."""
     import dataclasses
 
-    from moa_serve.cs.sessions import ServerIdentity
+    from moa_serve.client_server.sessions import ServerIdentity
 
     schema = client.get("/openapi.json").json()
     ops = {

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from moa_serve.cli import main
 from moa_serve.client import DeviceDrafter, HandshakeError, LinkPolicy, OfflineError, RemoteGenerator, Transport
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.sampling import SamplingParams
 from tests.support.cs_harness import FaultyTransport, OracleProposer, Server, ToySampler, http_client
 

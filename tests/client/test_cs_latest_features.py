@@ -8,7 +8,7 @@ import pytest
 from moa_serve.client import DeviceDrafter
 from moa_serve.drafter.checkpoint import init_drafter
 from moa_serve.drafter.spec import DrafterSpec
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from tests.client.test_cs_client import generator
 from tests.support.cs_harness import serving
 

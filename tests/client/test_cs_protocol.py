@@ -10,10 +10,10 @@ import torch
 
 from moa_serve.app import state
 from moa_serve.client.adaptive import KController, best_k, expected_tokens
-from moa_serve.cs import wire
-from moa_serve.cs.sessions import ClientSessions, CSError, Resync
+from moa_serve.client_server import wire
+from moa_serve.client_server.sessions import ClientSessions, CSError, Resync
 from moa_serve.engine.feature_policy import AlwaysFeatures
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.engine.options import RoundOptions
 from moa_serve.engine.pool_calls import Pools
 from moa_serve.engine.round_service import RoundService

@@ -9,7 +9,7 @@ import torch
 
 from moa_serve.cli import main
 from moa_serve.commands.fidelity import agreement, first_divergence, score_text
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 
 
 def test_first_divergence_and_agreement():

@@ -6,7 +6,7 @@ import torch
 
 from moa_serve.deployments import fit
 from moa_serve.deployments.config import AppConfig
-from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
+from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner
 
 # Llama-3-8B's proportions (GQA 4:1, untied LM head) at a few layers and a narrow width
 REDUCED = {
@@ -63,7 +63,7 @@ def test_fit_is_within_five_percent_of_what_the_runner_allocates(tmp_path, monke
         str(model_dir), "float32", "cpu", max_sessions=6, max_model_len=256, options=RunnerOptions(packed_weights="off")
     )
     # the GPU's fused q/k/v and gate/up projections are views of one weight each, not copies
-    from moa_serve.layers import fuse_dense_projections
+    from moa_serve.model.layers import fuse_dense_projections
 
     assert fuse_dense_projections(runner.model.model.layers) == 2 * REDUCED["num_hidden_layers"]
     measured = _allocated(runner)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from moa_serve.model.target import TargetModel
 from moa_serve.model_files import load_state_dict, read_config
-from moa_serve.target_model import TargetModel
 
 
 @pytest.fixture(scope="module")

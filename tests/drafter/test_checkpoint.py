@@ -12,9 +12,9 @@ from moa_serve.drafter.checkpoint import load_drafter, save_drafter
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.moa_model import MoADrafter, init_weights
 from moa_serve.drafter.proposer import MoAProposer
+from moa_serve.model.target import TargetArch
 from moa_serve.model_files import read_config
 from moa_serve.protocol import DraftRequest
-from moa_serve.target_model import TargetArch
 
 
 def test_reference_layout_checkpoint_loads(tmp_path, stories_path):

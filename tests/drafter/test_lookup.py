@@ -11,7 +11,7 @@ from moa_serve.drafter.checkpoint import load_draft_vocab
 from moa_serve.drafter.lookup import HybridProposer, NgramIndex, PromptLookupProposer
 from moa_serve.drafter.registry import load_feature_source, load_proposer
 from moa_serve.drafter.spec import DrafterNotFoundError, DrafterSpec
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.protocol import DraftRequest, DraftResult
 from moa_serve.sampling import SamplingParams
 from moa_serve.verifier.acceptance import accept_sampling

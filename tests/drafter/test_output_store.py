@@ -10,7 +10,7 @@ import pytest
 from moa_serve.drafter.lookup import LookupTable, PromptLookupProposer
 from moa_serve.drafter.outputs import OutputStore, load_output_store, read_replies
 from moa_serve.drafter.spec import DrafterNotFoundError, DrafterSpec
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.protocol import DraftRequest
 from tests.engine.test_lossless import NEW_TOKENS, STORY_PROMPTS, hf_greedy
 

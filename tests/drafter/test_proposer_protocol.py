@@ -11,10 +11,10 @@ from moa_serve.drafter.moa_model import TargetParts
 from moa_serve.drafter.proposer import MoAProposer
 from moa_serve.drafter.registry import load_proposer
 from moa_serve.drafter.spec import DrafterSpec
+from moa_serve.model.target import TargetModel
 from moa_serve.model_files import load_state_dict, read_config
 from moa_serve.protocol import DraftRequest
 from moa_serve.sampling import SamplingParams
-from moa_serve.target_model import TargetModel
 from tests.conftest import REPO, SMOLLM
 
 CHECKPOINTS = REPO / "drafter" / "checkpoints"

@@ -4,7 +4,7 @@ a GPU replays from one CUDA graph per call), draft the planned loop's tokens."""
 import pytest
 import torch
 
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from tests.engine.test_lossless import STORY_PROMPTS
 
 

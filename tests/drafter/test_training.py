@@ -89,15 +89,15 @@ def test_every_t_visible_and_staircase():
 
 
 def test_forward_train_matches_cache_layout(stories_path):
+    from moa_serve.model.target import TargetModel
     from moa_serve.model_files import load_state_dict, read_config
-    from moa_serve.target_model import TargetModel
 
     tm = TargetModel.from_state_dict(read_config(stories_path), load_state_dict(stories_path), torch.float32)
     toks = torch.randint(1, 500, (1, 12), generator=torch.Generator().manual_seed(0))
     out = tm.forward_train(toks)
     cache = tm.new_cache(1, 32)
     slot = cache.allocate()
-    from moa_serve.kv_cache import PackedBatch
+    from moa_serve.model.kv_cache import PackedBatch
 
     h = tm.forward_packed(toks[0], PackedBatch(cache, [slot], [0], [12]))[None]
     assert torch.allclose(out["hidden"], h, atol=1e-5)
@@ -149,7 +149,7 @@ def trained_baselines(tmp_path_factory, stories_path):
 
 @pytest.mark.parametrize("kind", ["eagle", "independent", "moa"])
 def test_baseline_proposers_keep_greedy_output(trained_baselines, stories_path, kind):
-    from moa_serve.engine.local import SpeculativeEngine
+    from moa_serve.engine.in_process import SpeculativeEngine
 
     prompts = [[1, 400, 50, 61, 300], [1, 20, 21, 22, 23, 24, 25, 26]]
     plain = SpeculativeEngine.load(str(stories_path), None, "float32", max_sessions=2, max_model_len=128)
@@ -168,9 +168,9 @@ def test_eagle_incremental_drafting_equals_parallel_pass(trained_baselines, stor
     also after a rollback round."""
     from moa_serve.drafter.baselines import EagleProposer
     from moa_serve.drafter.moa_model import TargetParts
+    from moa_serve.model.target import TargetModel
     from moa_serve.model_files import load_state_dict, read_config
     from moa_serve.protocol import DraftRequest
-    from moa_serve.target_model import TargetModel
 
     tm = TargetModel.from_state_dict(read_config(stories_path), load_state_dict(stories_path), torch.float32)
     prop = EagleProposer.load(str(trained_baselines / "tiny-eagle"), target_model=tm, max_sessions=2, max_model_len=64)
@@ -597,7 +597,7 @@ def test_shrink_vocab_keeps_the_most_frequent_draft_tokens_and_the_output(
     reply tokens of the given data (stop tokens kept), and speculative greedy output unchanged."""
     from moa_serve.cli import main
     from moa_serve.drafter.training.data import build_examples, load_conversations, response_counts, stop_token_ids
-    from moa_serve.engine.local import SpeculativeEngine
+    from moa_serve.engine.in_process import SpeculativeEngine
     from moa_serve.model_files import load_tokenizer
 
     data = tmp_path / "data"

@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.engine.session import Session
 from moa_serve.grammar import GrammarSpec
 from moa_serve.protocol import DraftResult, VerifyRequest
 from moa_serve.sampling import SamplingParams
-from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
+from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily went to the park and", "Sam had a red ball. He"]
 NEW_TOKENS = 16

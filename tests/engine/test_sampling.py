@@ -9,8 +9,8 @@ import torch
 from pydantic import ValidationError
 
 from moa_serve.cli_args import CLIError, sampling_params
-from moa_serve.engine.local import SpeculativeEngine
-from moa_serve.kv_cache import PackedBatch
+from moa_serve.engine.in_process import SpeculativeEngine
+from moa_serve.model.kv_cache import PackedBatch
 from moa_serve.sampling import SAMPLING_EPS, SEED_MAX, TEMPERATURE_MAX, SamplingParams, sample, warp_probs
 from moa_serve.verifier.acceptance import accept_sampling
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from moa_serve.engine.events import QueueFullError
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.engine.options import RoundOptions
 from moa_serve.engine.pool_calls import Pools
 from moa_serve.engine.round_service import RoundService

@@ -8,7 +8,7 @@ import re
 import jsonschema
 import pytest
 
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.grammar import GrammarSpec, GrammarViolation, check
 from moa_serve.protocol import VerifyRequest
 from moa_serve.sampling import SamplingParams

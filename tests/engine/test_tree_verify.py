@@ -8,12 +8,12 @@ cache left behind (hence every later token and feature) must be the one plain de
 import pytest
 import torch
 
-from moa_serve import kernels
 from moa_serve.drafter.feature_sources import HiddenFeatures
+from moa_serve.kernels import cpu as cpu_kernels
+from moa_serve.model.target import TargetModel
 from moa_serve.model_files import load_state_dict, read_config
 from moa_serve.protocol import VerifyRequest
-from moa_serve.target_model import TargetModel
-from moa_serve.verifier.torch_runner import TorchTargetRunner
+from moa_serve.verifier.torch.runner import TorchTargetRunner
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def runner_for(target, path: str, features: bool = True) -> TorchTargetRunner:
     if path == "torch":
         r.attention_kernel = False  # masks over torch's attention instead of the kernel's store_at
     elif not r.attention_kernel:
-        pytest.skip(f"attention kernel unavailable: {kernels.unavailable_reason()}")
+        pytest.skip(f"attention kernel unavailable: {cpu_kernels.unavailable_reason()}")
     return r
 
 
@@ -92,8 +92,8 @@ def test_alternatives_give_the_plain_continuation_and_cache(target, path):
 def test_the_kernel_attends_a_stored_elsewhere_token_as_in_its_chain(dtype):
     """A token whose K/V is stored at ``store_at`` (past the chain) and whose position holds another
     token's K/V gets, bitwise, the output it gets with its K/V at its own position."""
-    if kernels.library() is None:
-        pytest.skip(kernels.unavailable_reason())
+    if cpu_kernels.library() is None:
+        pytest.skip(cpu_kernels.unavailable_reason())
     g = torch.Generator().manual_seed(0)
     slots_n, kvh, heads, max_len, hd = 3, 2, 6, 64, 16
     k = torch.randn(slots_n, kvh, max_len, hd, generator=g).to(dtype)
@@ -101,14 +101,14 @@ def test_the_kernel_attends_a_stored_elsewhere_token_as_in_its_chain(dtype):
     q = torch.randn(4, heads, hd, generator=g)
     slots = torch.tensor([0, 1, 2, 0])
     positions = torch.tensor([9, 17, 30, 8])  # 17 and 30 cover a full last block of 8 and a partial one
-    plain = kernels.attention(q, k, v, slots, positions)
+    plain = cpu_kernels.attention(q, k, v, slots, positions)
     moved_k, moved_v, store_at = k.clone(), v.clone(), positions.clone()
     for t, at in ((1, 40), (2, 41)):
         s, p = int(slots[t]), int(positions[t])
         moved_k[s, :, at], moved_v[s, :, at] = k[s, :, p], v[s, :, p]
         moved_k[s, :, p], moved_v[s, :, p] = torch.randn(kvh, hd, generator=g), torch.randn(kvh, hd, generator=g)
         store_at[t] = at
-    got = kernels.attention(q, moved_k, moved_v, slots, positions, store_at)
+    got = cpu_kernels.attention(q, moved_k, moved_v, slots, positions, store_at)
     assert torch.equal(got[[0, 3]], plain[[0, 3]])
     assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2])
 

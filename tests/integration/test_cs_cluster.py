@@ -13,7 +13,7 @@ import pytest
 from moa_serve.app.http import create_app
 from moa_serve.cli import main, prompt_tokens
 from moa_serve.client import DeviceDrafter, RemoteGenerator, Transport
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.model_files import read_config
 from tests.conftest import SMOLLM
 from tests.support.cs_harness import Server, Uvicorn, free_port

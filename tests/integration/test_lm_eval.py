@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from moa_serve.protocol import VerifyRequest
-from moa_serve.verifier.torch_runner import TorchTargetRunner
+from moa_serve.verifier.torch.runner import TorchTargetRunner
 from tests.conftest import REPO
 from tests.support.chat_model import with_chat_template
 from tests.support.ray_harness import serve_run

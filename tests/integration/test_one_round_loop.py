@@ -11,12 +11,12 @@ from moa_serve.deployments.config import AppConfig
 from moa_serve.deployments.pools import PoolReply
 from moa_serve.deployments.router import Router
 from moa_serve.engine import round_loop
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.engine.round_service import RoundService
 from moa_serve.engine.session import Session
 from moa_serve.model_files import load_tokenizer
 from moa_serve.protocol import VerifyRequest
-from moa_serve.verifier.torch_runner import TorchTargetRunner
+from moa_serve.verifier.torch.runner import TorchTargetRunner
 from tests.support.cs_harness import http_client, serving
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily went to the park and"]

@@ -218,7 +218,7 @@ def test_killed_router_mid_generation_loses_nothing(two_routers):
 
 
 def test_client_server_sessions_go_through_the_gateway(two_routers):
-    from moa_serve.cs import wire
+    from moa_serve.client_server import wire
 
     with httpx.Client(base_url=two_routers, timeout=60) as c:
         ident = c.get("/v1/cs").json()

@@ -64,7 +64,7 @@ def cluster():
 def reference():
     """Plain greedy decoding of the target by the torch backend (equal to plain vLLM in float32:
     test_vllm_backend.py)."""
-    from moa_serve.engine.local import SpeculativeEngine
+    from moa_serve.engine.in_process import SpeculativeEngine
 
     engine = SpeculativeEngine.load(str(SMOLLM), None, "float32", max_sessions=4, max_model_len=1024)
     # what the chat route does (the template's default system prompt included)

@@ -17,7 +17,7 @@ from moa_serve.drafter.checkpoint import load_draft_vocab
 from moa_serve.drafter.registry import load_feature_source
 from moa_serve.model_files import load_tokenizer, resolve_model_path, stop_token_ids
 from moa_serve.protocol import DraftResult
-from moa_serve.verifier.torch_runner import TorchTargetRunner
+from moa_serve.verifier.torch.runner import TorchTargetRunner
 
 
 class Server(LocalStack):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moa_serve import kernels
-from moa_serve.layers import DecoderLayer, LayerShape, fuse_dense_projections
+from moa_serve.kernels import cpu as cpu_kernels
+from moa_serve.model.layers import DecoderLayer, LayerShape, fuse_dense_projections
 from moa_serve.protocol import DraftRequest
 from tools.gpu.replay import ReplayProposer, corruption_for, tau_for
 
@@ -150,4 +150,4 @@ def test_fused_dense_projections_keep_the_layer():
 def test_cpu_kernels_refuse_device_tensors():
     q = torch.empty(1, 4, 16, device="meta")
     with pytest.raises(ValueError, match="CPU tensors only"):
-        kernels.attention(q, q, q, q, q)
+        cpu_kernels.attention(q, q, q, q, q)

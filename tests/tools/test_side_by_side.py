@@ -229,7 +229,7 @@ def test_a_together_run_serves_every_side_at_once_and_moves_the_load_in_passes(t
 
 
 def test_steal_is_the_share_of_the_machines_ticks_the_hypervisor_took():
-    from moa_serve.commands.steal import cpu_ticks, steal_percent
+    from moa_serve.measure.cpu_steal import cpu_ticks, steal_percent
 
     assert steal_percent((1000, 10), (2000, 260)) == 25.0
     assert steal_percent((1000, 10), (1000, 10)) is None and steal_percent(None, (1, 0)) is None

@@ -5,15 +5,15 @@ speculative output is the target's own greedy output, bit for bit, in bf16 too."
 import pytest
 import torch
 
-from moa_serve import kernels
+from moa_serve.kernels import cpu as cpu_kernels
 from moa_serve.kernels.packed import PackedLinear, PackedMatrix, pack_target
-from moa_serve.kv_cache import PackedBatch
+from moa_serve.model.kv_cache import PackedBatch
 from moa_serve.protocol import VerifyRequest
-from moa_serve.verifier.torch_runner import TorchTargetRunner
+from moa_serve.verifier.torch.runner import TorchTargetRunner
 from tests.verifier.test_kernels import assert_rows_batch_invariant
 
 needs_kernels = pytest.mark.skipif(
-    kernels.library() is None, reason=f"packed kernels unavailable here: {kernels.unavailable_reason()}"
+    cpu_kernels.library() is None, reason=f"packed kernels unavailable here: {cpu_kernels.unavailable_reason()}"
 )
 SMOLLM = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -64,11 +64,13 @@ def test_bf16_attention_kernel_is_the_float32_kernel_on_the_widened_cache():
     q = _bf16(7, heads, hd, seed=3)
     tok_slots = torch.tensor([0, 0, 0, 2, 3, 3, 1])
     positions = torch.tensor([5, 6, 7, 0, 30, 31, 12])
-    out = kernels.attention(q, k, v, tok_slots, positions)
+    out = cpu_kernels.attention(q, k, v, tok_slots, positions)
     assert out.dtype == torch.bfloat16
-    assert torch.equal(out, kernels.attention(q.float(), k.float(), v.float(), tok_slots, positions).bfloat16())
+    assert torch.equal(out, cpu_kernels.attention(q.float(), k.float(), v.float(), tok_slots, positions).bfloat16())
     for i in range(7):
-        assert torch.equal(kernels.attention(q[i : i + 1], k, v, tok_slots[i : i + 1], positions[i : i + 1])[0], out[i])
+        assert torch.equal(
+            cpu_kernels.attention(q[i : i + 1], k, v, tok_slots[i : i + 1], positions[i : i + 1])[0], out[i]
+        )
 
 
 # ------------------------------------------------------------------ a bf16 target through the runner
@@ -125,8 +127,8 @@ def test_tiny_bf16_target_is_packed_and_batch_invariant(tiny_model):
 
 def test_bf16_without_kernels_runs_plain_torch(tiny_model, monkeypatch):
     """No AVX2 / no compiler / MOA_KERNELS=off: nothing is packed, torch attention, still verifies."""
-    monkeypatch.setattr(kernels, "library", lambda: None)
-    monkeypatch.setattr(kernels, "unavailable_reason", lambda: "MOA_KERNELS=off")
+    monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "MOA_KERNELS=off")
     runner = _bf16_runner(tiny_model)
     assert runner.packing == {"packed": 0, "reason": "MOA_KERNELS=off"}
     assert not runner.attention_kernel
@@ -137,8 +139,8 @@ def test_bf16_without_kernels_runs_plain_torch(tiny_model, monkeypatch):
 
 @needs_kernels
 def test_float32_model_is_not_packed_as_bf16(tiny_model):
+    from moa_serve.model.target import TargetModel
     from moa_serve.model_files import load_state_dict, read_config
-    from moa_serve.target_model import TargetModel
 
     model = TargetModel.from_state_dict(read_config(tiny_model), load_state_dict(tiny_model), torch.float32)
     report = pack_target(model, tiny_model)
@@ -147,10 +149,10 @@ def test_float32_model_is_not_packed_as_bf16(tiny_model):
 
 @pytest.fixture(scope="module")
 def smollm_bf16():
-    from moa_serve.engine.local import SpeculativeEngine
+    from moa_serve.engine.in_process import SpeculativeEngine
 
-    if kernels.library() is None:
-        pytest.skip(f"packed kernels unavailable here: {kernels.unavailable_reason()}")
+    if cpu_kernels.library() is None:
+        pytest.skip(f"packed kernels unavailable here: {cpu_kernels.unavailable_reason()}")
     return SpeculativeEngine.load(SMOLLM, None, "bfloat16", max_sessions=8, max_model_len=1024)
 
 
@@ -196,7 +198,7 @@ def test_smollm2_bf16_greedy_speculative_is_plain_greedy(smollm_bf16):
     acceptance and rollback at every depth) reproduces plain bf16 greedy decoding exactly, one
     session at a time and with sessions sharing verify calls."""
     from moa_serve.cli import prompt_tokens
-    from moa_serve.engine.local import SpeculativeEngine
+    from moa_serve.engine.in_process import SpeculativeEngine
     from tests.engine.test_lossless import NoisyOracle
 
     spec = smollm_bf16

@@ -66,7 +66,7 @@ def test_interpreted_split_k_matmul_adds_its_ranges_in_a_fixed_order():
 @interpreted
 def test_interpreted_rms_norm_matches_the_module_row_by_row():
     from moa_serve.kernels import gpu_invariant
-    from moa_serve.layers import RMSNorm
+    from moa_serve.model.layers import RMSNorm
 
     g = torch.Generator().manual_seed(3)
     norm = RMSNorm(96, 1e-5)
@@ -85,11 +85,11 @@ def test_interpreted_rms_norm_matches_the_module_row_by_row():
 
 @interpreted
 def test_interpreted_chunked_attention_matches_the_cpu_kernel_across_chunks():
-    from moa_serve import kernels
+    from moa_serve.kernels import cpu as cpu_kernels
     from moa_serve.kernels import gpu_invariant
 
-    if kernels.library() is None:
-        pytest.skip(kernels.unavailable_reason())
+    if cpu_kernels.library() is None:
+        pytest.skip(cpu_kernels.unavailable_reason())
     g = torch.Generator().manual_seed(4)
     slots_n, kv_heads, length, hd, heads = 2, 2, 700, 16, 6  # chunks of 256 keys: 3 per slot
     assert gpu_invariant.attention_chunk(length + 1) == 256
@@ -100,7 +100,7 @@ def test_interpreted_chunked_attention_matches_the_cpu_kernel_across_chunks():
     positions = torch.tensor([0, 255, 256, 511, 690])  # first key, both sides of a chunk edge, the last chunk
     store_at = torch.tensor([0, 255, 256, 700, 690])  # token 3's own key sits in the scratch column
     got = gpu_invariant.chunked_slot_attention(q, k, v, slots, positions, store_at)
-    torch.testing.assert_close(got, kernels.attention(q, k, v, slots, positions, store_at), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, cpu_kernels.attention(q, k, v, slots, positions, store_at), rtol=1e-5, atol=1e-5)
     for i in range(5):
         assert torch.equal(
             gpu_invariant.chunked_slot_attention(
@@ -141,8 +141,8 @@ def test_interpreted_verifier_on_the_chunked_attention_is_lossless():
     greedy output, batched and alone."""
     import random
 
-    from moa_serve.engine.local import SpeculativeEngine
-    from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
+    from moa_serve.engine.in_process import SpeculativeEngine
+    from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner
     from tools.gpu.harness import TOY_LLAMA, random_target
     from tools.gpu.replay import ReplayProposer
 
@@ -175,7 +175,7 @@ def test_interpreted_verifier_on_the_chunked_attention_is_lossless():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_interpreted_rope_store_is_apply_rope_and_the_cache_writes(dtype):
     from moa_serve.kernels import gpu_invariant
-    from moa_serve.layers import Rotary, apply_rope
+    from moa_serve.model.layers import Rotary, apply_rope
 
     g = torch.Generator().manual_seed(6)
     n, heads, kv_heads, hd, slots_n, length = 5, 6, 2, 16, 3, 30
@@ -214,11 +214,11 @@ def test_tile_config_splits_k_only_for_weights_too_narrow_to_fill_the_gpu():
 
 @interpreted
 def test_interpreted_slot_attention_matches_the_cpu_kernel():
-    from moa_serve import kernels
+    from moa_serve.kernels import cpu as cpu_kernels
     from moa_serve.kernels import gpu_invariant
 
-    if kernels.library() is None:
-        pytest.skip(kernels.unavailable_reason())
+    if cpu_kernels.library() is None:
+        pytest.skip(cpu_kernels.unavailable_reason())
     g = torch.Generator().manual_seed(1)
     slots_n, kv_heads, length, hd, heads = 3, 2, 40, 16, 6
     k = torch.randn(slots_n, kv_heads, length + 1, hd, generator=g)
@@ -228,7 +228,7 @@ def test_interpreted_slot_attention_matches_the_cpu_kernel():
     positions = torch.tensor([3, 4, 0, 39, 7, 36])
     store_at = torch.tensor([3, 4, 0, 39, 40, 37])  # token 4 is an alternative stored past its chain
     got = gpu_invariant.slot_attention(q, k, v, slots, positions, store_at)
-    torch.testing.assert_close(got, kernels.attention(q, k, v, slots, positions, store_at), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, cpu_kernels.attention(q, k, v, slots, positions, store_at), rtol=1e-5, atol=1e-5)
     for i in range(6):  # each token alone: bitwise its row of the batch
         assert torch.equal(
             gpu_invariant.slot_attention(
@@ -243,7 +243,7 @@ def test_interpreted_verifier_on_the_gpu_kernels_is_lossless(stories_path, stori
     """The whole verifier on the Triton kernels (matmuls and attention) and the fixed-shape forward,
     the drafter's later steps as fixed shapes on the Triton attention: speculative greedy output is
     the same runner's plain greedy output, batched or alone."""
-    from moa_serve.engine.local import SpeculativeEngine
+    from moa_serve.engine.in_process import SpeculativeEngine
     from tests.engine.test_lossless import STORY_PROMPTS
 
     spec = SpeculativeEngine.load(

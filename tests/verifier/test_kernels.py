@@ -5,11 +5,11 @@ packed layers that decode exactly like the float32 target at greedy."""
 import pytest
 import torch
 
-from moa_serve import kernels
+from moa_serve.kernels import cpu as cpu_kernels
 from moa_serve.kernels.packed import PackedLinear, PackedMatrix, pack_target
 
 pytestmark = pytest.mark.skipif(
-    kernels.library() is None, reason=f"packed kernels unavailable here: {kernels.unavailable_reason()}"
+    cpu_kernels.library() is None, reason=f"packed kernels unavailable here: {cpu_kernels.unavailable_reason()}"
 )
 
 
@@ -39,7 +39,7 @@ def test_dequantization_is_bitwise_gguf(kind):
     p = _random_packed(kind, 37, 96)
     assert torch.equal(p.dequantize(), _reference_dequant(p))
     ids = torch.tensor([5, 0, 36, 5])
-    assert torch.equal(kernels.dequantize_rows(kind, p.qs, p.d, p.m, ids), _reference_dequant(p)[ids])
+    assert torch.equal(cpu_kernels.dequantize_rows(kind, p.qs, p.d, p.m, ids), _reference_dequant(p)[ids])
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
@@ -77,7 +77,7 @@ def test_a_rows_output_does_not_depend_on_the_batch(kind):
 
 
 needs_bf16_products = pytest.mark.skipif(
-    not kernels.bf16_dot_available(),
+    not cpu_kernels.bf16_dot_available(),
     reason="matmul precision medium needs AVX512-BF16 (avx512f/bw/vl + avx512_bf16); this CPU multiplies in float32",
 )
 
@@ -122,7 +122,7 @@ def test_bf16_products_without_the_instruction_are_refused(monkeypatch):
     """Where the CPU lacks AVX512-BF16 (here: switched off) a bf16-product matmul raises instead of
     computing something else; an unknown precision is refused by name."""
     monkeypatch.setenv("MOA_BF16_DOT", "off")
-    assert not kernels.bf16_dot_available()
+    assert not cpu_kernels.bf16_dot_available()
     p = _random_packed("q4_1", 8, 64)
     with pytest.raises(RuntimeError, match="AVX512-BF16"):
         PackedLinear(_with_bf16_products(p))(torch.randn(2, 64))
@@ -178,7 +178,9 @@ def test_int8_products_are_batch_invariant(kind):
     assert_rows_batch_invariant(lin, torch.randn(130, 256, generator=torch.Generator().manual_seed(2)))
 
 
-@pytest.mark.skipif(not kernels.int8_vnni_in_use(), reason="the CPU has no AVX512-VNNI: only the AVX2 path runs here")
+@pytest.mark.skipif(
+    not cpu_kernels.int8_vnni_in_use(), reason="the CPU has no AVX512-VNNI: only the AVX2 path runs here"
+)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_int8_products_are_the_same_bits_with_vnni_and_avx2(kind):
     """VPDPBUSD (AVX512-VNNI) and VPMADDUBSW + VPMADDWD (AVX2) sum the same exact integer products:
@@ -186,7 +188,7 @@ def test_int8_products_are_the_same_bits_with_vnni_and_avx2(kind):
     lin = PackedLinear(_with_int8_products(_random_packed(kind, 61, 256)))
     x = torch.randn(21, 256, generator=torch.Generator().manual_seed(4))
     with_vnni = lin(x)
-    lib = kernels.library()
+    lib = cpu_kernels.library()
     try:
         assert lib.moa_int8_vnni(0) == 0
         assert torch.equal(lin(x), with_vnni)
@@ -213,7 +215,7 @@ def test_packed_linear_bias_shapes_and_dtype():
 
 @pytest.mark.slow
 def test_smollm2_gguf_target_is_packed_and_decodes_like_float32():
-    from moa_serve.engine.local import SpeculativeEngine
+    from moa_serve.engine.in_process import SpeculativeEngine
     from moa_serve.model_files import resolve_model_path
     from moa_serve.sampling import SamplingParams
 
@@ -252,7 +254,7 @@ def test_smollm2_with_rounded_products_speculates_losslessly(kv, precision, prod
     drafts accepted) gives the same tokens as that target decoding alone, several sessions sharing
     each forward."""
     from moa_serve.cli_args import prompt_tokens
-    from moa_serve.engine.local import SpeculativeEngine
+    from moa_serve.engine.in_process import SpeculativeEngine
     from moa_serve.model_files import resolve_model_path
     from moa_serve.sampling import SamplingParams
 
@@ -279,8 +281,8 @@ def test_smollm2_with_rounded_products_speculates_losslessly(kv, precision, prod
 
 @pytest.mark.slow
 def test_pack_target_refuses_what_it_cannot_pack(tmp_path, stories_path):
+    from moa_serve.model.target import TargetModel
     from moa_serve.model_files import load_state_dict, read_config
-    from moa_serve.target_model import TargetModel
 
     model = TargetModel.from_state_dict(read_config(stories_path), load_state_dict(stories_path), torch.float32)
     report = pack_target(model, stories_path)  # safetensors, no GGUF
@@ -306,7 +308,7 @@ def test_attention_kernel_matches_sdpa_and_is_batch_invariant(kv_heads, heads, h
     q = torch.randn(8, heads, hd, generator=g)
     tok_slots = torch.tensor([0, 0, 0, 2, 3, 3, 1, 1])
     positions = torch.tensor([5, 6, 7, 0, 30, 31, 12, 40])
-    out = kernels.attention(q, k, v, tok_slots, positions)
+    out = cpu_kernels.attention(q, k, v, tok_slots, positions)
     for i in range(len(q)):
         s, p = int(tok_slots[i]), int(positions[i])
         keys = k[s, :, : p + 1].float().repeat_interleave(heads // kv_heads, 0)  # [H, p+1, hd]
@@ -314,7 +316,9 @@ def test_attention_kernel_matches_sdpa_and_is_batch_invariant(kv_heads, heads, h
         ref = F.scaled_dot_product_attention(q[i][:, None], keys, vals)[:, 0]
         torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
         # alone in the call (other head grouping, other tasks): bitwise the same
-        assert torch.equal(kernels.attention(q[i : i + 1], k, v, tok_slots[i : i + 1], positions[i : i + 1])[0], out[i])
+        assert torch.equal(
+            cpu_kernels.attention(q[i : i + 1], k, v, tok_slots[i : i + 1], positions[i : i + 1])[0], out[i]
+        )
 
 
 def _quantize_q8_0(w: torch.Tensor) -> PackedMatrix:
@@ -326,7 +330,7 @@ def _quantize_q8_0(w: torch.Tensor) -> PackedMatrix:
 
 
 def _pack_all_linears_q8_0(model) -> None:
-    from moa_serve.layers import Linear
+    from moa_serve.model.layers import Linear
 
     for name, module in list(model.named_modules()):
         for attr, child in list(module.named_children()):
@@ -336,8 +340,8 @@ def _pack_all_linears_q8_0(model) -> None:
 
 def _tiny_packed_model(tiny_model, fused: bool, products: str = "float32"):
     from moa_serve.kernels.packed import FusedStack, fuse_projections
+    from moa_serve.model.target import TargetModel
     from moa_serve.model_files import load_state_dict, read_config
-    from moa_serve.target_model import TargetModel
 
     model = TargetModel.from_state_dict(read_config(tiny_model), load_state_dict(tiny_model), torch.float32)
     _pack_all_linears_q8_0(model)  # a random Llama has no GGUF: quantize its matrices here
@@ -360,7 +364,7 @@ def test_verify_logits_do_not_depend_on_drafts_or_neighbours(tiny_model, fused, 
     bit, whatever shares the round) — through torch layer by layer or the fused layer stack, with
     float32, bfloat16 (matmul precision medium) or 8-bit products (low), over a float32 or bfloat16
     KV cache."""
-    from moa_serve.kv_cache import PackedBatch
+    from moa_serve.model.kv_cache import PackedBatch
 
     monkeypatch.delenv("MOA_FUSED_LAYERS", raising=False)  # the path under test, whatever the shell says
 
@@ -391,7 +395,7 @@ def test_fused_stack_computes_the_per_layer_forward(tiny_model, kv, monkeypatch)
     """The fused layer stack (one kernel call for all layers) gives the per-layer torch forward's
     hidden states and K/V cache to float32 rounding (over a bfloat16 cache: K/V to one bf16 rounding,
     written from values that differ in the last float32 bits), prefill chunks and decode steps mixed."""
-    from moa_serve.kv_cache import PackedBatch
+    from moa_serve.model.kv_cache import PackedBatch
 
     monkeypatch.delenv("MOA_FUSED_LAYERS", raising=False)
     fused, plain = _tiny_packed_model(tiny_model, True), _tiny_packed_model(tiny_model, False)
@@ -431,7 +435,7 @@ def test_auto_dtype_on_a_cpu_is_float32_for_a_gguf_target_even_with_native_bf16(
 def test_a_bf16_kv_cache_needs_the_attention_kernel_under_a_float32_target(tiny_model, monkeypatch):
     """torch's attention over a bf16 cache would need float32 queries cast down: a float32 runner is
     refused a bf16 cache where the kernels do not run, and an unknown cache dtype is refused by name."""
-    from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
+    from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         TorchTargetRunner(str(tiny_model), "float32", max_sessions=1, options=RunnerOptions(kv_cache_dtype="fp8"))
@@ -439,7 +443,7 @@ def test_a_bf16_kv_cache_needs_the_attention_kernel_under_a_float32_target(tiny_
         str(tiny_model), "float32", max_sessions=1, options=RunnerOptions(kv_cache_dtype="bfloat16")
     )
     assert runner.cache.k.dtype == torch.bfloat16 and runner.attention_kernel
-    monkeypatch.setattr(kernels, "library", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: None)
     with pytest.raises(
         ValueError, match="kv_cache_dtype bfloat16 with a float32 target needs the CPU attention kernel"
     ):

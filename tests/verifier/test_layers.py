@@ -1,10 +1,10 @@
-"""The shared Llama building blocks (``moa_serve.layers``) under the memory layouts a GPU gives them."""
+"""The shared Llama building blocks (``moa_serve.model.layers``) under the memory layouts a GPU gives them."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from moa_serve.layers import attend
+from moa_serve.model.layers import attend
 
 
 def _strided_sdpa(real):

@@ -1,4 +1,4 @@
-"""The verifier's fixed-shape forward (verifier/static_forward.py: what a GPU replays from CUDA
+"""The verifier's fixed-shape forward (verifier/torch/static_forward.py: what a GPU replays from CUDA
 graphs) gives the tokens of the planned forward, and a verifier's memory stays flat."""
 
 import gc
@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.protocol import VerifyRequest
-from moa_serve.verifier.static_forward import StaticForward, packed_layout
-from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
+from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner
+from moa_serve.verifier.torch.static_forward import StaticForward, packed_layout
 from tests.engine.test_lossless import STORY_PROMPTS
 
 NEW_TOKENS = 20
@@ -114,7 +114,7 @@ def test_a_forward_outside_inference_mode_leaves_no_autograd_graph_on_the_cache(
     forward's activations to the KV cache (each write would keep the last one's graph alive)."""
     runner = TorchTargetRunner(str(stories_path), "float32", max_sessions=2)
     assert not any(p.requires_grad for p in runner.model.parameters())
-    from moa_serve.kv_cache import PackedBatch
+    from moa_serve.model.kv_cache import PackedBatch
 
     hidden = runner.model.forward_packed(torch.tensor([1, 2, 3]), PackedBatch(runner.cache, [0], [0], [3]))
     assert runner.cache.k.grad_fn is None and not hidden.requires_grad

@@ -4,11 +4,11 @@ drafts is rolled back, and a replica that does not hold a session re-prefills it
 import pytest
 import torch
 
-from moa_serve.kv_cache import PackedBatch
+from moa_serve.model.kv_cache import PackedBatch
+from moa_serve.model.target import TargetModel
 from moa_serve.model_files import load_state_dict, read_config
 from moa_serve.protocol import VerifyRequest
-from moa_serve.target_model import TargetModel
-from moa_serve.verifier.torch_runner import TorchTargetRunner
+from moa_serve.verifier.torch.runner import TorchTargetRunner
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,11 @@ resync, LRU eviction when the cache is full."""
 import pytest
 import torch
 
+from moa_serve.model.target import TargetModel
 from moa_serve.model_files import load_state_dict, read_config
 from moa_serve.protocol import VerifyRequest
-from moa_serve.target_model import TargetModel
-from moa_serve.verifier.torch_runner import ContextTooLongError, RunnerOptions, TorchTargetRunner, common_prefix
+from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner
+from moa_serve.verifier.torch.slots import ContextTooLongError, common_prefix
 
 
 @pytest.fixture(scope="module")

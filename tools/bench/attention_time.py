@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from moa_serve import kernels
+from moa_serve.kernels import cpu as cpu_kernels
 from tools.bench.matmul_precisions import time_call
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--keys", default="128,256,512", help="context lengths, comma-separated")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
-    if kernels.library() is None:
-        raise SystemExit(f"packed kernels unavailable here: {kernels.unavailable_reason()}")
+    if cpu_kernels.library() is None:
+        raise SystemExit(f"packed kernels unavailable here: {cpu_kernels.unavailable_reason()}")
     torch.set_num_threads(args.threads)
     sessions = [int(x) for x in args.batch.split(",")]
     keys = [int(x) for x in args.keys.split(",")]
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
             v = torch.randn(n, KV_HEADS, length, HEAD_DIM, generator=g).to(torch.bfloat16)
             q = torch.randn(n, HEADS, HEAD_DIM, generator=g)
             slots, positions = torch.arange(n), torch.full((n,), length - 1)
-            ms = time_call(lambda: kernels.attention(q, k, v, slots, positions))
+            ms = time_call(lambda: cpu_kernels.attention(q, k, v, slots, positions))
             gbps = (k.numel() + v.numel()) * 2 / (ms * 1e-3) / 1e9
             print(f"| {n} | {length} | {ms:.3f} | {gbps:.1f} |", flush=True)
 

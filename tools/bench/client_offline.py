@@ -27,8 +27,9 @@ from moa_serve.commands.cs_bench import server_stack
 from moa_serve.commands.cs_local_stack import UvicornThread
 from moa_serve.commands.netem import netem_proxy
 from moa_serve.drafter.spec import DrafterSpec
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.kernels.packed import pack_target
+from moa_serve.model.target import TargetModel
 from moa_serve.model_files import (
     load_state_dict,
     load_tokenizer,
@@ -38,8 +39,7 @@ from moa_serve.model_files import (
     stop_token_ids,
 )
 from moa_serve.sampling import GREEDY
-from moa_serve.target_model import TargetModel
-from moa_serve.verifier.torch_runner import TorchTargetRunner
+from moa_serve.verifier.torch.runner import TorchTargetRunner
 
 PORTS = (8400, 8500)
 PROMPT = "Explain why the sky is blue in a short paragraph."

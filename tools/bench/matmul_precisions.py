@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from moa_serve import kernels
+from moa_serve.kernels import cpu as cpu_kernels
 from moa_serve.kernels.packed import PRECISION_PRODUCTS, PackedMatrix, gguf_file
 from moa_serve.model_files import resolve_model_path
 
@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, help="also write the table here")
     args = p.parse_args(argv)
-    if kernels.library() is None:
-        raise SystemExit(f"packed kernels unavailable here: {kernels.unavailable_reason()}")
+    if cpu_kernels.library() is None:
+        raise SystemExit(f"packed kernels unavailable here: {cpu_kernels.unavailable_reason()}")
     import gguf
 
     torch.set_num_threads(args.threads)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.target}: no GGUF file")
     reader = gguf.GGUFReader(path)
     matrices = {t.name: PackedMatrix.from_gguf(t) for t in reader.tensors if t.name in MATRICES}
-    precisions = [prec for prec in PRECISION_PRODUCTS if prec != "medium" or kernels.bf16_dot_available()]
+    precisions = [prec for prec in PRECISION_PRODUCTS if prec != "medium" or cpu_kernels.bf16_dot_available()]
     rows = [int(r) for r in args.rows.split(",")]
     lines = [
         f"Milliseconds per matmul (median), {args.threads} threads, {platform.processor() or platform.machine()}, "

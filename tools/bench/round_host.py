@@ -43,11 +43,11 @@ from moa_serve.drafter.moa_model import TargetParts  # noqa: E402
 from moa_serve.drafter.proposer import MoAProposer  # noqa: E402
 from moa_serve.drafter.static_steps import StaticDraftSteps  # noqa: E402
 from moa_serve.engine.events import Tracked  # noqa: E402
-from moa_serve.engine.local import SpeculativeEngine  # noqa: E402
+from moa_serve.engine.in_process import SpeculativeEngine  # noqa: E402
 from moa_serve.verifier.api import NO_FEATURES  # noqa: E402
-from moa_serve.verifier.static_features import StaticFeatures  # noqa: E402
-from moa_serve.verifier.static_forward import StaticForward  # noqa: E402
-from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner  # noqa: E402
+from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner  # noqa: E402
+from moa_serve.verifier.torch.static_features import StaticFeatures  # noqa: E402
+from moa_serve.verifier.torch.static_forward import StaticForward  # noqa: E402
 from tools.gpu.harness import TOY_LLAMA, random_moa, random_target  # noqa: E402
 from tools.gpu.replay import ReplayProposer, corruption_for  # noqa: E402
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.model_files import resolve_model_path
 from moa_serve.protocol import VerifyRequest
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jsonschema
 
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.grammar import GrammarSpec
 
 TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -9,7 +9,7 @@ Their bodies cannot be made always acceptable by any schema: a binary frame's va
 layout (a length prefix that must match what follows) that JSON Schema cannot express, and a
 well-formed create or verify is accepted only with the server's own model fingerprints, token ids
 inside its vocabulary and the session's next round, which are the server's state, not the schema's.
-Such a body gets a documented ``400`` naming what is wrong (``app/cs.py``); every other check,
+Such a body gets a documented ``400`` naming what is wrong (``app/client_server.py``); every other check,
 ``not_a_server_error`` and ``status_code_conformance`` included, still runs on those two operations.
 
     python -m tools.cluster.fuzz_served --config deployments/configs/local-cpu.yaml \\

@@ -40,15 +40,9 @@ from pathlib import Path
 import httpx
 
 from moa_serve.deployments.config import AppConfig
+from tools.prompts import STORY_PROMPTS
 
-PROMPTS = [
-    "Once upon a time",
-    "The little dog",
-    "Lily went to the park and",
-    "One day, a boy named Tim",
-    "The sun was",
-    "Sam had a red ball. He",
-]
+PROMPTS = STORY_PROMPTS[:6]
 HEAD_RESOURCES = {"router_node": 1, "drafter_node": 1, "verifier_node": 1}
 NODE_B_RESOURCES = {"verifier_node": 1}
 

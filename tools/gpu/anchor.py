@@ -1,7 +1,7 @@
 """The anchor of the GPU check: one plain-PyTorch decode step over the target's own weights,
 replayed from a CUDA graph — the speed a torch verifier can aim at on the card in the same run.
 
-The step is the layer math of ``moa_serve.layers`` written straight (fused q/k/v and gate/up
+The step is the layer math of ``moa_serve.model.layers`` written straight (fused q/k/v and gate/up
 GEMMs on cuBLAS, RMSNorm, RoPE-free attention with SDPA over a fixed ``context``-token cache, LM
 head and argmax), no cache writes, no host work: a floor, not a server. Off CUDA it runs eagerly.
 """

@@ -54,7 +54,7 @@ def _import_project() -> None:
     if importlib.util.find_spec("pydantic") is None and site.is_dir():
         sys.path.insert(0, str(site))
     try:
-        importlib.import_module("moa_serve.target_model")
+        importlib.import_module("moa_serve.model.target")
         return
     except ModuleNotFoundError as e:
         if not (e.name or "").startswith("moa_serve"):

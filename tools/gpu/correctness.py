@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from moa_serve.drafter.checkpoint import init_drafter
-from moa_serve.engine.local import SpeculativeEngine
-from moa_serve.kv_cache import PackedBatch
-from moa_serve.verifier.torch_runner import TorchTargetRunner
+from moa_serve.engine.in_process import SpeculativeEngine
+from moa_serve.model.kv_cache import PackedBatch
+from moa_serve.verifier.torch.runner import TorchTargetRunner
 from tools.gpu.harness import (
     ROOT,
     STORY_PROMPTS,

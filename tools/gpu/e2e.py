@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from moa_serve.engine.local import SpeculativeEngine
-from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
+from moa_serve.engine.in_process import SpeculativeEngine
+from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner
 from tools.gpu.anchor import anchor_row
 from tools.gpu.harness import (
     Run,

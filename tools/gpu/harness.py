@@ -14,10 +14,11 @@ import torch
 from moa_serve import synthetic
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.moa_model import MoADrafter
-from moa_serve.layers import Rotary
+from moa_serve.model.layers import Rotary
+from moa_serve.model.target import TargetModel
 from moa_serve.synthetic import randomize_
-from moa_serve.target_model import TargetModel
 from tools.gpu.report import markdown
+from tools.prompts import STORY_PROMPTS as PROMPTS
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
@@ -49,24 +50,7 @@ TOY_LLAMA = dict(
     tie_word_embeddings=False,
 )
 
-STORY_PROMPTS = [
-    "Once upon a time",
-    "The little dog",
-    "Lily went to the park and",
-    "One day, a boy named Tim",
-    "The sun was",
-    "Sam had a red ball. He",
-    "There was a big tree",
-    "Mom said",
-    "The cat and the bird",
-    "A girl found a shiny",
-    "Tom was sad because",
-    "They played all day",
-    "The fish swam",
-    "Ben wanted to",
-    "It was a rainy day",
-    "The princess",
-]
+STORY_PROMPTS = PROMPTS[:16]
 
 FULL = dict(
     verify_b=[1, 8, 32, 128],

@@ -12,7 +12,7 @@ from moa_serve.deployments.config import AppConfig
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.moa_model import TargetParts
 from moa_serve.drafter.proposer import MoAProposer
-from moa_serve.kv_cache import PackedBatch
+from moa_serve.model.kv_cache import PackedBatch
 from moa_serve.protocol import DraftRequest
 from tools.gpu.harness import (
     LLAMA3_8B,

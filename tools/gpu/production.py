@@ -13,14 +13,14 @@ from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.feature_sources import MoAFeatures
 from moa_serve.drafter.moa_model import TargetParts
 from moa_serve.drafter.proposer import MoAProposer
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.kernels import gpu_invariant
-from moa_serve.kv_cache import PackedBatch
-from moa_serve.layers import use_matmul
+from moa_serve.model.kv_cache import PackedBatch
+from moa_serve.model.layers import use_matmul
+from moa_serve.model.target import TargetArch, TargetModel
 from moa_serve.protocol import DraftRequest, VerifyRequest
-from moa_serve.target_model import TargetArch, TargetModel
-from moa_serve.verifier.static_forward import StaticForward
-from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
+from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner
+from moa_serve.verifier.torch.static_forward import StaticForward
 from tools.gpu.correctness import invariance_probe
 from tools.gpu.harness import (
     GiB,

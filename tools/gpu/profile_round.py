@@ -35,8 +35,8 @@ from moa_serve.drafter.config import DrafterConfig  # noqa: E402
 from moa_serve.drafter.feature_sources import MoAFeatures  # noqa: E402
 from moa_serve.drafter.moa_model import TargetParts  # noqa: E402
 from moa_serve.drafter.proposer import MoAProposer  # noqa: E402
-from moa_serve.engine.local import SpeculativeEngine  # noqa: E402
-from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner  # noqa: E402
+from moa_serve.engine.in_process import SpeculativeEngine  # noqa: E402
+from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner  # noqa: E402
 from tools.gpu.harness import LLAMA3_8B, TOY_LLAMA, random_moa, random_target, sync  # noqa: E402
 from tools.gpu.production import prefill  # noqa: E402
 

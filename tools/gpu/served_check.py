@@ -37,21 +37,13 @@ import torch
 import yaml
 
 from moa_serve import cli
-from moa_serve.engine.local import SpeculativeEngine
+from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.loadtest import runner
+from tools.prompts import STORY_PROMPTS
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "deployments" / "configs" / "gpu-1x.yaml"
-PROMPTS = [
-    "Once upon a time",
-    "The little dog",
-    "Lily went to the park and",
-    "One day, a boy named Tim",
-    "The sun was",
-    "Sam had a red ball. He",
-    "There was a big tree",
-    "Mom said",
-]
+PROMPTS = STORY_PROMPTS[:8]
 # per device: the served target and drafter, the synthetic target, new tokens, load seconds per level
 PLANS = {
     "cuda": dict(

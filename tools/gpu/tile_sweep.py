@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     out_file = a.out / "tile_sweep.json"
 
     # torch's RMSNorm arithmetic vs the Triton one: a row alone vs among 64 / 512 (hidden 4096)
-    from moa_serve.layers import RMSNorm
+    from moa_serve.model.layers import RMSNorm
 
     norm = RMSNorm(4096, 1e-5).to(dev, torch.bfloat16)
     xs = torch.randn(512, 4096, device=dev, dtype=torch.bfloat16, generator=g)

@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from moa_serve.commands.steal import cpu_ticks, steal_percent
+from moa_serve.measure.cpu_steal import cpu_ticks, steal_percent
 from tools.side_by_side import together
 from tools.side_by_side.report import fmt, write_reports
 from tools.side_by_side.servers import (

@@ -21,14 +21,14 @@ from typing import Callable
 
 from moa_serve.engine.draft_length import DraftLength
 from moa_serve.engine.governor import SpeculationGovernor
-from moa_serve.engine.local import GenerationResult
+from moa_serve.engine.in_process import GenerationResult
 from moa_serve.model_files import hf_folder, load_tokenizer, parse_dtype, resolve_model_path, stop_token_ids
 from moa_serve.sampling import GREEDY, SamplingParams
 from moa_serve.verifier.api import FeatureSource
 from moa_serve.verifier.vllm import model as vllm_model
 from moa_serve.verifier.vllm.backend import PROPOSER_CLASS, bind_worker, register_binding
+from moa_serve.verifier.vllm.expand_kernel_fix import fix_cpu_expand_kernel
 from moa_serve.verifier.vllm.feature_cache import PrefixFeatures
-from moa_serve.verifier.vllm.fixes import fix_cpu_expand_kernel
 from moa_serve.verifier.vllm.step_drafting import DraftSource, ProposerSource, StepDrafting, StepFeatures
 
 log = logging.getLogger(__name__)

@@ -212,7 +212,7 @@ def test_feature_buffer_overwrites_rejected_positions_and_refuses_gaps():
 
 
 def test_cpu_expand_kernel_fix_writes_in_place_for_every_dtype():
-    from moa_serve.verifier.vllm.fixes import expand_kernel
+    from moa_serve.verifier.vllm.expand_kernel_fix import expand_kernel
 
     cu = torch.tensor([2, 2, 5], dtype=torch.int32)
     for dtype in (torch.float32, torch.int32, torch.int64):

@@ -103,7 +103,7 @@ def prompts(plain):
 
 @pytest.fixture(scope="module")
 def torch_engine():
-    from moa_serve.engine.local import SpeculativeEngine
+    from moa_serve.engine.in_process import SpeculativeEngine
 
     return SpeculativeEngine.load(str(SMOLLM), MOA, "float32", max_sessions=8, max_model_len=1024)
 
@@ -225,7 +225,7 @@ def long_prompt(plain):
 
 def assert_features_equal_the_torch_backends(engine: VllmEngine, drafter: str, prompt: list[int]) -> None:
     """Greedy tokens and every feature the drafter is sent equal the torch backend's."""
-    from moa_serve.engine.local import SpeculativeEngine
+    from moa_serve.engine.in_process import SpeculativeEngine
 
     torch_engine = SpeculativeEngine.load(str(SMOLLM), drafter, "float32", max_sessions=8, max_model_len=1024)
     rec_v = Recorder(engine.drafting.source)
@@ -337,7 +337,7 @@ def test_a_latest_only_drafter_gets_the_newest_feature_alone_and_needs_no_prefix
     through the eager fallback's hooks alike. Output stays plain vLLM's, and
     a prefix-cache hit needs no stored features (the request still drafts, with the same
     acceptance as the first run)."""
-    from moa_serve.engine.local import SpeculativeEngine
+    from moa_serve.engine.in_process import SpeculativeEngine
 
     engine = request.getfixturevalue(path)
     drafter = MOA if path == "moa" else latest_drafter
@@ -554,7 +554,7 @@ def _tiny_vllm_model(tmp_path_factory):
 
 def test_sampling_follows_the_targets_distribution(tmp_path_factory, request):
     from moa_serve.drafter.checkpoint import init_drafter
-    from moa_serve.engine.local import SpeculativeEngine
+    from moa_serve.engine.in_process import SpeculativeEngine
     from tests.engine.test_sampling import exact_two_token_distribution, tv, tv_bound
 
     tiny = _tiny_vllm_model(tmp_path_factory)

@@ -22,7 +22,7 @@ from moa_serve.grammar import GrammarSpec
 from moa_serve.model_files import load_tokenizer, resolve_model_path, stop_token_ids
 from moa_serve.protocol import DraftRequest, DraftResult, VerifyRequest, VerifyResult
 from moa_serve.sampling import GREEDY, SamplingParams
-from moa_serve.verifier.torch_runner import RunnerOptions, TorchTargetRunner
+from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner
 
 
 @dataclass

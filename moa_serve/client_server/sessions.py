@@ -30,7 +30,7 @@ from typing import Awaitable, Callable
 
 import torch
 
-from moa_serve.cs.fingerprint import drafter_fingerprint, tokenizer_fingerprint
+from moa_serve.client_server.fingerprint import drafter_fingerprint, tokenizer_fingerprint
 from moa_serve.drafter.checkpoint import load_draft_vocab
 from moa_serve.drafter.spec import DrafterSpec
 from moa_serve.engine.events import QueueFullError, Tracked
@@ -77,7 +77,7 @@ class ServerIdentity:
     """What the handshake shows a client (``GET /v1/cs``)."""
 
     model: str
-    target: str  # fingerprints (moa_serve.cs.fingerprint)
+    target: str  # fingerprints (moa_serve.client_server.fingerprint)
     tokenizer: str
     drafter: str | None  # None: the server computes no features
     drafter_kind: str | None

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from moa_serve.drafter.spec import DrafterSpec, resolve_drafter_path
-from moa_serve.target_model import TargetArch
+from moa_serve.model.target import TargetArch
 
 DIGEST_CHARS = 16
 EMBED_ROWS = 64

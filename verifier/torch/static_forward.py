@@ -28,8 +28,8 @@ import logging
 
 import torch
 
-from moa_serve import cuda_graphs
-from moa_serve.kv_cache import PackedBatch, SlotKVCache
+from moa_serve.model import cuda_graphs
+from moa_serve.model.kv_cache import PackedBatch, SlotKVCache
 
 log = logging.getLogger(__name__)
 
@@ -152,14 +152,3 @@ class StaticForward:
         self._graphs[size] = (graph, out)
         self.stats["graph_captures"] += 1
         return graph, out
-
-    def capture_all(self) -> int:
-        """Captures every size now, largest first (they share one memory pool: the largest sizes
-        it), so no request pays a capture. Writes only the scratch column. Returns the count."""
-        if not self.use_graphs:
-            return 0
-        for size in reversed(self.sizes):
-            if size not in self._graphs and self.use_graphs:
-                self._fill(size, [0], [0], [0], [self.cache.max_len])
-                self._capture(size)
-        return len(self._graphs)

@@ -1,4 +1,4 @@
-"""HTTP routes of client-server mode (``/v1/cs``), over ``moa_serve.cs.sessions.ClientSessions``
+"""HTTP routes of client-server mode (``/v1/cs``), over ``moa_serve.client_server.sessions.ClientSessions``
 (installed by the ingress as ``state["cs"]``):
 
 * ``GET /v1/cs`` — the handshake: fingerprints of target / tokenizer / drafter, vocabulary sizes,
@@ -32,12 +32,12 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from moa_serve.app import access, state
-from moa_serve.app.cs_schemas import SESSION_ID, CreateSession, VerifyRound
+from moa_serve.app.client_server_schemas import SESSION_ID, CreateSession, VerifyRound
 from moa_serve.app.errors import error_param, errors, retry_after
 from moa_serve.app.frontend import InputError
 from moa_serve.app.readiness import Readiness, running_frontend
-from moa_serve.cs import wire
-from moa_serve.cs.sessions import ClientSessions, CSError, Reply
+from moa_serve.client_server import wire
+from moa_serve.client_server.sessions import ClientSessions, CSError, Reply
 
 REQUEST_TENSORS = {"draft_probs"}
 SESSION_HEADER = "Session-Id"  # create's answer: the session's id, for the calls that use it (OpenAPI links)
@@ -99,7 +99,7 @@ FRAME_LAYOUT = (
     f"uint32, little-endian, at most {wire.MAX_HEADER}; `header` is that many bytes of UTF-8 JSON, one object, "
     f"whose `tensors` lists each tensor as `[name, dtype, shape]` (dtype one of {', '.join(sorted(wire.DTYPES))}) "
     "in the order their bytes follow; then each tensor's bytes, row-major, little-endian, and nothing after the "
-    "last (moa_serve.cs.wire)."
+    "last (moa_serve.client_server.wire)."
 )
 REQUEST_TENSORS_DOC = {
     "CreateSession": "A create carries no tensors.",

@@ -12,9 +12,9 @@ import heapq
 
 import torch
 
-from moa_serve import kernels
+from moa_serve.kernels import cpu as cpu_kernels
 from moa_serve.kernels import gpu_invariant
-from moa_serve.layers import sdpa
+from moa_serve.model.layers import sdpa
 
 
 class SlotKVCache:
@@ -146,7 +146,7 @@ class PackedBatch:
         kernel: bool = False,
         twins: list[list[int]] | None = None,
     ):
-        """``kernel``: attend with the batch-invariant kernels (``moa_serve.kernels.attention`` on a
+        """``kernel``: attend with the batch-invariant kernels (``moa_serve.kernels.cpu.attention`` on a
         CPU cache of float32 or bfloat16, ``gpu_invariant.attention`` on a GPU): every token alone
         over its own slot, in a fixed order, so its output does not depend on the batch.
         ``twins``: per sequence, the chain index each of its trailing alternatives shares a position
@@ -292,10 +292,10 @@ def invariant_attention(
     store_at: torch.Tensor | None,
 ) -> torch.Tensor:
     """Batch-invariant attention of packed tokens over one slot-cache layer (the contract of
-    ``moa_serve.kernels.attention``): the C kernel on a CPU, the Triton kernel on a GPU (and on a
+    ``moa_serve.kernels.cpu.attention``): the C kernel on a CPU, the Triton kernel on a GPU (and on a
     CPU under Triton's interpreter, which is how the tests reach it)."""
     if q.device.type == "cpu" and not gpu_invariant.available("cpu"):
-        return kernels.attention(q, k, v, slots, positions, store_at)
+        return cpu_kernels.attention(q, k, v, slots, positions, store_at)
     return gpu_invariant.attention(q, k, v, slots, positions, store_at)
 
 

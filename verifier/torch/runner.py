@@ -7,19 +7,8 @@ first, then prefill chunks under a per-forward token budget (``max_num_batched_t
 vLLM's chunked prefill), so a long prompt never stalls the other sessions' rounds: it is
 prefilled over several calls, and answers with no tokens (``prefill_remaining``) until done.
 
-Sessions travel as token deltas (``VerifyRequest.base``); a session this replica does not hold
-answers ``resync``. When every slot is taken, the least recently used session that is not in
-the call is evicted (it resyncs later): a full cache never fails a request.
-
-Prefix caching: a released session's slot keeps its K/V (``retained``, least recently used first,
-given back only when a slot is needed), and a new session starts from the longest prefix of its
-tokens already in the cache: it takes over a retained slot whose tokens it all reuses, or copies the
-shared positions from another slot (live, or retained: a partial match leaves the retained prefix in
-place for a later repeat of its own prompt). A released session frees the retained slots whose
-tokens its own contain. Its prefill then covers only what differs (a repeated prompt: one token; a
-shared system prompt: the rest of the prompt). The fixed-order kernels make a token's K/V independent of
-the batch and chunk it was computed in, so reused positions are bitwise those a fresh prefill
-would write.
+Which slot holds which session, and the prefix cache over released sessions' K/V, live in
+``slots.py``; the fixed-shape forward a CUDA graph replays in ``static_forward.py``.
 """
 
 from __future__ import annotations
@@ -33,12 +22,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moa_serve import kernels
-from moa_serve.grammar import Grammars, GrammarState
+from moa_serve.grammar import Grammars
+from moa_serve.kernels import cpu as cpu_kernels
 from moa_serve.kernels import gpu_invariant
 from moa_serve.kernels.packed import pack_target
-from moa_serve.kv_cache import PackedBatch
-from moa_serve.layers import fuse_dense_projections, use_matmul, use_rms_norm
+from moa_serve.model.kv_cache import PackedBatch
+from moa_serve.model.layers import fuse_dense_projections, use_matmul, use_rms_norm
+from moa_serve.model.target import TargetModel
 from moa_serve.model_files import (
     load_state_dict,
     load_tokenizer,
@@ -50,38 +40,16 @@ from moa_serve.model_files import (
 from moa_serve.protocol import VerifyRequest, VerifyResult
 from moa_serve.sampling import SamplingParams, generator_for, warp_probs
 from moa_serve.synthetic import describe, random_target
-from moa_serve.target_model import TargetModel
 from moa_serve.verifier.acceptance import accept_greedy, accept_sampling
 from moa_serve.verifier.api import NO_FEATURES, FeatureSource, TargetBackend
 from moa_serve.verifier.logprobs import token_logprobs
-from moa_serve.verifier.static_features import StaticFeatures
-from moa_serve.verifier.static_forward import StaticForward, packed_layout
+from moa_serve.verifier.torch.slots import HeldSession, SlotTable
+from moa_serve.verifier.torch.static_features import StaticFeatures
+from moa_serve.verifier.torch.static_forward import StaticForward, packed_layout
 
 log = logging.getLogger(__name__)
 
 MIN_PREFILL_CHUNK = 32  # a waiting prefill always advances by at least this much per call
-MIN_PREFIX_COPY = 16  # positions worth copying from another slot (a retained slot reused whole is taken at any length)
-
-
-def common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the longest common prefix of a and b, at most ``limit``: windows compared as
-    slices (C speed) that double while they match, then halved inside the first that does not, so
-    the cost follows the length of the match, not of the lists."""
-    end = min(len(a), len(b), limit)
-    lo, step = 0, 16
-    while lo < end:  # a[:lo] == b[:lo]
-        hi = min(end, lo + step)
-        if a[lo:hi] == b[lo:hi]:
-            lo, step = hi, 2 * step
-            continue
-        while hi - lo > 1:  # the first difference is in [lo, hi)
-            mid = (lo + hi) // 2
-            if a[lo:mid] == b[lo:mid]:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-    return lo
 
 
 # a KV cache dtype other than the target's (``auto``); bfloat16 halves the cache and the bytes attention
@@ -89,26 +57,10 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class ContextTooLongError(ValueError):
-    pass
-
-
-class CacheFullError(RuntimeError):
-    """Every slot is held by a session of the current call: the call is too large for the replica."""
-
-
-@dataclass
-class _Session:
-    slot: int
-    committed: list[int] = field(default_factory=list)  # this replica's copy of the committed tokens
-    cached: int = 0  # committed[:cached] have their K/V in the cache
-    grammar: GrammarState | None = None  # structured output: the matcher over the generated tokens
-
-
 @dataclass
 class _Work:
     req: VerifyRequest
-    session: _Session
+    session: HeldSession
     start: int  # first position fed this call (= session.cached before the call)
     fed: list[int]  # tokens fed: uncached committed tokens (maybe a chunk of them), then drafts, then alternatives
     done: bool  # every committed token is in the cache after this call: the target answers
@@ -144,7 +96,7 @@ class RunnerOptions:
     prefix_caching: bool = True
     matmul_precision: str = "highest"
     kv_cache_dtype: str = "auto"  # "auto" (the target's dtype) or one of KV_CACHE_DTYPES
-    # forwards at fixed row counts over preallocated buffers (verifier/static_forward.py): "auto" on a
+    # forwards at fixed row counts over preallocated buffers (verifier/torch/static_forward.py): "auto" on a
     # GPU, replayed from CUDA graphs; "on": the same fixed-shape path on any device, without capture
     # on a CPU (what the tests compare with the planned path); "off": every forward planned eagerly
     static_forward: str = "auto"
@@ -215,7 +167,7 @@ class TorchTargetRunner(TargetBackend):
             and self.device.type == "cpu"
             and hd % 8 == 0
             and hd <= 256
-            and kernels.library() is not None
+            and cpu_kernels.library() is not None
         )
         if self.device.type != "cpu" or on_gpu_kernels:  # fewer, larger GEMMs per layer on a GPU, and
             # the fused q/k/v that rope_store reads (on a CPU: under the interpreter, in the tests)
@@ -228,21 +180,17 @@ class TorchTargetRunner(TargetBackend):
         if kv_dtype != self.dtype and not self.attention_kernel:
             raise ValueError(
                 f"kv_cache_dtype {kv_cache_dtype} with a {str(self.dtype).removeprefix('torch.')} target "
-                f"needs the CPU attention kernel ({kernels.unavailable_reason() or 'not for this device'})"
+                f"needs the CPU attention kernel ({cpu_kernels.unavailable_reason() or 'not for this device'})"
             )
         self.features = (features or NO_FEATURES).prepared(self.device, self.dtype)
         # a drafter that reads only the freshest feature: each span's last position is computed,
         # zeros stand in for the others (never read), so a prefill pays the LSA once, not per token
         self.latest_feature_only = self.features.latest_only
         self.draft_vocab = draft_vocab  # maps a drafter's [K, V'] probabilities back to the vocabulary
-        self.sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
         # structured output over the target's vocabulary: set (``grammars``), or built from the model's
         # tokenizer when a request first asks for a grammar
         self._grammars, self._model_path = None, path
         self._grammars_lock = threading.Lock()
-        self.prefix_caching = options.prefix_caching
-        # slot -> the tokens whose K/V a released session left in it, least recently used first
-        self.retained: OrderedDict[int, list[int]] = OrderedDict()
         self.stats = {
             "forwards": 0,
             "tokens": 0,
@@ -255,6 +203,7 @@ class TorchTargetRunner(TargetBackend):
             "steps_cut": 0,
             "prefix_waits": 0,
         }
+        self.slots = SlotTable(self.cache, self.max_model_len, options.prefix_caching, self.stats)
         self.static = (
             StaticForward(
                 model, self.cache, options.max_num_batched_tokens, graphs=self.device.type == "cuda", stats=self.stats
@@ -301,7 +250,7 @@ class TorchTargetRunner(TargetBackend):
     def grammars(self, grammars: Grammars) -> None:
         self._grammars = grammars
 
-    def _constrain(self, req: VerifyRequest, s: _Session) -> VerifyRequest:
+    def _constrain(self, req: VerifyRequest, s: HeldSession) -> VerifyRequest:
         """A constrained session's matcher brought to its committed tokens, and the request's drafts
         cut at the first one the grammar forbids (no tree alternatives: each would need a mask of
         its own)."""
@@ -317,7 +266,7 @@ class TorchTargetRunner(TargetBackend):
         probs = req.draft_probs[:n] if req.draft_probs is not None and n else None
         return dataclasses.replace(req, drafts=list(req.drafts[:n]), draft_probs=probs, alternatives=[])
 
-    def _grammar_mask(self, rows: list[tuple[_Session, VerifyRequest, int]], total: int) -> torch.Tensor | None:
+    def _grammar_mask(self, rows: list[tuple[HeldSession, VerifyRequest, int]], total: int) -> torch.Tensor | None:
         """The token bitmask [total, W] of a forward's logits rows: each constrained session's
         positions (``(session, request, first row)``: its drafts' and the bonus'), every token
         allowed elsewhere. None when no session is constrained."""
@@ -330,140 +279,24 @@ class TorchTargetRunner(TargetBackend):
             s.grammar.fill(mask, first, list(r.drafts))
         return mask
 
-    # ------------------------------------------------------------------ sessions
+    # ------------------------------------------------------------------ sessions (slots.py)
+    @property
+    def sessions(self) -> OrderedDict[str, HeldSession]:
+        return self.slots.sessions
+
+    @property
+    def retained(self) -> OrderedDict[int, list[int]]:
+        return self.slots.retained
+
     def release(self, session_id: str) -> None:
-        s = self.sessions.pop(session_id, None)
-        if s is None:
-            return
-        if self.prefix_caching and s.cached > 0:
-            held = s.committed[: s.cached]
-            # a retained prefix that this one contains (the same prompt answered again) is freed: one
-            # slot per distinct prefix, so repeats do not crowd other prompts out of the cache
-            for slot in [
-                slot
-                for slot, old in self.retained.items()
-                if len(old) <= len(held) and common_prefix(old, held, len(old)) == len(old)
-            ]:
-                del self.retained[slot]
-                self.cache.free(slot)
-            self.retained[s.slot] = held
-        else:
-            self.cache.free(s.slot)
+        self.slots.release(session_id)
 
     @property
     def free_slots(self) -> int:
-        return self.cache.num_free + len(self.retained)
-
-    def _slot(self, keep: set[str]) -> int:
-        """A slot for a new session: a free one, else the least recently used retained one, else
-        the least recently used idle session's (evicted: it resyncs later)."""
-        if self.cache.num_free == 0:
-            if self.retained:
-                old, _ = self.retained.popitem(last=False)
-                self.cache.free(old)
-            else:
-                victim = next((sid for sid in self.sessions if sid not in keep), None)
-                if victim is None:
-                    raise CacheFullError(
-                        f"all {self.cache.num_slots} KV slots are used by sessions of this call; "
-                        "send fewer sessions per call or raise max_sessions"
-                    )
-                log.info("KV cache full: evicting idle session %s", victim)
-                self.cache.free(self.sessions.pop(victim).slot)
-                self.stats["evictions"] += 1
-        return self.cache.allocate()
-
-    def _new_session(self, session_id: str, keep: set[str], tokens: list[int], reuse: bool) -> _Session:
-        """A session for ``tokens``, starting from the longest prefix of them already cached."""
-        best, best_len, live = None, 0, False
-        if reuse and self.prefix_caching:
-            limit = len(tokens) - 1  # the last token is always fed (its logits answer)
-            for slot, held in self.retained.items():
-                m = common_prefix(held, tokens, limit)
-                if m > best_len:
-                    best, best_len, live = slot, m, False
-            for s in self.sessions.values():
-                m = common_prefix(s.committed, tokens, min(limit, s.cached))
-                if m > best_len and m >= MIN_PREFIX_COPY:
-                    best, best_len, live = s.slot, m, True
-        # take over a retained slot (K/V in place) only when its whole prefix is reused, or when it is
-        # the only slot there is to take; a partial match (another prompt's shared system prompt) is
-        # copied instead, so the retained prefix still answers a later repeat of its own prompt
-        from_retained = best is not None and not live
-        take_over = from_retained and (
-            best_len == len(self.retained[best]) or (self.cache.num_free == 0 and len(self.retained) == 1)
-        )
-        if from_retained and not take_over and best_len < MIN_PREFIX_COPY:
-            best, best_len, from_retained = None, 0, False  # too short to be worth a copy
-        if take_over:
-            del self.retained[best]
-            slot = best
-        else:
-            if from_retained:
-                self.retained.move_to_end(best)  # just used: not the one _slot gives back
-            slot = self._slot(keep)
-            if best is not None:  # copy the shared positions from the other slot
-                self.cache.k[:, slot, :, :best_len] = self.cache.k[:, best, :, :best_len]
-                self.cache.v[:, slot, :, :best_len] = self.cache.v[:, best, :, :best_len]
-        if best is not None:
-            self.stats["prefix_hits"] += 1
-            self.stats["prefix_tokens"] += best_len
-        s = self.sessions[session_id] = _Session(slot, tokens[:best_len], best_len)  # _take sets the length
-        return s
-
-    def _waits_for_sibling(self, req: VerifyRequest, arriving: list[list[int]]) -> bool:
-        """A new session whose prompt another new session of the call (an earlier choice of the same
-        request, n > 1) is about to prefill, beyond what the cache already holds: it answers
-        ``resync`` and comes back in the follow-up call of the same round, where it copies the
-        sibling's K/V instead of computing it again."""
-        if not (self.prefix_caching and req.base == 0 and arriving) or req.session_id in self.sessions:
-            return False
-        limit = len(req.tokens) - 1
-        shared = max(common_prefix(t, req.tokens, limit) for t in arriving)
-        if shared < MIN_PREFIX_COPY:
-            return False
-        held = max(
-            [common_prefix(old, req.tokens, limit) for old in self.retained.values()]
-            + [common_prefix(s.committed, req.tokens, min(limit, s.cached)) for s in self.sessions.values()],
-            default=0,
-        )
-        return shared > held
-
-    def _take(self, req: VerifyRequest, keep: set[str]) -> _Session | None:
-        """The session with its committed copy updated from the request's delta (None: resync)."""
-        s = self.sessions.get(req.session_id)
-        if s is None or len(s.committed) < req.base:
-            if req.base > 0:
-                return None
-            if s is None:
-                # features that only a forward computes (EAGLE-style hidden states) rule out reuse
-                reuse = not (req.want_features and not self.features.from_cache)
-                s = self._new_session(req.session_id, keep, list(req.tokens), reuse)
-        self.sessions.move_to_end(req.session_id)
-        base, tokens = req.base, list(req.tokens)
-        length = base + len(tokens)
-        if not length:
-            raise ValueError(f"session {req.session_id}: no tokens to verify")
-        need = length + len(req.drafts)
-        if need > self.max_model_len:
-            raise ContextTooLongError(
-                f"session {req.session_id}: {need} tokens exceed the context of {self.max_model_len}"
-            )
-        # keep the cached K/V of the longest prefix still committed; the last committed token is
-        # always fed again (its logits predict the first draft). The first ``base`` tokens are the
-        # replica's own: only the delta is compared and written, never the whole context.
-        limit = min(s.cached, length - 1)
-        m = limit if limit <= base else base + common_prefix(s.committed[base:], tokens, limit - base)
-        if req.score_from is not None:  # the logits that score position p come from feeding p - 1
-            m = min(m, max(0, req.score_from - 1))
-        del s.committed[base:]
-        s.committed.extend(tokens)
-        s.cached = m
-        self.cache.lengths[s.slot] = m
-        return s
+        return self.slots.free_slots
 
     # ------------------------------------------------------------------ planning
-    def _tree_ok(self, req: VerifyRequest, s: _Session) -> VerifyRequest:
+    def _tree_ok(self, req: VerifyRequest, s: HeldSession) -> VerifyRequest:
         """The request without its alternatives where they cannot be verified: when sampling
         (acceptance over a tree is greedy here), or when the cache has no room to store them."""
         if not req.alternatives:
@@ -473,14 +306,14 @@ class TorchTargetRunner(TargetBackend):
             return dataclasses.replace(req, alternatives=[])
         return req
 
-    def _plan(self, pending: list[tuple[VerifyRequest, _Session]]) -> list[_Work]:
+    def _plan(self, pending: list[tuple[VerifyRequest, HeldSession]]) -> list[_Work]:
         """Decode steps always run; prefills share what is left of the token budget, in order."""
         decode, prefill = [], []
         for req, s in pending:
             req = self._tree_ok(req, s)
             (decode if len(s.committed) - s.cached == 1 else prefill).append((req, s))
 
-        def answering(r: VerifyRequest, s: _Session) -> _Work:
+        def answering(r: VerifyRequest, s: HeldSession) -> _Work:
             fed, depth = _with_alternatives(r, s.committed[s.cached :] + list(r.drafts))
             return _Work(r, s, s.cached, fed, True, alt_depth=depth)
 
@@ -517,13 +350,14 @@ class TorchTargetRunner(TargetBackend):
         results: dict[str, VerifyResult] = {}
         pending, arriving = [], []
         for r in requests:
-            if self._waits_for_sibling(r, arriving):
+            if self.slots.waits_for_sibling(r, arriving):
                 self.stats["prefix_waits"] += 1
                 results[r.session_id] = VerifyResult(r.session_id, [], 0, 0, None, resync=True)
                 continue
             if r.base == 0 and r.session_id not in self.sessions:
                 arriving.append(r.tokens)
-            s = self._take(r, keep)
+            # features that only a forward computes (EAGLE-style hidden states) rule out prefix reuse
+            s = self.slots.take(r, keep, reuse=not (r.want_features and not self.features.from_cache))
             if s is None:
                 self.stats["resyncs"] += 1
                 results[r.session_id] = VerifyResult(r.session_id, [], 0, 0, None, resync=True)

@@ -21,9 +21,9 @@ import logging
 
 import torch
 
-from moa_serve import cuda_graphs
-from moa_serve.kv_cache import SlotKVCache
-from moa_serve.verifier.static_forward import GRAPH_SIZES
+from moa_serve.model import cuda_graphs
+from moa_serve.model.kv_cache import SlotKVCache
+from moa_serve.verifier.torch.static_forward import GRAPH_SIZES
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Capturing a fixed-shape step as a CUDA graph, the one way the verifier's forward
-(``verifier/static_forward.py``) and the drafters' steps (``drafter/static_steps.py``) do it."""
+(``verifier/torch/static_forward.py``) and the drafters' steps (``drafter/static_steps.py``) do it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Request bodies of the client-server API (``/v1/cs``; pydantic v2). They arrive as plain JSON
-or as the JSON header of a binary frame (``moa_serve.cs.wire``); unknown fields are rejected so
+or as the JSON header of a binary frame (``moa_serve.client_server.wire``); unknown fields are rejected so
 that a typo is a 400 naming the field."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ SESSION_ID = r"^[A-Za-z0-9_-]{8,64}$"
 
 
 class Fingerprints(_Body):
-    """The client's target / tokenizer / drafter digests (``moa_serve.cs.fingerprint``)."""
+    """The client's target / tokenizer / drafter digests (``moa_serve.client_server.fingerprint``)."""
 
     target: str
     tokenizer: str

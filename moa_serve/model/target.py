@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moa_serve.kv_cache import PackedBatch, SlotKVCache
-from moa_serve.layers import DecoderLayer, LayerShape, Linear, RMSNorm, Rotary
+from moa_serve.model.kv_cache import PackedBatch, SlotKVCache
+from moa_serve.model.layers import DecoderLayer, LayerShape, Linear, RMSNorm, Rotary
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
