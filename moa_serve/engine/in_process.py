@@ -105,7 +105,7 @@ class SpeculativeEngine:
     tokenizer: object = None
     stop_ids: frozenset[int] = frozenset()
     max_batch: int = 16
-    # verify tokens per round that bound every session's K (round_steps.speculation_cap); 0 = no
+    # verify tokens per round that bound every session's K (round_loop.speculation_cap); 0 = no
     # bound, so that benchmarks measure the K they ask for
     speculation_token_budget: int = 0
     # cumulative seconds, for benchmarks; the rounds of the last generate / run_round call

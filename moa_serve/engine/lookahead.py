@@ -14,12 +14,11 @@ import logging
 from dataclasses import dataclass
 from typing import Hashable
 
-from moa_serve.engine import round_steps
 from moa_serve.engine.events import Tracked
 from moa_serve.engine.pool_calls import PoolCalls
 from moa_serve.engine.round_stats import ServiceStats
 from moa_serve.engine.session import Session
-from moa_serve.protocol import VerifyResult
+from moa_serve.protocol import VerifyRequest, VerifyResult
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ class Lookahead:
         )
 
     def send(self, g: Hashable, sessions: list[Session], bases: dict[str, int]) -> None:
-        reqs, asked = round_steps.lookahead_requests(sessions, bases, self.decode_steps)
+        reqs, asked = lookahead_requests(sessions, bases, self.decode_steps)
         if not reqs:
             return
         self.stats.lookahead_calls += 1
@@ -91,7 +90,8 @@ class Lookahead:
             self.stats.lookahead_failures += 1
             log.warning("lookahead verify call failed (%s: %s); its sessions resync", type(exc).__name__, exc)
             self.drop(g, active)
-            round_steps.verify_failed([t.session for t in live])
+            for t in live:
+                t.session.verifier_base = 0
             return None
         by_id = {t.session.id: t.session for t in live if len(t.session.tokens) == ahead.bases[t.session.id]}
         for t in live:
@@ -107,3 +107,36 @@ class Lookahead:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def lookahead_requests(
+    sessions: list[Session], bases: dict[str, int], decode_steps: int
+) -> tuple[list[VerifyRequest], dict[str, int]]:
+    """A draft-free verify call sent before the previous one returned: each session continues from
+    ``bases[id]``, the committed length that call is predicted to leave (the replica holds those
+    tokens: it returned them), no tokens sent, no features. Sessions with no room left are not in
+    it. Returns the requests and the tokens each asks for (the next prediction)."""
+    reqs, asked = [], {}
+    for s in sessions:
+        steps, room = s.step_budget(bases[s.id], decode_steps)
+        if room <= 0:
+            continue
+        asked[s.id] = steps
+        reqs.append(
+            VerifyRequest(
+                s.id,
+                [],
+                [],
+                None,
+                s.sampling,
+                False,
+                base=bases[s.id],
+                decode_steps=steps,
+                max_tokens=room if steps > 1 else 0,
+                stop_token_ids=tuple(sorted(s.stop_token_ids)),
+                grammar=s.grammar,
+                grammar_start=s.grammar_start,
+                logprobs=s.logprobs,
+            )
+        )
+    return reqs, asked

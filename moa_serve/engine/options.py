@@ -35,7 +35,7 @@ class RoundOptions(CallLimits):
     max_sessions_per_round: int = 16
     max_queued: int = 64
     num_groups: int = 1  # session groups when the caller names none (each runs its own round loop)
-    # verify tokens per round that bound every session's K (round_steps.speculation_cap); 0 = no bound
+    # verify tokens per round that bound every session's K (round_loop.speculation_cap); 0 = no bound
     speculation_token_budget: int = 32
     # a drafter pool's drafts only in rounds where they measurably pay (governor.py); lookup drafts
     # only where each one does (draft_gate.py)

@@ -16,9 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Hashable
 
-from moa_serve.engine import round_steps
 from moa_serve.engine.options import RoundContext
-from moa_serve.engine.round_stats import RoundProfile
 from moa_serve.engine.session import Session
 from moa_serve.protocol import DraftRequest, DraftResult, VerifyRequest, VerifyResult
 
@@ -50,6 +48,12 @@ class Pools:
     cut: CutFn | None = None
 
 
+def _resend_whole(sessions: list[Session]) -> None:
+    """A verify call that failed (or timed out): the next attempt may reach another replica."""
+    for s in sessions:
+        s.verifier_base = 0
+
+
 class PoolCalls:
     def __init__(self, pools: Pools, context: RoundContext):
         self.verify_fn, self.draft_fn = pools.verify, pools.draft
@@ -63,72 +67,38 @@ class PoolCalls:
         self._release_first: dict[Hashable, set[str]] = {g: set() for g in groups}  # live sessions resent whole
 
     # ------------------------------------------------------------------ draft
-    async def draft(
-        self, g: Hashable, by_id: dict[str, Session], reqs: list[DraftRequest], profile: RoundProfile
-    ) -> dict[str, DraftResult]:
-        """The drafter pool's usable drafts by session id; any failure or timeout degrades the
-        round to plain target decoding (and the drafter gets everything again next time)."""
+    async def draft(self, g: Hashable, reqs: list[DraftRequest]) -> list[DraftResult] | None:
+        """The drafter pool's answer; None when the call failed or timed out (the round then
+        verifies without drafts)."""
         try:
-            res = await within(self.limits.draft_timeout_s, self.draft_fn(g, reqs))
+            return await within(self.limits.draft_timeout_s, self.draft_fn(g, reqs))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self.stats.draft_fallbacks += 1
             self.observer.fallback(type(exc).__name__)
             log.warning("drafter unavailable (%s): group %s verifies without drafts", type(exc).__name__, g)
-            round_steps.drafts_failed(by_id, reqs)
-            return {}
-        res = [r for r in res if r.session_id in by_id]
-        self.stats.drafter_resyncs += sum(r.needs_features_from is not None for r in res)
-        n_resync = sum(r.resync for r in res)
-        self.stats.resyncs += n_resync
-        profile.resyncs += n_resync
-        return round_steps.drafts_delivered(by_id, reqs, res)
+            return None
 
     # ------------------------------------------------------------------ verify
-    async def verify_round(
-        self,
-        g: Hashable,
-        by_id: dict[str, Session],
-        sessions: list[Session],
-        drafts: dict[str, DraftResult],
-        profile: RoundProfile,
-        want: bool | set[str] = True,
-        steps: int = 1,
-    ) -> dict[str, VerifyResult]:
-        """One verify call for the round; sessions the replica could not place (``resync``) go
-        once more, whole, in a follow-up call of the same round."""
-        results = round_steps.by_session(by_id, await self.verify(g, sessions, drafts, want, steps))
-        again = round_steps.resynced(by_id, results)
-        if again:
-            self.stats.resyncs += len(again)
-            profile.resyncs += len(again)
-            more = await self.verify(g, again, drafts, want, steps)
-            results.update(round_steps.by_session({s.id: s for s in again}, more))
-        return results
-
     async def verify(
-        self,
-        g: Hashable,
-        sessions: list[Session],
-        drafts: dict[str, DraftResult],
-        want: bool | set[str] = True,
-        steps: int = 1,
+        self, g: Hashable, sessions: list[Session], requests: Callable[[], list[VerifyRequest]]
     ) -> list[VerifyResult]:
-        """A verify call with a timeout and bounded retries (exponential backoff). A failed or timed
-        out attempt may have reached a replica that is gone: the retry sends whole token lists. A
-        ``ValueError`` means the request itself is wrong: retrying cannot help."""
+        """A verify call of ``sessions`` with a timeout and bounded retries (exponential backoff);
+        ``requests`` builds the call from the sessions' state. A failed or timed out attempt may
+        have reached a replica that is gone: the sessions' verifier base drops to 0, so the retry
+        sends whole token lists. A ``ValueError`` means the request itself is wrong: retrying
+        cannot help."""
         for attempt in range(self.limits.verify_retries + 1):
-            reqs = round_steps.verify_requests(sessions, drafts, want, steps)
             try:
-                return await within(self.limits.verify_timeout_s, self.verify_fn(g, reqs))
+                return await within(self.limits.verify_timeout_s, self.verify_fn(g, requests()))
             except asyncio.CancelledError:
                 raise
             except ValueError:
-                round_steps.verify_failed(sessions)
+                _resend_whole(sessions)
                 raise
             except Exception as exc:
-                round_steps.verify_failed(sessions)
+                _resend_whole(sessions)
                 if attempt == self.limits.verify_retries:
                     raise
                 self.stats.verify_retries += 1

@@ -9,7 +9,7 @@ over every pool replica. The pools are async callables (``pool_calls``): Ray Ser
 cluster, local objects in the in-process engine (``engine.SpeculativeEngine``) and in tests.
 
 Reliability: the committed tokens held here are the source of truth; a replica only ever holds
-a cache of them (see ``round_steps``: requests carry deltas, any doubt resends everything). A round
+a cache of them (see ``round_loop``: requests carry deltas, any doubt resends everything). A round
 that cannot complete errors its own sessions, never the loop. Nothing committed is ever lost or
 duplicated.
 

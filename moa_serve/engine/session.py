@@ -153,6 +153,13 @@ class Session:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def step_budget(self, length: int, decode_steps: int) -> tuple[int, int]:
+        """(forwards, room) for this session once its committed length is ``length``: room is how
+        many more tokens its output and context can take then, forwards at most ``decode_steps`` and
+        at least 1."""
+        room = self.room - (length - len(self.tokens))
+        return max(1, min(decode_steps, room)), room
+
     @property
     def room(self) -> int:
         """Tokens this session may still generate: what its max_new_tokens and the context allow."""

@@ -7,7 +7,7 @@ import asyncio
 
 import torch
 
-from moa_serve.engine import round_steps
+from moa_serve.engine import round_loop
 from moa_serve.engine.feature_policy import RecomputedFeatures
 from moa_serve.engine.session import FeatureStore
 from tests.support.service_stubs import (
@@ -82,5 +82,5 @@ def test_feature_lag_blocks_drafting_only_when_recomputing():
     s.tokens.extend([1, 2, 3])
     s.features.add(0, fake_features(0, 4))
     assert s.features_lag == len(s.tokens) - 1 - 4
-    assert round_steps.draft_requests([s], None, current_features=True) == []
-    assert len(round_steps.draft_requests([s], None, current_features=False)) == 1
+    assert round_loop.draft_requests([s], None, current_features=True) == []
+    assert len(round_loop.draft_requests([s], None, current_features=False)) == 1

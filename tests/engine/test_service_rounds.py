@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from moa_serve.engine import round_steps
+from moa_serve.engine import round_loop
 from moa_serve.engine.options import RoundOptions
 from moa_serve.engine.pool_calls import Pools
 from moa_serve.engine.round_service import RoundService
@@ -82,9 +82,9 @@ def test_replicas_that_lost_a_session_resync():
 
 # ---------------------------------------------------------------------- speculation policy
 def test_speculation_cap_shrinks_with_the_batch():
-    assert round_steps.speculation_cap(32, 1) == 31
-    assert [round_steps.speculation_cap(32, n) for n in (4, 8, 16, 32, 64)] == [7, 3, 1, 0, 0]
-    assert round_steps.speculation_cap(0, 64) is None
+    assert round_loop.speculation_cap(32, 1) == 31
+    assert [round_loop.speculation_cap(32, n) for n in (4, 8, 16, 32, 64)] == [7, 3, 1, 0, 0]
+    assert round_loop.speculation_cap(0, 64) is None
     s = make_session(0, k=5)
     s.features.add(0, fake_features(0, 6))
     assert s.speculation_length(None) == 5 and s.speculation_length(2) == 2 and s.speculation_length(0) == 0

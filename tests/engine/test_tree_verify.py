@@ -140,7 +140,7 @@ def test_alternatives_without_room_in_the_context_are_dropped(target):
 
 
 def test_a_rounds_alternatives_are_trimmed_deepest_first_to_its_budget():
-    from moa_serve.engine.round_steps import trim_alternatives
+    from moa_serve.engine.round_loop import trim_alternatives
     from moa_serve.protocol import DraftResult
 
     def round_():
