@@ -1,9 +1,10 @@
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.support.tiny_llama import save_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MOA_SHARED_DIR", REPO.parent / "shared"))
@@ -99,29 +100,8 @@ def stories_drafter(tmp_path_factory, stories_path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A random Llama with a 16-token vocabulary: exact distributions are enumerable."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=16,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=15,
-    )
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # sharpen the logits a little so distributions are far from uniform
-        model.lm_head.weight.mul_(40)
     out = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(STORIES / f, out / f)  # any tokenizer decodes ids < 16
-    return out
+    return save_tiny_llama(out, STORIES, hidden=32, intermediate=64, heads=4, kv_heads=2, sharpen=40)
 
 
 # ---------------------------------------------------------------------- client-server mode

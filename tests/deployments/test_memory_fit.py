@@ -6,6 +6,8 @@ import torch
 
 from moa_serve.deployments import fit
 from moa_serve.deployments.config import AppConfig
+from moa_serve.model_files import read_config
+from moa_serve.synthetic import SHAPES
 from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner
 
 # Llama-3-8B's proportions (GQA 4:1, untied LM head) at a few layers and a narrow width
@@ -36,6 +38,14 @@ def _allocated(runner: TorchTargetRunner) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+def _reduced_llama_config(tmp_path, monkeypatch) -> None:
+    """The reduced Llama's config.json alone, as target "reduced-llama"."""
+    model_dir = tmp_path / "reduced-llama"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(REDUCED))
+    monkeypatch.setenv("MOA_MODEL_DIR", str(tmp_path))
 
 
 def test_fit_is_within_five_percent_of_what_the_runner_allocates(tmp_path, monkeypatch):
@@ -72,10 +82,7 @@ def test_fit_is_within_five_percent_of_what_the_runner_allocates(tmp_path, monke
 
 
 def test_a_gpu_verifier_counts_its_cuda_graph_pool(tmp_path, monkeypatch):
-    model_dir = tmp_path / "reduced-llama"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(REDUCED))
-    monkeypatch.setenv("MOA_MODEL_DIR", str(tmp_path))
+    _reduced_llama_config(tmp_path, monkeypatch)
     base = {
         "target": "reduced-llama",
         "drafter": None,
@@ -105,17 +112,8 @@ def test_a_gpu_verifier_counts_its_cuda_graph_pool(tmp_path, monkeypatch):
     import pytest
 
     pytest.importorskip("triton")
-    wide = fit.ModelShape(
-        vocab=128256,
-        hidden=4096,
-        layers=32,
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        intermediate=14336,
-        tied=False,
-        max_positions=8192,
-    )
+    wide = fit.ModelShape.from_hf(read_config(SHAPES / "llama-3-8b-shape"))  # Llama-3-8B
+    assert (wide.hidden, wide.heads, wide.kv_heads, wide.head_dim, wide.intermediate) == (4096, 32, 8, 128, 14336)
     base_row = (3 * 14336 + 6144 + 4096 + 5 * 4096) * 2
     wide_scratch = 256 * 8 * 2 * 4 * (128 + 2) * 4
     # q/k/v: 4 ranges of 6,144 columns
@@ -126,10 +124,7 @@ def test_a_vllm_verifier_counts_the_hidden_states_an_eagle_drafter_keeps_in_its_
     """Backend vllm keeps an EAGLE-style drafter's final hidden states inside the forward, one
     step's tokens, counted with the verifier's activations; a MoA drafter's K/V come from the paged
     cache (nothing kept), and nothing is kept without a drafter."""
-    model_dir = tmp_path / "reduced-llama"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(REDUCED))
-    monkeypatch.setenv("MOA_MODEL_DIR", str(tmp_path))
+    _reduced_llama_config(tmp_path, monkeypatch)
     base = {
         "target": "reduced-llama",
         "backend": "vllm",

@@ -14,9 +14,10 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from moa_serve.deployments.app import build_app  # noqa: E402
-from moa_serve.engine.local import SpeculativeEngine  # noqa: E402
+from moa_serve.engine.in_process import SpeculativeEngine  # noqa: E402
 from tests.support.chat_model import with_chat_template  # noqa: E402
 from tests.support.ray_harness import kill_replica  # noqa: E402
+from tools.prompts import STORY_PROMPTS  # noqa: E402
 
 
 def free_port() -> int:
@@ -101,14 +102,7 @@ def engine(target, stories_drafter):
     return SpeculativeEngine.load(str(target), str(stories_drafter), "float32", max_sessions=8)
 
 
-PROMPTS = [
-    "Once upon a time",
-    "The little dog",
-    "Lily went to the park and",
-    "One day, a boy named Tim",
-    "The sun was",
-    "Sam had a red ball. He",
-]
+PROMPTS = STORY_PROMPTS[:6]
 
 
 def test_health_ready_models(cluster):

@@ -17,8 +17,8 @@ from moa_serve.drafter.moa_model import MoADrafter
 from moa_serve.model.layers import Rotary
 from moa_serve.model.target import TargetModel
 from moa_serve.synthetic import randomize_
+from tools import prompts
 from tools.gpu.report import markdown
-from tools.prompts import STORY_PROMPTS as PROMPTS
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
@@ -50,7 +50,7 @@ TOY_LLAMA = dict(
     tie_word_embeddings=False,
 )
 
-STORY_PROMPTS = PROMPTS[:16]
+STORY_PROMPTS = prompts.STORY_PROMPTS[:16]
 
 FULL = dict(
     verify_b=[1, 8, 32, 128],

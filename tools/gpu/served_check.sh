@@ -41,7 +41,7 @@ export MOA_CACHE_DIR="${MOA_CACHE_DIR:-${TMPDIR:-/tmp}/moa-cache}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 timeout --signal=TERM --kill-after=15 $((BUDGET_S + 45)) \
-  "$PY" "$HERE/served_check.py" --out "$OUT" --budget-s "$BUDGET_S" ${DEVICE:+--device "$DEVICE"} "$@"
+  "$PY" -m tools.gpu.served_check --out "$OUT" --budget-s "$BUDGET_S" ${DEVICE:+--device "$DEVICE"} "$@"
 rc=$?
 echo "served_check.py exit status $rc; results in $OUT"
 exit $rc

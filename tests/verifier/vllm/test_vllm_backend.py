@@ -523,33 +523,11 @@ def test_cli_generate_backend_vllm_is_identical_with_and_without_drafter(capsys)
 def _tiny_vllm_model(tmp_path_factory):
     """A random Llama vLLM's CPU attention accepts (head_dim 64) with a 16-token vocabulary, so
     that the exact distribution of two sampled tokens can be enumerated."""
-    import shutil
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from tests.conftest import STORIES
+    from tests.support.tiny_llama import save_tiny_llama
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=16,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=15,
-    )
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)
     out = tmp_path_factory.mktemp("tiny-llama-vllm")
-    model.save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(STORIES / f, out / f)
-    return out
+    return save_tiny_llama(out, STORIES, hidden=128, intermediate=256, heads=2, kv_heads=1, sharpen=8)
 
 
 def test_sampling_follows_the_targets_distribution(tmp_path_factory, request):
@@ -631,7 +609,7 @@ def test_regenerate_with_the_vllm_backend_writes_the_torch_backends_replies(tmp_
     """``moa regenerate --backend vllm``: the same greedy float32 replies as the project's engine."""
     import json
 
-    from moa_serve.commands.regenerate import regenerate
+    from moa_serve.measure.regenerate_replies import regenerate
 
     data = tmp_path / "data"
     data.mkdir()
