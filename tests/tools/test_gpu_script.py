@@ -3,8 +3,6 @@ every section and table, and greedy speculative decoding equals plain decoding o
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,9 @@ import torch
 from moa_serve.kernels import cpu as cpu_kernels
 from moa_serve.model.layers import DecoderLayer, LayerShape, fuse_dense_projections
 from moa_serve.protocol import DraftRequest
+from tests.support.scripts import run_python
 from tools.gpu.replay import ReplayProposer, corruption_for, tau_for
+from tools.gpu.report import CORRECTNESS_CHECKS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,9 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 def toy_run(tmp_path_factory, stories_path):
     out = tmp_path_factory.mktemp("gpu-toy")
     env = dict(os.environ, MOA_MODEL_DIR=str(stories_path.parent))
-    proc = subprocess.run(
+    proc = run_python(
         [
-            sys.executable,
             str(REPO / "tools" / "gpu" / "bench_gpu.py"),
             "--toy",
             "--device",
@@ -34,10 +33,7 @@ def toy_run(tmp_path_factory, stories_path):
             "--budget-s",
             "120",
         ],
-        cwd=REPO,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -69,9 +65,8 @@ def test_toy_run_writes_every_section(toy_run):
 
 def test_toy_round_profile_reports_each_part(tmp_path, stories_path):
     env = dict(os.environ, MOA_MODEL_DIR=str(stories_path.parent))
-    proc = subprocess.run(
+    proc = run_python(
         [
-            sys.executable,
             str(REPO / "tools" / "gpu" / "profile_round.py"),
             "--toy",
             "--out",
@@ -81,10 +76,7 @@ def test_toy_round_profile_reports_each_part(tmp_path, stories_path):
             "--rounds",
             "2",
         ],
-        cwd=REPO,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -100,13 +92,7 @@ def test_toy_run_greedy_speculative_equals_plain_on_cpu(toy_run):
     _, res = toy_run
     for dtype in ("float32", "bfloat16"):
         c = res["sections"]["correctness"][dtype]
-        for key in (
-            "plain_1_vs_plain_16",
-            "moa_1_vs_plain_1",
-            "moa_16_vs_plain_16",
-            "replay_1_vs_plain_1",
-            "replay_16_vs_plain_16",
-        ):
+        for key in CORRECTNESS_CHECKS:
             assert c[key]["all_identical"], (dtype, key, c[key])
     assert res["sections"]["correctness"]["float32"]["moa_16_vs_plain_16"]["sessions"] == 16
 

@@ -4,18 +4,17 @@ through the fixed-shape bodies a GPU captures."""
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.support.scripts import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_toy_round_host_reports_every_drafter_and_batch(tmp_path):
     out = tmp_path / "round_host.json"
-    proc = subprocess.run(
+    proc = run_python(
         [
-            sys.executable,
             str(REPO / "tools" / "bench" / "round_host.py"),
             "--toy",
             "--batch-sizes",
@@ -29,9 +28,6 @@ def test_toy_round_host_reports_every_drafter_and_batch(tmp_path):
             "--json",
             str(out),
         ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
