@@ -4,29 +4,22 @@ Triton's interpreter: this file's ``interpreted`` tests run in a subprocess with
 
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.scripts import run_python
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the subprocess of test_under_the_triton_interpreter")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_under_the_triton_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = run_python(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"], env=env, timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert re.search(r"\b11 passed", proc.stdout), proc.stdout[-2000:]
