@@ -163,7 +163,7 @@ def test_vllm_is_a_room_of_the_verifier(modules):
                 return True
         return False
 
-    allowed = ("moa_serve.verifier.vllm.", "moa_serve.commands.vllm_bench")
+    allowed = ("moa_serve.verifier.vllm.", "moa_serve.measure.vllm_bench_run")
     assert [name for name, tree in modules.items() if imports_vllm(tree) and not name.startswith(allowed)] == []
     top = sorted(p.stem for p in (REPO / "verifier").glob("*.py"))
     assert top == ["__init__", "acceptance", "api", "logprobs", "static_features", "static_forward", "torch_runner"]

@@ -1,3 +1,3 @@
 """The ``moa`` subcommands around the runtime (``bench``, ``vllm-bench``, ``fidelity``, ``regenerate``,
-``cs-bench``, ``netem``) and the in-process client-server stack ``cs-bench`` runs; never imported by
-the runtime."""
+``cs-bench``, ``netem``): their arguments and what they print; the harnesses they run and their reports
+are in ``moa_serve/measure/``. Never imported by the runtime."""

@@ -405,7 +405,7 @@ def test_the_body_cap_is_configurable_and_sized_from_the_context(served, client)
 def test_over_http_a_large_upload_is_cut_short_with_413(served):
     """Real HTTP (uvicorn): a client streams a 256 MiB body without Content-Length; the server
     answers 413 and closes after reading about the cap, not the body."""
-    from moa_serve.commands.cs_local_stack import UvicornThread
+    from moa_serve.measure.client_server_stack import UvicornThread
 
     http = UvicornThread(create_app(), (18650, 18750))
     chunk = b"%x\r\n" % (1 << 20) + b"x" * (1 << 20) + b"\r\n"

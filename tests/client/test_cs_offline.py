@@ -13,7 +13,7 @@ import pytest
 
 from moa_serve.client import DeviceDrafter, LinkPolicy, RemoteGenerator, Transport, Unreachable
 from moa_serve.client.deadline import CallDeadline, percentile
-from moa_serve.commands.netem import netem_proxy
+from moa_serve.measure.netem import netem_proxy
 from tests.support.cs_harness import OracleProposer
 
 PROMPT = "Lily went to the park and"

@@ -55,7 +55,7 @@ def test_bench_writes_results(tmp_path, stories_path, stories_drafter):
 
 
 def test_drafter_labels_tell_same_named_checkpoints_apart():
-    from moa_serve.commands.bench import drafter_labels
+    from moa_serve.measure.spec_bench_run import drafter_labels
 
     labels = drafter_labels(
         ["drafter/checkpoints/x-moa", "runs/A/export/x-moa", "runs/B/export/x-moa", "lookup", "hybrid:x-moa", "x-eagle"]
@@ -113,7 +113,7 @@ def test_bench_system_prompt_default_needs_a_template_that_has_one(tmp_path, sto
 def test_the_vllm_backend_refuses_the_output_store_by_name():
     import argparse
 
-    from moa_serve.commands.bench import _build_vllm_engines
+    from moa_serve.measure.spec_bench_run import _build_vllm_engines
 
     args = argparse.Namespace(
         drafter="lookup+outputs",

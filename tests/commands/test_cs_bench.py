@@ -6,7 +6,7 @@ import json
 import pytest
 
 from moa_serve.cli import main
-from moa_serve.commands.cs_bench import final_number
+from moa_serve.measure.client_server_run import final_number
 
 
 def test_final_number():
@@ -100,7 +100,7 @@ def test_cs_bench_local_one_prompt(tmp_path, stories_path, stories_drafter):
 
 
 def test_disconnection_target_needs_something_to_compare_against():
-    from moa_serve.commands.cs_bench import _targets
+    from moa_serve.measure.client_server_report import _targets
 
     moa = {"method": "MoA", "mean_tokens_until_divergence": 1.0}
     assert "disconnection_moa_longest" not in _targets([], [moa])  # nothing to be longer than
@@ -111,7 +111,7 @@ def test_disconnection_target_needs_something_to_compare_against():
 def test_targets_are_checked_for_each_hybrid_of_moa():
     """The drafters alone, with prompt lookup, and with the output store too: each MoA variant is
     compared with API-only and with the EAGLE-style client of the same variant."""
-    from moa_serve.commands.cs_bench import _targets
+    from moa_serve.measure.client_server_report import _targets
 
     def row(method, tps):
         return {

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moa_serve.cli import main
-from moa_serve.commands.fidelity import agreement, first_divergence, score_text
 from moa_serve.engine.in_process import SpeculativeEngine
+from moa_serve.measure.fidelity_run import agreement, first_divergence, score_text
 
 
 def test_first_divergence_and_agreement():

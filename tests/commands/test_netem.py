@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from moa_serve.commands.netem import PROFILES, Link, Profile, delay_schedule, link_seed, netem_proxy, register
+from moa_serve.commands.netem import register
+from moa_serve.measure.netem import PROFILES, Link, Profile, delay_schedule, link_seed, netem_proxy
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -202,8 +202,8 @@ def test_eagle_incremental_drafting_equals_parallel_pass(trained_baselines, stor
 def test_regenerate_writes_target_replies_and_matching_originals(tmp_path, stories_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moa_serve.commands.regenerate import regenerate
     from moa_serve.drafter.training.data import prompt_ids
+    from moa_serve.measure.regenerate_replies import regenerate
 
     data = tmp_path / "data"
     data.mkdir()
@@ -239,8 +239,8 @@ def test_regenerate_all_turns_answers_each_turn_in_the_context_of_its_own_replie
     them all."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moa_serve.commands.regenerate import pack, regenerate, unpack
     from moa_serve.drafter.training.data import load_conversations, prompt_ids
+    from moa_serve.measure.regenerate_replies import pack, regenerate, unpack
 
     data = tmp_path / "data"
     data.mkdir()
@@ -296,8 +296,8 @@ def test_system_prompt_share_picks_a_stable_share_and_round_trips_through_a_pack
     a hash-chosen share of conversations; a pack keeps it, and training windows start with it."""
     from transformers import AutoTokenizer
 
-    from moa_serve.commands.regenerate import gets_system_prompt, pack, unpack
     from moa_serve.drafter.training.data import default_system_prompt, encode_turns, load_conversations, render_segments
+    from moa_serve.measure.regenerate_replies import gets_system_prompt, pack, unpack
     from tests.conftest import SMOLLM
 
     tok = AutoTokenizer.from_pretrained(SMOLLM)
@@ -388,8 +388,8 @@ def test_encode_turns_gives_each_reply_its_own_window():
 def test_regenerate_goes_on_where_an_earlier_run_stopped(tmp_path, stories_path):
     """--limit answers part of the sample; the next run answers only the prompts not yet answered,
     into a new shard; a third run has nothing left to do."""
-    from moa_serve.commands.regenerate import regenerate
     from moa_serve.drafter.training.data import load_conversations
+    from moa_serve.measure.regenerate_replies import regenerate
 
     data = tmp_path / "data"
     data.mkdir()
@@ -416,7 +416,7 @@ def test_regenerate_goes_on_where_an_earlier_run_stopped(tmp_path, stories_path)
     assert orig == sorted(json.dumps(c) for c in convs)
 
     # pack: sources + replies only (no corpus text); unpack rebuilds the same data from the corpus
-    from moa_serve.commands.regenerate import pack, unpack
+    from moa_serve.measure.regenerate_replies import pack, unpack
 
     packed = tmp_path / "pack.jsonl.gz"
     assert pack(str(out), str(packed)) == 7
@@ -700,8 +700,8 @@ def test_batch_loader_keeps_the_stream_order_for_any_number_of_workers(tmp_path,
 def test_regenerate_time_boxed_over_the_whole_corpus_goes_on_chunk_by_chunk(tmp_path, stories_path):
     """--per-file 0 samples every conversation; --max-minutes stops after the chunk in which the
     time ran out (a chunk is 4 x --batch conversations), and the next run answers the rest."""
-    from moa_serve.commands.regenerate import regenerate
     from moa_serve.drafter.training.data import load_conversations
+    from moa_serve.measure.regenerate_replies import regenerate
 
     data = tmp_path / "data"
     data.mkdir()

@@ -11,10 +11,10 @@ import torch
 
 from moa_serve.app import state
 from moa_serve.app.http import create_app
-from moa_serve.commands import cs_local_stack as local_server
-from moa_serve.commands.cs_local_stack import LocalStack
 from moa_serve.drafter.checkpoint import load_draft_vocab
 from moa_serve.drafter.registry import load_feature_source
+from moa_serve.measure import client_server_stack as local_server
+from moa_serve.measure.client_server_stack import LocalStack
 from moa_serve.model_files import load_tokenizer, resolve_model_path, stop_token_ids
 from moa_serve.protocol import DraftResult
 from moa_serve.verifier.torch.runner import TorchTargetRunner

@@ -1,7 +1,7 @@
 """Time from a link cut to the client's first offline token, client-server mode over ``moa netem``.
 
 The reported scenario in one process: the server's client-server stack (the Router's, without
-Ray: ``moa_serve.commands.cs_local_stack``) on 127.0.0.1, a ``netem`` proxy in front of it, and the
+Ray: ``moa_serve.measure.client_server_stack``) on 127.0.0.1, a ``netem`` proxy in front of it, and the
 device running ``moa client generate``'s defaults (the hybrid+outputs drafter, ``--offline
 degrade``, branching auto, its transport's default deadline). The link is cut ``--cut-after``
 seconds after the handshake (the first connection, as ``moa netem --cut-after`` counts) and restored
@@ -23,23 +23,12 @@ from moa_serve.app.http import create_app
 from moa_serve.cli_args import DEFAULT_DRAFTER, DEFAULT_TARGET, prompt_tokens
 from moa_serve.client import DeviceDrafter, RemoteGenerator, Transport
 from moa_serve.client.generate import AUTO
-from moa_serve.commands.cs_bench import server_stack
-from moa_serve.commands.cs_local_stack import UvicornThread
-from moa_serve.commands.netem import netem_proxy
 from moa_serve.drafter.spec import DrafterSpec
-from moa_serve.engine.in_process import SpeculativeEngine
-from moa_serve.kernels.packed import pack_target
-from moa_serve.model.target import TargetModel
-from moa_serve.model_files import (
-    load_state_dict,
-    load_tokenizer,
-    parse_dtype,
-    read_config,
-    resolve_model_path,
-    stop_token_ids,
-)
+from moa_serve.measure.client_server_run import plain_engine, server_stack
+from moa_serve.measure.client_server_stack import UvicornThread
+from moa_serve.measure.netem import netem_proxy
+from moa_serve.measure.target import load_target
 from moa_serve.sampling import GREEDY
-from moa_serve.verifier.torch.runner import TorchTargetRunner
 
 PORTS = (8400, 8500)
 PROMPT = "Explain why the sky is blue in a short paragraph."
@@ -68,29 +57,10 @@ class Server:
     """The target on the packed kernels behind the client-server API, on 127.0.0.1."""
 
     def __init__(self, args):
-        path = resolve_model_path(args.target)
-        dt = parse_dtype("float32", "cpu", path)
-        self.tm = TargetModel.from_state_dict(read_config(path), load_state_dict(path), dt, "cpu")
-        pack_target(self.tm, path)
-        self.tok = load_tokenizer(path)
-        stops = stop_token_ids(path, self.tok)
-        self.plain = SpeculativeEngine(
-            TorchTargetRunner(self.tm, dt, "cpu", 1, args.max_model_len, None),
-            None,
-            self.tok,
-            stops,
-            1,
-        )
-        server_stack(
-            path,
-            self.tm,
-            dt,
-            self.tok,
-            stops,
-            DrafterSpec.parse(args.drafter).checkpoint,
-            args.max_model_len,
-            args.target,
-        ).install()
+        target = load_target(args.target, "float32", "cpu")
+        self.tm, self.tok = target.model, target.tokenizer
+        self.plain = plain_engine(target, args.max_model_len)
+        server_stack(target, DrafterSpec.parse(args.drafter).checkpoint, args.max_model_len, args.target).install()
         self.http = UvicornThread(create_app(), PORTS)
 
     def stop(self) -> None:

@@ -154,7 +154,7 @@ class Run:
 
     # ------------------------------------------------------------------ 1. data
     def data(self) -> Path:
-        from moa_serve.commands.regenerate import pack, regenerate, unpack
+        from moa_serve.measure.regenerate_replies import pack, regenerate, unpack
 
         a, root = self.a, self.work / "selfdistill"
         t = time.monotonic()
@@ -270,7 +270,8 @@ class Run:
                 break
 
     def bench(self, folder: Path, prefix: str) -> dict:
-        from moa_serve.commands.bench import register, run_bench
+        from moa_serve.commands.bench import register
+        from moa_serve.measure.spec_bench_run import run_bench
 
         a = self.a
         ap = argparse.ArgumentParser()

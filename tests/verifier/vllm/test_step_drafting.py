@@ -488,7 +488,8 @@ def test_steps_that_carry_a_prompt_are_not_timed_and_drafting_steps_report_their
 
 
 def test_vllm_bench_configs_name_engines_and_their_scheduling():
-    from moa_serve.commands.vllm_bench import BenchConfig, _configs, markdown
+    from moa_serve.measure.vllm_bench_report import markdown
+    from moa_serve.measure.vllm_bench_run import BenchConfig, _configs
 
     assert _configs("vllm,none, none@sync,ngram,x-moa,x-moa@fixed,x-moa@fullk,none@eager,x-moa@hooks") == [
         BenchConfig("vllm", alone=True),
@@ -575,7 +576,7 @@ class _CountingEngine:
 
 
 def test_vllm_bench_interleaves_engines_one_step_each_and_times_each_alone():
-    from moa_serve.commands.vllm_bench import interleaved
+    from moa_serve.measure.vllm_bench_run import interleaved
 
     log = []
     a, b = _CountingEngine("a", log), _CountingEngine("b", log, per_step=2, length=4)
