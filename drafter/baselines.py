@@ -21,7 +21,7 @@ from torch import nn
 
 from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.moa_model import TargetParts
-from moa_serve.drafter.proposer import ProposerBase, last_position, load_for_drafting
+from moa_serve.drafter.proposer import ProposerBase, last_position
 from moa_serve.model.kv_cache import PackedBatch, SlotKVCache
 from moa_serve.model.layers import DecoderLayer, RMSNorm
 from moa_serve.protocol import DraftRequest
@@ -112,20 +112,7 @@ class _BaselineProposer(ProposerBase):
             self.use_static_steps(graphs=True)
 
     @classmethod
-    def load(
-        cls,
-        drafter: str,
-        target: str | None = None,
-        dtype="float32",
-        device="cpu",
-        max_sessions=16,
-        max_model_len=2048,
-        target_model=None,
-    ):
-        cfg, state, draft_vocab, parts, dt = load_for_drafting(drafter, target, dtype, device, target_model)
-        want = {EagleProposer: "eagle", IndependentProposer: "independent"}.get(cls)
-        if want is not None and cfg.kind != want:
-            raise ValueError(f"{drafter} is a {cfg.kind!r} drafter: load it with load_proposer")
+    def from_checkpoint(cls, cfg, state, parts, dt, device, max_sessions, max_model_len, draft_vocab):
         model = build_baseline(cfg)
         model.load_state_dict(state)
         n = 1 if cfg.kind == "eagle" else len(model.layers)
@@ -187,6 +174,7 @@ class EagleProposer(_BaselineProposer):
     are never kept in the cache (they are recomputed with the target's features once verified)."""
 
     keeps_drafts = False
+    kinds = ("eagle",)
 
     def _layers(self):
         return [self.model.layer]
@@ -230,6 +218,7 @@ class IndependentProposer(_BaselineProposer):
     needs_features = False
     uses_features = False
     keeps_drafts = True
+    kinds = ("independent",)
 
     def _layers(self):
         return list(self.model.layers)

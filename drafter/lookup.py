@@ -151,16 +151,10 @@ class PromptLookupProposer:
     needs_features = False
     draft_vocab = None
 
-    def __init__(
-        self,
-        min_n: int = 2,
-        max_n: int = 4,
-        max_sessions: int = 1024,
-        max_model_len: int = 2048,
-        store=None,
-        store_gate: tuple[int, float] | None = None,
-    ):
-        self.table = LookupTable(min_n, max_n, max_sessions, max_model_len, store, store_gate)
+    def __init__(self, **table_options):
+        """``table_options``: the LookupTable's (min_n, max_n, max_sessions, max_model_len, store,
+        store_gate)."""
+        self.table = LookupTable(**table_options)
         self.tree = None  # a TreeShape: the output store's drafts go with their runners-up
         self.stats = {"steps": 0, "draft_s": 0.0, "resync": 0}
 

@@ -108,6 +108,29 @@ class ProposerBase:
     # the others are its alternatives, verified beside it as leaves. () = a plain chain.
     branching: tuple[int, ...] = ()
     tree_min_value: float = 0.0  # TreeShape.min_value: 0 = every candidate of ``branching``
+    kinds: tuple[str, ...] | None = None  # the checkpoint kinds load() accepts (None: any)
+
+    @classmethod
+    def load(
+        cls,
+        drafter: str,
+        target: str | None = None,
+        dtype="float32",
+        device="cpu",
+        max_sessions=16,
+        max_model_len=2048,
+        target_model: TargetModel | None = None,
+    ):
+        """The proposer of checkpoint ``drafter`` over ``target`` (or ``target_model``'s weights)."""
+        cfg, state, draft_vocab, parts, dt = load_for_drafting(drafter, target, dtype, device, target_model)
+        if cls.kinds is not None and cfg.kind not in cls.kinds:
+            raise ValueError(f"{drafter} is a {cfg.kind!r} drafter: load it with load_proposer")
+        return cls.from_checkpoint(cfg, state, parts, dt, device, max_sessions, max_model_len, draft_vocab)
+
+    @classmethod
+    def from_checkpoint(cls, cfg, state, parts, dt, device, max_sessions, max_model_len, draft_vocab):
+        """The proposer of a loaded checkpoint (its config, state dict and the target's parts)."""
+        raise NotImplementedError
     vocab_size: int
     draft_vocab: torch.Tensor | None
     stats: dict
@@ -472,6 +495,8 @@ class ProposerBase:
 
 
 class MoAProposer(ProposerBase):
+    kinds = ("moa",)
+
     def __init__(
         self,
         cfg: DrafterConfig,
@@ -509,19 +534,7 @@ class MoAProposer(ProposerBase):
             self.use_static_steps(graphs=True)
 
     @classmethod
-    def load(
-        cls,
-        drafter: str,
-        target: str | None = None,
-        dtype="float32",
-        device="cpu",
-        max_sessions=16,
-        max_model_len=2048,
-        target_model: TargetModel | None = None,
-    ) -> "MoAProposer":
-        cfg, state, draft_vocab, parts, dt = load_for_drafting(drafter, target, dtype, device, target_model)
-        if cfg.kind != "moa":
-            raise ValueError(f"{drafter} is a {cfg.kind!r} drafter: load it with load_proposer")
+    def from_checkpoint(cls, cfg, state, parts, dt, device, max_sessions, max_model_len, draft_vocab) -> "MoAProposer":
         drafter = MoADrafter(cfg)
         drafter.load_flat_state_dict(state)
         return cls(cfg, drafter.draft_head.to(device, dt), parts, max_sessions, max_model_len, draft_vocab)

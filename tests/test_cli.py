@@ -13,6 +13,26 @@ def run(capsys, *argv):
     return code, out, err
 
 
+def generate_json(capsys, target, drafter, max_new_tokens: int, *extra) -> dict:
+    """``moa generate --json`` from "Once upon a time"; it exits 0."""
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "--target",
+        str(target),
+        "--drafter",
+        str(drafter),
+        "--prompt",
+        "Once upon a time",
+        "--max-new-tokens",
+        str(max_new_tokens),
+        "--json",
+        *extra,
+    )
+    assert code == 0
+    return json.loads(out)
+
+
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory, stories_path):
     out = tmp_path_factory.mktemp("cli") / "d"
@@ -23,21 +43,7 @@ def drafter_dir(tmp_path_factory, stories_path):
 def test_generate_json_identical_with_and_without_drafter(capsys, stories_path, drafter_dir):
     results = []
     for d in ["none", str(drafter_dir)]:
-        code, out, _ = run(
-            capsys,
-            "generate",
-            "--target",
-            str(stories_path),
-            "--drafter",
-            d,
-            "--prompt",
-            "Once upon a time",
-            "--max-new-tokens",
-            "16",
-            "--json",
-        )
-        assert code == 0
-        results.append(json.loads(out))
+        results.append(generate_json(capsys, stories_path, d, 16))
     for r in results:
         assert {"text", "token_ids", "num_tokens", "rounds", "mean_accepted_length", "tokens_per_s"} <= set(r)
         assert r["num_tokens"] == len(r["token_ids"]) > 0
@@ -48,23 +54,7 @@ def test_generate_json_identical_with_and_without_drafter(capsys, stories_path, 
 def test_generate_with_tree_drafts_gives_the_same_tokens(capsys, stories_path, drafter_dir):
     outs = []
     for shape in ("chain", "4-2", "8-3-2@0.01"):
-        code, out, _ = run(
-            capsys,
-            "generate",
-            "--target",
-            str(stories_path),
-            "--drafter",
-            str(drafter_dir),
-            "--prompt",
-            "Once upon a time",
-            "--max-new-tokens",
-            "24",
-            "--json",
-            "--branching",
-            shape,
-        )
-        assert code == 0
-        outs.append(json.loads(out))
+        outs.append(generate_json(capsys, stories_path, drafter_dir, 24, "--branching", shape))
     assert [o["branching"] for o in outs] == ["chain", "4-2", "8-3-2@0.01"]
     assert outs[0]["token_ids"] == outs[1]["token_ids"] == outs[2]["token_ids"]
     code, _, err = run(
