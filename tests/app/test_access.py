@@ -45,6 +45,7 @@ from moa_serve.app.schemas import MAX_CHOICES
 from moa_serve.engine.events import TokenEvent
 from moa_serve.engine.round_stats import ServiceStats
 from tests.conftest import SMOLLM
+from tests.support.asgi import http_scope
 
 KEY, OTHER = "sk-test-key-one-0123456789abcdef", "sk-test-key-two-fedcba9876543210"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -335,20 +336,7 @@ class Upload:
         headers = [(b"content-type", b"application/json"), (b"authorization", AUTH["Authorization"].encode())]
         if self.content_length:
             headers.append((b"content-length", str(self.chunks * self.size).encode()))
-        return {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "root_path": "",
-            "query_string": b"",
-            "headers": headers,
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 8000),
-        }
+        return http_scope(path, headers)
 
     async def receive(self):
         if self.pulled == self.chunks:  # the whole body went: then the client goes away
@@ -459,24 +447,15 @@ class Slow:
     def scope(self) -> dict:
         body = json.dumps(GENERATIONS["/v1/generate"]).encode() if self.prompt else b"x" * 100
         self.payload = body
-        return {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/v1/generate",
-            "raw_path": b"/v1/generate",
-            "root_path": "",
-            "query_string": b"",
-            "headers": [
+        return http_scope(
+            "/v1/generate",
+            [
                 (b"content-type", b"application/json"),
                 (b"authorization", AUTH["Authorization"].encode()),
                 (b"content-length", str(len(body)).encode()),
             ],
-            "client": (self.client, 1),
-            "server": ("127.0.0.1", 8000),
-        }
+            client=self.client,
+        )
 
     async def receive(self):
         if self.prompt and self.payload is not None:

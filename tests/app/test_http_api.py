@@ -33,6 +33,8 @@ from moa_serve.engine.round_stats import ServiceStats
 from moa_serve.protocol import TokenLogprobs
 from moa_serve.sampling import SAMPLING_EPS, SEED_MAX, sample, warp_probs
 from tests.conftest import SMOLLM
+from tests.support.asgi import http_scope
+from tests.support.json_numbers import NOT_FINITE_OR_EXTREME
 
 # examples per operation: 30 keep CI to seconds; MOA_SCHEMATHESIS_EXAMPLES=2000 for a long local run
 EXAMPLES = int(os.environ.get("MOA_SCHEMATHESIS_EXAMPLES", "30"))
@@ -269,17 +271,8 @@ FLOAT_FIELDS = {
     "/v1/completions": ("temperature", "top_p", "presence_penalty", "frequency_penalty"),
     "/v1/chat/completions": ("temperature", "top_p", "presence_penalty", "frequency_penalty"),
 }
-# as a client writes them in the JSON text (Python's json, as FastAPI's, reads NaN and Infinity, and
-# a number too large for a double as an infinity)
-REFUSED = {
-    "nan": "NaN",
-    "inf": "Infinity",
-    "-inf": "-Infinity",
-    "overflow": "1e400",
-    "huge": "1.7976931348623157e308",
-    "-denormal": "-5e-324",
-    "negative": "-1",
-}
+# as a client writes them in the JSON text
+REFUSED = {**NOT_FINITE_OR_EXTREME, "negative": "-1"}
 DENORMALS = ("2.225073858507e-311", "5e-324")
 
 
@@ -496,20 +489,9 @@ async def stream_then_vanish(app, path: str, body: dict, spec_version: str) -> N
                 raise OSError("connection reset by peer")
             await asyncio.Event().wait()
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": spec_version},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 8000),
-    }
+    scope = http_scope(
+        path, [(b"content-type", b"application/json")], asgi={"version": "3.0", "spec_version": spec_version}
+    )
     try:
         await app(scope, receive, send)
     except ClientDisconnect:  # how Starlette ends a response whose send failed

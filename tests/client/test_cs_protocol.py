@@ -20,6 +20,7 @@ from moa_serve.engine.round_service import RoundService
 from moa_serve.engine.session import Session
 from moa_serve.sampling import GREEDY, SamplingParams
 from tests.support.cs_harness import Server
+from tests.support.json_numbers import NOT_FINITE_OR_EXTREME
 
 
 @pytest.fixture(scope="module")
@@ -449,14 +450,7 @@ def test_bad_verify_is_a_4xx_naming_the_field(api, server):
 
 
 # ---------------------------------------------------------------------- sampling values the sampler cannot run
-REFUSED = {
-    "nan": "NaN",
-    "inf": "Infinity",
-    "-inf": "-Infinity",
-    "overflow": "1e400",
-    "huge": "1.7976931348623157e308",
-    "-denormal": "-5e-324",
-}
+REFUSED = NOT_FINITE_OR_EXTREME
 DENORMALS = ("2.225073858507e-311", "5e-324")
 
 
