@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -221,38 +222,25 @@ class Cluster:
         self.wait_ready()
 
     def wait_ready(self) -> None:
-        t0 = time.monotonic()
-        last = 0.0
-        while True:
-            elapsed = time.monotonic() - t0
-            if self.proc is not None and self.proc.poll() is not None:
-                raise LoadTestError(
-                    f"serve run exited with code {self.proc.returncode} before it was ready; "
-                    f"see {self.log_path}:\n{_tail(self.log_path)}"
-                )
-            failed = _deploy_failure(self.log_path)
-            if failed:
-                raise LoadTestError(
-                    f"the application failed to deploy ({failed.strip()[:200]}); "
-                    f"see {self.log_path}:\n{_tail(self.log_path, 40)}"
-                )
+        def probe() -> tuple[bool, str]:
             try:
                 r = httpx.get(self.url + "/readyz", timeout=5)
-                if r.status_code == 200:
-                    log(f"cluster ready after {elapsed:.0f} s")
-                    return
-                state = f"/readyz {r.status_code}"
             except httpx.HTTPError as exc:
-                state = type(exc).__name__
-            if elapsed > self.ready_timeout:
-                raise LoadTestError(
-                    f"cluster not ready after {self.ready_timeout:.0f} s ({state}); "
-                    f"see {self.log_path}:\n{_tail(self.log_path)}"
-                )
-            if elapsed - last >= 10:
-                log(f"waiting for {self.url}/readyz ... {elapsed:.0f} s ({state})")
-                last = elapsed
-            time.sleep(1.0)
+                return False, type(exc).__name__
+            return r.status_code == 200, f"/readyz {r.status_code}"
+
+        wait_until_ready(
+            "serve run",
+            self.proc,
+            self.log_path,
+            probe,
+            lambda: _deploy_failure(self.log_path),
+            url=self.url + "/readyz",
+            timeout_s=self.ready_timeout,
+            log_every_s=10,
+            error=LoadTestError,
+            say=log,
+        )
 
     def stop(self) -> None:
         if self.proc is None:
@@ -282,13 +270,7 @@ class Cluster:
         # 3) a Ray that still runs and that was not running before we started is ours
         if not self.ray_was_running and _ray_running():
             log("Ray processes left behind: ray stop --force")
-            subprocess.run(
-                ["ray", "stop", "--force"],
-                check=False,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                timeout=60,
-            )
+            ray_stop_force(timeout_s=60)
         self._log.close()
         self.proc = None
 
@@ -305,6 +287,49 @@ class Cluster:
 
 
 _DEPLOY_FAILED = re.compile(r"DEPLOY_FAILED|Failed to update the deployments|Deploying app .* failed")
+
+
+def wait_until_ready(
+    name: str,
+    proc: subprocess.Popen | None,
+    log_path: Path,
+    probe: Callable[[], tuple[bool, str]],
+    deploy_failure: Callable[[], str | None],
+    *,
+    url: str,
+    timeout_s: float,
+    log_every_s: float,
+    error: type[Exception],
+    say: Callable[[str], None],
+) -> float:
+    """Polls ``probe`` (ready?, its state in words) once a second until it says ready; returns the
+    seconds that took. Raises ``error`` when ``proc`` exits first, ``deploy_failure`` finds a line in
+    ``log_path`` or ``timeout_s`` passes (with the end of the log); says how it waits every
+    ``log_every_s``."""
+    t0 = time.monotonic()
+    last = 0.0
+    while True:
+        elapsed = time.monotonic() - t0
+        if proc is not None and proc.poll() is not None:
+            raise error(
+                f"{name}: exited with code {proc.returncode} before it was ready; see {log_path}:\n{_tail(log_path)}"
+            )
+        failed = deploy_failure()
+        if failed:
+            raise error(
+                f"{name}: the application failed to deploy ({failed.strip()[:200]}); "
+                f"see {log_path}:\n{_tail(log_path, 40)}"
+            )
+        ready, state = probe()
+        if ready:
+            say(f"{name}: ready after {elapsed:.0f} s")
+            return elapsed
+        if elapsed > timeout_s:
+            raise error(f"{name}: not ready after {timeout_s:.0f} s ({state}); see {log_path}:\n{_tail(log_path)}")
+        if elapsed - last >= log_every_s:
+            say(f"{name}: waiting for {url} ... {elapsed:.0f} s ({state})")
+            last = elapsed
+        time.sleep(1.0)
 
 
 def _deploy_failure(log_path: Path) -> str | None:
@@ -344,6 +369,17 @@ class _InterruptOnTerm:
     def __exit__(self, *exc):
         for s, h in (self.old or {}).items():
             signal.signal(s, h)
+
+
+def ray_stop_force(timeout_s: float) -> None:
+    """``ray stop --force``, its output discarded."""
+    subprocess.run(
+        ["ray", "stop", "--force"],
+        check=False,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=timeout_s,
+    )
 
 
 def _tail(path: Path, n: int = 25) -> str:

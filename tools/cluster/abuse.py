@@ -270,13 +270,18 @@ async def _burst(url: str, users: int, max_tokens: int) -> list[dict]:
         return await asyncio.gather(*(_burst_one(client, url, max_tokens) for _ in range(users)))
 
 
-def overload(url: str, users: int, max_tokens: int) -> dict:
-    """``users`` streaming requests at once: statuses, Retry-After, admitted requests' TTFT."""
-    results = asyncio.run(_burst(url, users, max_tokens))
+def _statuses_and_ttfts(results: list[dict]) -> tuple[dict[str, int], list[float]]:
+    """How many requests ended with each status, and the admitted requests' TTFTs, sorted."""
     statuses: dict[str, int] = {}
     for r in results:
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
-    ttfts = sorted(r["ttft_s"] for r in results if r.get("ttft_s") is not None)
+    return statuses, sorted(r["ttft_s"] for r in results if r.get("ttft_s") is not None)
+
+
+def overload(url: str, users: int, max_tokens: int) -> dict:
+    """``users`` streaming requests at once: statuses, Retry-After, admitted requests' TTFT."""
+    results = asyncio.run(_burst(url, users, max_tokens))
+    statuses, ttfts = _statuses_and_ttfts(results)
     return {
         "scenario": "overload",
         "users": users,
@@ -308,10 +313,7 @@ async def _closed_loop(url: str, users: int, duration_s: float, max_tokens: int)
 def closed_loop(url: str, users: int, duration_s: float, max_tokens: int) -> dict:
     """``users`` closed-loop users for ``duration_s``: statuses, admitted requests' TTFT."""
     results = asyncio.run(_closed_loop(url, users, duration_s, max_tokens))
-    statuses: dict[str, int] = {}
-    for r in results:
-        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
-    ttfts = sorted(r["ttft_s"] for r in results if r.get("ttft_s") is not None)
+    statuses, ttfts = _statuses_and_ttfts(results)
     return {
         "scenario": "closed-loop",
         "users": users,

@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from moa_serve.loadtest.runner import ray_stop_force
 from moa_serve.measure.cpu_steal import cpu_ticks, steal_percent
 from tools.side_by_side import together
 from tools.side_by_side.report import fmt, write_reports
@@ -286,13 +287,7 @@ def _clean_up(a, progress: Progress, ray_before: set[int]) -> None:
         if a.ray_stop == "always" or (a.ray_stop == "auto" and left and not ray_before):
             log("ray stop --force")
             try:
-                subprocess.run(
-                    ["ray", "stop", "--force"],
-                    check=False,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    timeout=120,
-                )
+                ray_stop_force(timeout_s=120)
             except (OSError, subprocess.TimeoutExpired) as exc:
                 log(f"ray stop --force failed: {exc}")
         elif left:

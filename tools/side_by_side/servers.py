@@ -17,6 +17,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from moa_serve.loadtest.runner import wait_until_ready
+
 TAG = "[side-by-side]"
 # a line of our server's log that says an application will not come up
 DEPLOY_FAILED = re.compile(r"DEPLOY_FAILED|Failed to update the deployments|Deploying app .* failed")
@@ -63,13 +65,6 @@ def ray_pids() -> set[int]:
 
 def default_sigint() -> None:  # children get the ordinary Ctrl-C behaviour even if we ignore it
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def _tail(path: Path, n: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -120,39 +115,26 @@ class Server:
             start_new_session=True,
             preexec_fn=default_sigint,
         )
-        t0 = time.monotonic()
-        last = 0.0
-        while True:
-            elapsed = time.monotonic() - t0
-            if self.proc.poll() is not None:
-                raise SideError(
-                    f"{self.label}: server exited with code {self.proc.returncode} before "
-                    f"it was ready; see {self.log_path}:\n{_tail(self.log_path)}"
-                )
-            if self.ready.fail_pattern is not None:
-                failed = self._log_match()
-                if failed:
-                    raise SideError(
-                        f"{self.label}: the application failed to deploy ({failed[:200]}); "
-                        f"see {self.log_path}:\n{_tail(self.log_path, 40)}"
-                    )
+
+        def probe() -> tuple[bool, str]:
             try:
                 code, _ = http_get(self.ready.url, timeout=5)
-                state = f"HTTP {code}"
-                if code == 200:
-                    log(f"{self.label}: ready after {elapsed:.0f} s")
-                    return elapsed
             except (OSError, urllib.error.URLError) as exc:
-                state = type(exc).__name__
-            if elapsed > self.ready.timeout:
-                raise SideError(
-                    f"{self.label}: not ready after {self.ready.timeout:.0f} s ({state}); "
-                    f"see {self.log_path}:\n{_tail(self.log_path)}"
-                )
-            if elapsed - last >= 15:
-                log(f"{self.label}: waiting for {self.ready.url} ... {elapsed:.0f} s ({state})")
-                last = elapsed
-            time.sleep(1.0)
+                return False, type(exc).__name__
+            return code == 200, f"HTTP {code}"
+
+        return wait_until_ready(
+            self.label,
+            self.proc,
+            self.log_path,
+            probe,
+            self._log_match if self.ready.fail_pattern is not None else lambda: None,
+            url=self.ready.url,
+            timeout_s=self.ready.timeout,
+            log_every_s=15,
+            error=SideError,
+            say=log,
+        )
 
     def _log_match(self) -> str | None:
         try:
