@@ -36,18 +36,15 @@ LLAMA3_8B = dict(
     max_position_embeddings=8192,
     tie_word_embeddings=False,
 )
-TOY_LLAMA = dict(
-    model_type="llama",
+TOY_LLAMA = dict(  # Llama-3-8B's config at toy size
+    LLAMA3_8B,
     vocab_size=512,
     hidden_size=64,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
     intermediate_size=192,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
     max_position_embeddings=2048,
-    tie_word_embeddings=False,
 )
 
 STORY_PROMPTS = prompts.STORY_PROMPTS[:16]

@@ -75,6 +75,35 @@ def _build_production_models(run: Run, sec: dict, shape: dict, dtype: torch.dtyp
     return target, moa
 
 
+def production_runner(target, moa, dtype, d, max_sessions: int, max_model_len: int, **options) -> TorchTargetRunner:
+    """The verifier the check measures: the MoA feature head's features, up to 8,192 tokens a call,
+    no prefix caching; ``options``: more RunnerOptions."""
+    return TorchTargetRunner(
+        target,
+        dtype,
+        str(d),
+        max_sessions=max_sessions,
+        max_model_len=max_model_len,
+        features=MoAFeatures(moa.feature_head),
+        options=RunnerOptions(max_num_batched_tokens=8192, prefix_caching=False, **options),
+    )
+
+
+def moa_proposer(target, moa, max_sessions: int, max_model_len: int) -> MoAProposer:
+    """The random MoA drafter's draft head as the engine's proposer."""
+    return MoAProposer(
+        DrafterConfig(target=target.arch),
+        moa.draft_head,
+        TargetParts(target, 0),
+        max_sessions=max_sessions,
+        max_model_len=max_model_len,
+    )
+
+
+def random_prompts(g: random.Random, vocab: int, length: int, n: int) -> list[list[int]]:
+    return [[g.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
 def prefill(runner: TorchTargetRunner, sec: dict, ids: list[str], prompts: list[list[int]], d) -> None:
     t = time.monotonic()
     pending = [VerifyRequest(i, p, want_features=False) for i, p in zip(ids, prompts)]
@@ -268,15 +297,7 @@ def production_section(run: Run, shape: dict, dtype: torch.dtype) -> dict:
     target, moa = _build_production_models(run, sec, shape, dtype)
     bmax, ctx = max(sz["verify_b"]), sz["context"]
     room = ctx + 8 * (sz["reps"] + 3) + 16
-    runner = TorchTargetRunner(
-        target,
-        dtype,
-        str(d),
-        max_sessions=bmax,
-        max_model_len=room,
-        features=MoAFeatures(moa.feature_head),
-        options=RunnerOptions(max_num_batched_tokens=8192, prefix_caching=False),
-    )
+    runner = production_runner(target, moa, dtype, d, bmax, room)
     sec["verifier_fused_projections"] = runner.packing.get("fused_projections", 0)
     sec["verifier_attention_kernel"] = runner.attention_kernel
     sec["verifier_batch_invariant_matmuls"] = runner.packing.get("batch_invariant_matmuls", 0)
@@ -284,16 +305,14 @@ def production_section(run: Run, shape: dict, dtype: torch.dtype) -> dict:
     sec["verifier_static_forward"] = runner.static is not None
     g = random.Random(0)
     vocab = shape["vocab_size"]
-    prompts = [[g.randrange(vocab) for _ in range(ctx)] for _ in range(bmax)]
+    prompts = random_prompts(g, vocab, ctx, bmax)
     ids = [f"v{i}" for i in range(bmax)]
     prefill(runner, sec, ids, prompts, d)
     _verify_rows(run, sec, runner, target, ids, g, vocab)
     _invariance_cost_rows(run, sec, runner, target, ids)
     for i in ids:
         runner.release(i)
-    proposer = MoAProposer(
-        DrafterConfig(target=target.arch), moa.draft_head, TargetParts(target, 0), max_sessions=bmax, max_model_len=room
-    )
+    proposer = moa_proposer(target, moa, bmax, room)
     _draft_rows(run, sec, proposer, prompts, shape["hidden_size"], dtype)
     sec["draft_static_steps"] = dict(proposer.static_steps.stats) if proposer.static_steps is not None else None
     engine = SpeculativeEngine(runner, proposer, None, frozenset(), max_batch=bmax)

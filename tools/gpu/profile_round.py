@@ -31,14 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu  # noqa: E402, F401  (makes the project importable from the checkout)
 import torch  # noqa: E402
 
-from moa_serve.drafter.config import DrafterConfig  # noqa: E402
-from moa_serve.drafter.feature_sources import MoAFeatures  # noqa: E402
-from moa_serve.drafter.moa_model import TargetParts  # noqa: E402
-from moa_serve.drafter.proposer import MoAProposer  # noqa: E402
 from moa_serve.engine.in_process import SpeculativeEngine  # noqa: E402
-from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner  # noqa: E402
 from tools.gpu.harness import LLAMA3_8B, TOY_LLAMA, random_moa, random_target, sync  # noqa: E402
-from tools.gpu.production import prefill  # noqa: E402
+from tools.gpu.production import moa_proposer, prefill, production_runner, random_prompts  # noqa: E402
 
 
 def kernel_table(fn, device: torch.device, rows: int = 18) -> str:
@@ -80,17 +75,8 @@ def main(argv=None) -> int:
     moa = random_moa(target, dtype, d)
     bmax = max(int(b) for b in a.batch_sizes.split(","))
     room = ctx + 64 * (a.rounds + 60)
-    runner = TorchTargetRunner(
-        target,
-        dtype,
-        str(d),
-        max_sessions=bmax,
-        max_model_len=room,
-        features=MoAFeatures(moa.feature_head),
-        options=RunnerOptions(max_num_batched_tokens=8192, prefix_caching=False, static_forward="on"),
-    )
-    g = random.Random(0)
-    prompts = [[g.randrange(shape["vocab_size"]) for _ in range(ctx)] for _ in range(bmax)]
+    runner = production_runner(target, moa, dtype, d, bmax, room, static_forward="on")
+    prompts = random_prompts(random.Random(0), shape["vocab_size"], ctx, bmax)
 
     # the forward's kernels: one verify call at 1 x 1 and 8 x 5 tokens
     ids = [f"p{i}" for i in range(bmax)]
@@ -110,13 +96,7 @@ def main(argv=None) -> int:
     for i in ids:
         runner.release(i)
 
-    proposer = MoAProposer(
-        DrafterConfig(target=target.arch),
-        moa.draft_head,
-        TargetParts(target, 0),
-        max_sessions=bmax,
-        max_model_len=room,
-    )
+    proposer = moa_proposer(target, moa, bmax, room)
     engine = SpeculativeEngine(runner, proposer, None, frozenset(), max_batch=bmax)
     for b in (int(x) for x in a.batch_sizes.split(",")):
         sessions = [
