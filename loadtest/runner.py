@@ -169,6 +169,19 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
+def end_session_leftovers(sid: int) -> None:
+    """Ends what is left in session ``sid`` (this process spared): SIGTERM, SIGKILL in the last 5 of
+    10 s."""
+    deadline = time.monotonic() + 10
+    while (left := [p for p in _session_pids(sid) if p != os.getpid()]) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL if time.monotonic() > deadline - 5 else signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+
+
 def derived_config(config_path: str | Path, no_speculation: bool, port: int | None, out: Path) -> tuple[Path, str]:
     """Write the serve config to run (drafter: null for --no-speculation; --port) into ``out``;
     return its path and the server's base URL."""
@@ -259,14 +272,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 continue
         # 2) whatever it spawned and left behind (raylet, gcs_server, workers) in its session
-        deadline = time.monotonic() + 10
-        while (left := _session_pids(sid)) and time.monotonic() < deadline:
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL if time.monotonic() > deadline - 5 else signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.5)
+        end_session_leftovers(sid)
         # 3) a Ray that still runs and that was not running before we started is ours
         if not self.ray_was_running and _ray_running():
             log("Ray processes left behind: ray stop --force")

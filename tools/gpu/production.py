@@ -104,6 +104,19 @@ def random_prompts(g: random.Random, vocab: int, length: int, n: int) -> list[li
     return [[g.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
+def static_args(runner: TorchTargetRunner, ids: list[str], t: int, ctx: int) -> tuple:
+    """A fixed-shape forward's arguments: ``t`` tokens (id 1) in each session of ``ids``, after its
+    ``ctx`` committed positions."""
+    slots = [runner.sessions[i].slot for i in ids]
+    b = len(ids)
+    return (
+        [1] * (b * t),
+        [s for s in slots for _ in range(t)],
+        [ctx + j for _ in range(b) for j in range(t)],
+        [ctx + j for _ in range(b) for j in range(t)],
+    )
+
+
 def prefill(runner: TorchTargetRunner, sec: dict, ids: list[str], prompts: list[list[int]], d) -> None:
     t = time.monotonic()
     pending = [VerifyRequest(i, p, want_features=False) for i, p in zip(ids, prompts)]
@@ -162,12 +175,7 @@ def _invariance_cost_rows(run: Run, sec: dict, runner: TorchTargetRunner, target
     for row in _rows(run, sec["invariance_cost"], cells, 10):
         b, t = row["B"], row["T"]
         slots = [runner.sessions[i].slot for i in ids[:b]]
-        args = (
-            [1] * (b * t),
-            [s for s in slots for _ in range(t)],
-            [ctx + j for _ in range(b) for j in range(t)],
-            [ctx + j for _ in range(b) for j in range(t)],
-        )
+        args = static_args(runner, ids[:b], t, ctx)
         row["served_ms"] = timed(lambda: runner.static(*args), d, reps, warmup=2)["ms"]
         use_matmul(target, None)  # captured now, these graphs keep cuBLAS
         try:

@@ -33,7 +33,13 @@ import torch  # noqa: E402
 
 from moa_serve.engine.in_process import SpeculativeEngine  # noqa: E402
 from tools.gpu.harness import LLAMA3_8B, TOY_LLAMA, random_moa, random_target, sync  # noqa: E402
-from tools.gpu.production import moa_proposer, prefill, production_runner, random_prompts  # noqa: E402
+from tools.gpu.production import (  # noqa: E402
+    moa_proposer,
+    prefill,
+    production_runner,
+    random_prompts,
+    static_args,
+)
 
 
 def kernel_table(fn, device: torch.device, rows: int = 18) -> str:
@@ -82,13 +88,7 @@ def main(argv=None) -> int:
     ids = [f"p{i}" for i in range(bmax)]
     prefill(runner, {}, ids, prompts, d)
     for b, t in ((1, 1), (min(8, bmax), 5)):
-        slots = [runner.sessions[i].slot for i in ids[:b]]
-        args = (
-            [1] * (b * t),
-            [s for s in slots for _ in range(t)],
-            [ctx + j for _ in range(b) for j in range(t)],
-            [ctx + j for _ in range(b) for j in range(t)],
-        )
+        args = static_args(runner, ids[:b], t, ctx)
         for _ in range(3):
             runner.static(*args)
         say(f"\n== kernels of one fixed-shape forward, {b} session(s) x {t} token(s), context {ctx} ==")

@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from moa_serve.loadtest.runner import wait_until_ready
+from moa_serve.loadtest.runner import end_session_leftovers, wait_until_ready
 
 TAG = "[side-by-side]"
 # a line of our server's log that says an application will not come up
@@ -162,14 +162,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 log(f"{self.label}: still running after {signal.Signals(sig).name} + {wait:.0f} s")
         # whatever it spawned and left behind in its session (engine cores, raylets, workers)
-        deadline = time.monotonic() + 10
-        while (left := [p for p in _session_pids(sid) if p != os.getpid()]) and time.monotonic() < deadline:
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL if time.monotonic() > deadline - 5 else signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.5)
+        end_session_leftovers(sid)
         left = _session_pids(sid)
         if left:
             log(f"{self.label}: processes still left in its session: {left}")
