@@ -5,12 +5,8 @@
 # tools/gpu/models. Usage: OUT=/some/dir bash tools/gpu/run.sh [--toy] [more bench_gpu.py options]
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="$(cd "$HERE/../.." && pwd)"
-OUT="${OUT:-$ROOT/gpu-out}"
+. "$HERE/device_env.sh"
 BUDGET_S="${BUDGET_S:-540}"   # the driver's own deadline; the outer timeout below leaves it room to write
-PY="${PYTHON:-python3}"
-mkdir -p "$OUT"
-cd "$ROOT"
 
 # packages the project imports at run time that the machine may lack (never Ray, vLLM, FastAPI):
 # installed from the carried wheels into a private folder, the system site-packages untouched

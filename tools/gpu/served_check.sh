@@ -13,13 +13,9 @@
 # Usage: OUT=DIR [DEVICE=cuda|cpu] [BUDGET_S=540] bash tools/gpu/served_check.sh [served_check.py options]
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="$(cd "$HERE/../.." && pwd)"
-OUT="${OUT:-$ROOT/gpu-out}"
+. "$HERE/device_env.sh"
 BUDGET_S="${BUDGET_S:-540}"
-PY="${PYTHON:-python3}"
 export STAGED="${STAGED:-${TMPDIR:-/tmp}/moa-served-stage}"
-mkdir -p "$OUT"
-cd "$ROOT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 
 stage() { bash "$HERE/stage.sh" "$@" || exit $?; }

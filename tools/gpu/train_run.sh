@@ -10,17 +10,14 @@
 #        MOA_TRAIN_SMOKE=1 has the effect of --cpu-smoke (stories260k on the CPU, a few minutes).
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="$(cd "$HERE/../.." && pwd)"
-OUT="${OUT:-$ROOT/gpu-out}"
+. "$HERE/device_env.sh"
 WORK="${WORK:-${TMPDIR:-/tmp}/moa-train}"
-PY="${PYTHON:-python3}"
 smoke=0
 for arg in "$@"; do [ "$arg" = "--cpu-smoke" ] && smoke=1; done
 if [ "${MOA_TRAIN_SMOKE:-0}" = "1" ] && [ $smoke = 0 ]; then smoke=1; set -- --cpu-smoke "$@"; fi
 # BUDGET_S counts from this script's start (staging included); the run is killed 20 s after it
 if [ $smoke = 1 ]; then BUDGET_S="${BUDGET_S:-170}"; else BUDGET_S="${BUDGET_S:-510}"; fi
-mkdir -p "$OUT" "$WORK"
-cd "$ROOT"
+mkdir -p "$WORK"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export MOA_CACHE_DIR="${MOA_CACHE_DIR:-$WORK/cache}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
