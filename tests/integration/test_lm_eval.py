@@ -156,7 +156,7 @@ def test_openai_client_logprobs_parse_and_do_not_depend_on_speculation(served):
     for k, url in served.items():
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
         messages = [{"role": "user", "content": "The dog ran to the park. The dog ran to the"}]
-        chat = client.chat.completions.create(
+        ask = dict(
             model="stories",
             messages=messages,
             max_tokens=12,
@@ -165,21 +165,13 @@ def test_openai_client_logprobs_parse_and_do_not_depend_on_speculation(served):
             top_logprobs=3,
             extra_body={"ignore_eos": True},
         )
+        chat = client.chat.completions.create(**ask)
         content = chat.choices[0].logprobs.content
         assert len(content) == 12 and all(len(c.top_logprobs) == 3 and c.bytes is not None for c in content)
         assert all(c.top_logprobs[0].logprob == c.logprob for c in content)  # greedy: the most likely token
         streamed = [
             c
-            for ch in client.chat.completions.create(
-                model="stories",
-                messages=messages,
-                max_tokens=12,
-                temperature=0,
-                logprobs=True,
-                top_logprobs=3,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            )
+            for ch in client.chat.completions.create(**ask, stream=True)
             if ch.choices and ch.choices[0].logprobs
             for c in ch.choices[0].logprobs.content
         ]
