@@ -3,55 +3,22 @@ verify forward's logits, the same with speculation on and off (drafts accepted i
 alternatives, multi-step decoding, chunked prefill), and equal to a transformers forward of the
 same weights."""
 
-import random
-
 import pytest
 import torch
 
 from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.engine.session import Session
 from moa_serve.grammar import GrammarSpec
-from moa_serve.protocol import DraftResult, VerifyRequest
+from moa_serve.protocol import VerifyRequest
 from moa_serve.sampling import SamplingParams
 from moa_serve.verifier.torch.runner import RunnerOptions, TorchTargetRunner
+from tests.support.oracles import TreeOracle
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily went to the park and", "Sam had a red ball. He"]
 NEW_TOKENS = 16
 TOP = 5
 # against transformers: float32 sums in another order (its SDPA, our attention kernel)
 ATOL, RTOL = 1e-5, 1e-5
-
-
-class Oracle:
-    """Drafts the reference continuation with corruptions; a corrupted draft carries the right
-    token as a tree alternative, so alternatives are accepted too."""
-
-    needs_features = False
-
-    def __init__(self, refs: dict[tuple, list[int]], error_rate: float, seed: int = 0):
-        self.refs, self.error_rate, self.rng = refs, error_rate, random.Random(seed)
-        self.copies: dict[str, list[int]] = {}
-
-    def propose(self, requests):
-        out = []
-        for r in requests:
-            committed = self.copies[r.session_id] = self.copies.get(r.session_id, [])[: r.base] + list(r.tokens)
-            for p, ref in self.refs.items():
-                if tuple(committed[: len(p)]) == p:
-                    done = len(committed) - len(p)
-                    truth = list(ref[done : done + r.num_drafts])
-                    drafts, alts = [], []
-                    for t in truth:
-                        bad = self.rng.random() < self.error_rate
-                        drafts.append((t + 1) % 512 if bad else t)
-                        alts.append([t] if bad else [])
-                    if drafts:
-                        out.append(DraftResult(r.session_id, drafts, alternatives=alts))
-                    break
-        return out
-
-    def release(self, session_id):
-        self.copies.pop(session_id, None)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +94,7 @@ def test_speculation_gives_the_same_logprobs(plain, reference, error_rate):
     prompts, want = reference
     refs = {tuple(p): s.generated for p, s in zip(prompts, want)}
     before = plain.verifier.stats["alternatives_accepted"]
-    spec = SpeculativeEngine(plain.verifier, Oracle(refs, error_rate), plain.tokenizer, plain.stop_ids, max_batch=4)
+    spec = SpeculativeEngine(plain.verifier, TreeOracle(refs, error_rate), plain.tokenizer, plain.stop_ids, max_batch=4)
     got = sessions(spec, prompts, num_speculative_tokens=4)
     spec.generate_sessions(got)
     for g, w in zip(got, want):

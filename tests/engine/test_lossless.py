@@ -1,13 +1,12 @@
 """Greedy speculative output must be token-for-token the target's own greedy output."""
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
 from moa_serve.engine.in_process import SpeculativeEngine
-from moa_serve.protocol import DraftResult
+from tests.support.oracles import NoisyOracle
 from tools.prompts import STORY_PROMPTS
 
 NEW_TOKENS = 24
@@ -51,37 +50,6 @@ def test_twenty_prompts_batched_in_one_forward(stories_setup):
         spec.verifier.verify = verify
     assert max(calls) >= 4 and len({len(p) for p in prompts[:8]}) >= 4  # ragged sessions shared rounds
     assert [o.token_ids for o in outs] == ref
-
-
-class NoisyOracle:
-    """Proposes the reference continuation with random corruptions: exercises partial
-    acceptance, full acceptance and rollback at every depth."""
-
-    needs_features = False
-
-    def __init__(self, prompts, refs, error_rate, seed=0):
-        self.table = {tuple(p): r for p, r in zip(prompts, refs)}
-        self.rng = random.Random(seed)
-        self.error_rate = error_rate
-        self.accepted_max = 0
-        self.copies = {}  # each session's committed tokens, rebuilt from the requests' deltas
-
-    def propose(self, requests):
-        out = []
-        for r in requests:
-            committed = self.copies[r.session_id] = self.copies.get(r.session_id, [])[: r.base] + list(r.tokens)
-            for p, ref in self.table.items():
-                if tuple(committed[: len(p)]) == p:
-                    done = len(committed) - len(p)
-                    drafts = list(ref[done : done + r.num_drafts])
-                    drafts += [0] * (r.num_drafts - len(drafts))
-                    drafts = [t if self.rng.random() > self.error_rate else (t + 1) % 512 for t in drafts]
-                    out.append(DraftResult(r.session_id, drafts))
-                    break
-        return out
-
-    def release(self, session_id):
-        self.copies.pop(session_id, None)
 
 
 @pytest.mark.parametrize("error_rate", [0.0, 0.3])

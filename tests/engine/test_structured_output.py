@@ -12,7 +12,7 @@ from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.grammar import GrammarSpec, GrammarViolation, check
 from moa_serve.protocol import VerifyRequest
 from moa_serve.sampling import SamplingParams
-from tests.engine.test_lossless import NoisyOracle
+from tests.support.oracles import NoisyOracle
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily went to the park and"]
 PERSON = {

@@ -199,7 +199,7 @@ def test_smollm2_bf16_greedy_speculative_is_plain_greedy(smollm_bf16):
     session at a time and with sessions sharing verify calls."""
     from moa_serve.cli import prompt_tokens
     from moa_serve.engine.in_process import SpeculativeEngine
-    from tests.engine.test_lossless import NoisyOracle
+    from tests.support.oracles import NoisyOracle
 
     spec = smollm_bf16
     assert spec.verifier.attention_kernel and spec.verifier.packing["packed"] == 211
