@@ -81,17 +81,35 @@ TOY = dict(
 )
 
 
-class Run:
+class ResultFiles:
+    """A run's results (``meta`` and ``sections``) under ``out`` as ``<name>.json`` and, rendered by
+    ``render``, ``<name>.md``: both rewritten whole after every step."""
+
+    def __init__(self, out: Path, name: str, render, digits: int):
+        self.out, self.name, self.render, self.digits = out, name, render, digits
+        self.t0 = time.monotonic()
+        self.results: dict = {"meta": {}, "sections": {}}
+
+    def section(self, name: str) -> dict:
+        return self.results["sections"].setdefault(name, {"status": "running"})
+
+    def save(self) -> None:
+        self.results["meta"]["elapsed_s"] = round(time.monotonic() - self.t0, self.digits)
+        tmp = self.out / f"{self.name}.json.tmp"
+        tmp.write_text(json.dumps(self.results, indent=1, default=str))
+        os.replace(tmp, self.out / f"{self.name}.json")
+        (self.out / f"{self.name}.md").write_text(self.render(self.results))
+
+
+class Run(ResultFiles):
     """Results, deadlines and the output files."""
 
     def __init__(self, out: Path, budget_s: float, device: torch.device, toy: bool):
-        self.out = out
-        self.t0 = time.monotonic()
+        super().__init__(out, "results", markdown, 2)
         self.budget_s = budget_s
         self.device = device
         self.toy = toy
         self.sizes = TOY if toy else FULL
-        self.results: dict = {"meta": {}, "sections": {}}
         self.deadline = self.t0 + budget_s
 
     def until(self, fraction: float) -> None:
@@ -100,16 +118,6 @@ class Run:
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
-
-    def section(self, name: str) -> dict:
-        return self.results["sections"].setdefault(name, {"status": "running"})
-
-    def save(self) -> None:
-        self.results["meta"]["elapsed_s"] = round(time.monotonic() - self.t0, 2)
-        tmp = self.out / "results.json.tmp"
-        tmp.write_text(json.dumps(self.results, indent=1, default=str))
-        os.replace(tmp, self.out / "results.json")
-        (self.out / "results.md").write_text(markdown(self.results))
 
 
 def sync(device: torch.device) -> None:

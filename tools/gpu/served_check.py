@@ -39,6 +39,7 @@ import yaml
 from moa_serve import cli
 from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.loadtest import runner
+from tools.gpu.harness import ResultFiles
 from tools.prompts import STORY_PROMPTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,23 +75,13 @@ def log(msg: str) -> None:
     print(f"[served-check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-class Results:
+class Results(ResultFiles):
     def __init__(self, out: Path, budget_s: float):
-        self.out, self.t0, self.budget_s = out, time.monotonic(), budget_s
-        self.data: dict = {"meta": {}, "sections": {}}
+        super().__init__(out, "served", markdown, 1)
+        self.budget_s = budget_s
 
     def left(self) -> float:
         return self.budget_s - (time.monotonic() - self.t0)
-
-    def section(self, name: str) -> dict:
-        return self.data["sections"].setdefault(name, {"status": "running"})
-
-    def save(self) -> None:
-        self.data["meta"]["elapsed_s"] = round(time.monotonic() - self.t0, 1)
-        tmp = self.out / "served.json.tmp"
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
-        os.replace(tmp, self.out / "served.json")
-        (self.out / "served.md").write_text(markdown(self.data))
 
 
 # ---------------------------------------------------------------------------------- serving
@@ -414,7 +405,7 @@ def main() -> int:
     ]
     args.client = next((Path(c) for c in candidates if c and Path(c).is_file()), None)
     res = Results(out, args.budget_s)
-    res.data["meta"].update(
+    res.results["meta"].update(
         device=args.device,
         device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         torch=torch.__version__,
@@ -447,7 +438,7 @@ def main() -> int:
             res.section(name).update(status="failed", error=traceback.format_exc()[-3000:])
             log(f"section {name} failed:\n{traceback.format_exc()}")
         res.save()
-    res.data["meta"]["finished"] = True
+    res.results["meta"]["finished"] = True
     res.save()
     print((out / "served.md").read_text())
     return 1 if failed else 0
