@@ -61,39 +61,38 @@ class DrafterConfig:
     def lsa_shape(self) -> LayerShape:
         t = self.target
         width = t.kv_width
-        return LayerShape(
+        return self._layer_shape(
             width,
-            t.num_heads,
             self.layer_self_attention_num_key_value_heads,
             width // t.num_heads,
             self.layer_self_attention_intermediate_size,
-            t.rms_norm_eps,
             t.qkv_bias,
         )
 
     def sa_shape(self) -> LayerShape:
         t = self.target
-        return LayerShape(
+        return self._layer_shape(
             t.hidden_size,
-            t.num_heads,
             self.self_attention_num_key_value_heads,
             t.head_dim,
             self.self_attention_intermediate_size,
-            t.rms_norm_eps,
             t.qkv_bias,
         )
 
     def ca_shape(self) -> LayerShape:
         t = self.target
-        return LayerShape(
+        return self._layer_shape(
             t.hidden_size,
-            t.num_heads,
             self.cross_attention_num_key_value_heads,
             t.head_dim,
             self.cross_attention_intermediate_size,
-            t.rms_norm_eps,
             False,
         )
+
+    def _layer_shape(self, hidden: int, kv_heads: int, head_dim: int, intermediate: int, qkv_bias: bool) -> LayerShape:
+        """A drafter layer with the target's query heads and norm epsilon."""
+        t = self.target
+        return LayerShape(hidden, t.num_heads, kv_heads, head_dim, intermediate, t.rms_norm_eps, qkv_bias)
 
     @property
     def feature_dim(self) -> int:
