@@ -101,30 +101,37 @@ class HttpLimitsConfig(BaseModel):
     )
 
 
-class SlowClients:
+class _CountPerKey:
+    """How many of something each key holds; ``acquire`` answers False at ``limit`` (None: no limit)."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self._held: dict = {}
+
+    def acquire(self, key) -> bool:
+        n = self._held.get(key, 0)
+        if self.limit is not None and n >= self.limit:
+            return False
+        self._held[key] = n + 1
+        return True
+
+    def release(self, key) -> None:
+        n = self._held.get(key, 0) - 1
+        if n > 0:
+            self._held[key] = n
+        else:
+            self._held.pop(key, None)
+
+    def held(self, key) -> int:
+        return self._held.get(key, 0)
+
+
+class SlowClients(_CountPerKey):
     """Requests per client address whose body is still arriving after ``SLOW_BODY_GRACE_S``.
     ``acquire`` answers False at the limit."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._slow: dict[str, int] = {}
-
-    def acquire(self, client: str) -> bool:
-        n = self._slow.get(client, 0)
-        if n >= self.limit:
-            return False
-        self._slow[client] = n + 1
-        return True
-
-    def release(self, client: str) -> None:
-        n = self._slow.get(client, 0) - 1
-        if n > 0:
-            self._slow[client] = n
-        else:
-            self._slow.pop(client, None)
-
     def slow(self, client: str) -> int:
-        return self._slow.get(client, 0)
+        return self.held(client)
 
 
 class BodyCaps:
@@ -166,26 +173,8 @@ def capped_max_tokens(limits: HttpLimitsConfig | None, body, max_tokens: int) ->
     return cap
 
 
-class KeyConcurrency:
+class KeyConcurrency(_CountPerKey):
     """Requests in flight per API key (its digest). ``acquire`` answers False at the limit."""
 
-    def __init__(self, limit: int | None):
-        self.limit = limit
-        self._in_flight: dict[bytes, int] = {}
-
-    def acquire(self, key: bytes) -> bool:
-        n = self._in_flight.get(key, 0)
-        if self.limit is not None and n >= self.limit:
-            return False
-        self._in_flight[key] = n + 1
-        return True
-
-    def release(self, key: bytes) -> None:
-        n = self._in_flight.get(key, 0) - 1
-        if n > 0:
-            self._in_flight[key] = n
-        else:
-            self._in_flight.pop(key, None)
-
     def in_flight(self, key: bytes) -> int:
-        return self._in_flight.get(key, 0)
+        return self.held(key)
