@@ -9,9 +9,7 @@ import torch
 
 from moa_serve.deployments import fit
 from moa_serve.deployments.config import AppConfig
-from moa_serve.drafter.config import DrafterConfig
 from moa_serve.drafter.moa_model import TargetParts
-from moa_serve.drafter.proposer import MoAProposer
 from moa_serve.model.kv_cache import PackedBatch
 from moa_serve.protocol import DraftRequest
 from tools.gpu.harness import (
@@ -24,12 +22,31 @@ from tools.gpu.harness import (
     param_bytes,
     sync,
 )
+from tools.gpu.production import moa_proposer
 
 
 def fit_section(run: Run, models: dict) -> None:
     """deployments/fit.py's arithmetic for gpu.yaml next to what the torch backend holds at that
     session shape (measured on CUDA only)."""
     sec = run.section("fit")
+    cfg = _fit_py(sec)
+    run.save()
+    d = run.device
+    if d.type != "cuda" or cfg is None or run.toy:
+        sec["measured"] = "needs CUDA and the 8B shape (not measured in this run)"
+        sec["status"] = "done"
+        run.save()
+        return
+    _measure_verifier(run, sec, cfg, models["target"])
+    # drafter replica: its caches for gpu.yaml's drafter max_sessions at full context
+    if run.left() > 20:
+        _measure_drafter(run, sec, cfg, models["target"], models["moa"])
+    sec["status"] = "done"
+    run.save()
+
+
+def _fit_py(sec: dict) -> AppConfig | None:
+    """fit.py's arithmetic for gpu.yaml at the Llama-3-8B shape; the config, or None where it failed."""
     try:
         import yaml
 
@@ -60,15 +77,13 @@ def fit_section(run: Run, models: dict) -> None:
         }
     except Exception as exc:  # noqa: BLE001 - a failure here (e.g. no PyYAML) must not cost the other sections
         sec["fit_py_error"] = f"{type(exc).__name__}: {exc}"
-        cfg = None
-    run.save()
+        return None
+    return cfg
+
+
+def _measure_verifier(run: Run, sec: dict, cfg: AppConfig, target) -> None:
+    """The verifier's weights, KV cache and forward peaks at gpu.yaml's session shape."""
     d = run.device
-    if d.type != "cuda" or cfg is None or run.toy:
-        sec["measured"] = "needs CUDA and the 8B shape (not measured in this run)"
-        sec["status"] = "done"
-        run.save()
-        return
-    target, moa = models["target"], models["moa"]
     vp = cfg.verifier_pool
     arch = target.arch
     per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 2
@@ -113,44 +128,40 @@ def fit_section(run: Run, models: dict) -> None:
     del cache, batch, hidden
     free(d)
     run.save()
-    # drafter replica: its caches for gpu.yaml's drafter max_sessions at full context
-    if run.left() > 20:
-        base = torch.cuda.memory_allocated(d)
-        n = cfg.drafter_pool.max_sessions
-        proposer = MoAProposer(
-            DrafterConfig(target=arch),
-            moa.draft_head,
-            TargetParts(target, 0),
-            max_sessions=n,
-            max_model_len=cfg.max_model_len,
-        )
-        caches = torch.cuda.memory_allocated(d) - base
-        parts = TargetParts(target, 0)
-        md = {
-            "max_sessions": n,
-            "caches_gib": round(caches / GiB, 3),
-            "borrowed_gib": round((param_bytes(parts.embed_tokens) + param_bytes(parts.lm_head)) / GiB, 3),
-            "draft_head_gib": round(param_bytes(moa.draft_head) / GiB, 3),
-        }
-        torch.cuda.reset_peak_memory_stats(d)
-        before = torch.cuda.memory_allocated(d)
-        g = random.Random(1)
-        proposer.propose(
-            [
-                DraftRequest(
-                    f"f{i}",
-                    [g.randrange(arch.vocab_size) for _ in range(16)],
-                    cfg.num_speculative_tokens,
-                    0,
-                    torch.randn(16, arch.hidden_size).to(target.lm_head.weight.dtype),
-                )
-                for i in range(n)
-            ]
-        )
-        sync(d)
-        md["draft_call_activations_gib"] = round((torch.cuda.max_memory_allocated(d) - before) / GiB, 3)
-        sec["measured_drafter"] = md
-        del proposer
-        free(d)
-    sec["status"] = "done"
-    run.save()
+
+
+def _measure_drafter(run: Run, sec: dict, cfg: AppConfig, target, moa) -> None:
+    """A drafter replica's caches for gpu.yaml's drafter max_sessions at full context, and one draft
+    call's activations."""
+    d, arch = run.device, target.arch
+    base = torch.cuda.memory_allocated(d)
+    n = cfg.drafter_pool.max_sessions
+    proposer = moa_proposer(target, moa, n, cfg.max_model_len)
+    caches = torch.cuda.memory_allocated(d) - base
+    parts = TargetParts(target, 0)
+    md = {
+        "max_sessions": n,
+        "caches_gib": round(caches / GiB, 3),
+        "borrowed_gib": round((param_bytes(parts.embed_tokens) + param_bytes(parts.lm_head)) / GiB, 3),
+        "draft_head_gib": round(param_bytes(moa.draft_head) / GiB, 3),
+    }
+    torch.cuda.reset_peak_memory_stats(d)
+    before = torch.cuda.memory_allocated(d)
+    g = random.Random(1)
+    proposer.propose(
+        [
+            DraftRequest(
+                f"f{i}",
+                [g.randrange(arch.vocab_size) for _ in range(16)],
+                cfg.num_speculative_tokens,
+                0,
+                torch.randn(16, arch.hidden_size).to(target.lm_head.weight.dtype),
+            )
+            for i in range(n)
+        ]
+    )
+    sync(d)
+    md["draft_call_activations_gib"] = round((torch.cuda.max_memory_allocated(d) - before) / GiB, 3)
+    sec["measured_drafter"] = md
+    del proposer
+    free(d)
