@@ -21,6 +21,77 @@ MODEL = "fake/model"
 WORDS = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit"]
 
 
+def _usage(n: int) -> dict:
+    return {"prompt_tokens": 10, "completion_tokens": n, "total_tokens": 10 + n}
+
+
+def _spec(n: int, accepted_length: float) -> dict:
+    rounds = max(1, round(n / accepted_length))
+    return {
+        "rounds": rounds,
+        "drafted_tokens": rounds * 4,
+        "accepted_tokens": n - rounds,
+        "mean_accepted_length": n / rounds,
+    }
+
+
+def _error():
+    return JSONResponse(
+        {"error": {"message": "injected failure", "type": "server_error", "param": None}}, status_code=500
+    )
+
+
+def _unknown_model(model) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": f"unknown model {model}", "type": "invalid_request_error", "param": "model"}},
+        status_code=404,
+    )
+
+
+async def _tokens(n: int, token_delay: float):
+    for i in range(n):
+        await asyncio.sleep(token_delay)
+        yield i, WORDS[i % len(WORDS)] + " "
+
+
+def _openai_reply(n: int, chat: bool, accepted_length: float) -> dict:
+    obj = "chat.completion" if chat else "text_completion"
+    choice = {"index": 0, "finish_reason": "length"}
+    choice |= {"message": {"role": "assistant", "content": "x " * n}} if chat else {"text": "x " * n}
+    return {
+        "id": "c-1",
+        "object": obj,
+        "created": int(time.time()),
+        "model": MODEL,
+        "choices": [choice],
+        "usage": _usage(n),
+        "speculative": _spec(n, accepted_length),
+    }
+
+
+async def _openai_sse(n: int, chat: bool, include_usage: bool, token_delay: float, accepted_length: float):
+    obj = "chat.completion" if chat else "text_completion"
+    async for _, w in _tokens(n, token_delay):
+        choice = {"index": 0, "finish_reason": None}
+        choice |= {"delta": {"content": w}} if chat else {"text": w}
+        chunk = {"id": "c-1", "object": obj + ".chunk", "model": MODEL, "choices": [choice]}
+        yield f"data: {json.dumps(chunk)}\n\n"
+    last = {"index": 0, "finish_reason": "length"}
+    last |= {"delta": {}} if chat else {"text": ""}
+    yield f"data: {json.dumps({'id': 'c-1', 'object': obj + '.chunk', 'model': MODEL, 'choices': [last]})}\n\n"
+    if include_usage:
+        u = {
+            "id": "c-1",
+            "object": obj + ".chunk",
+            "model": MODEL,
+            "choices": [],
+            "usage": _usage(n),
+            "speculative": _spec(n, accepted_length),
+        }
+        yield f"data: {json.dumps(u)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
 def make_app(fail_every: int = 0, token_delay: float = 0.005, accepted_length: float = 2.5) -> FastAPI:
     app = FastAPI()
     counter = itertools.count(1)
@@ -28,23 +99,6 @@ def make_app(fail_every: int = 0, token_delay: float = 0.005, accepted_length: f
 
     def should_fail() -> bool:
         return fail_every > 0 and next(counter) % fail_every == 0
-
-    def spec(n: int) -> dict:
-        rounds = max(1, round(n / accepted_length))
-        return {
-            "rounds": rounds,
-            "drafted_tokens": rounds * 4,
-            "accepted_tokens": n - rounds,
-            "mean_accepted_length": n / rounds,
-        }
-
-    def usage(n: int) -> dict:
-        return {"prompt_tokens": 10, "completion_tokens": n, "total_tokens": 10 + n}
-
-    def error():
-        return JSONResponse(
-            {"error": {"message": "injected failure", "type": "server_error", "param": None}}, status_code=500
-        )
 
     @app.get("/healthz")
     async def healthz():
@@ -72,16 +126,11 @@ def make_app(fail_every: int = 0, token_delay: float = 0.005, accepted_length: f
     async def models():
         return {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "test"}]}
 
-    async def tokens(n: int):
-        for i in range(n):
-            await asyncio.sleep(token_delay)
-            yield i, WORDS[i % len(WORDS)] + " "
-
     @app.post("/v1/generate")
     async def generate(req: Request):
         body = await req.json()
         if should_fail():
-            return error()
+            return _error()
         n = int(body.get("max_tokens", 128))
         if not body.get("stream"):
             await asyncio.sleep(token_delay * n)
@@ -90,14 +139,19 @@ def make_app(fail_every: int = 0, token_delay: float = 0.005, accepted_length: f
                 "text": "x " * n,
                 "token_ids": list(range(n)),
                 "finish_reason": "length",
-                "usage": usage(n),
-                "speculative": spec(n),
+                "usage": _usage(n),
+                "speculative": _spec(n, accepted_length),
             }
 
         async def sse():
-            async for i, w in tokens(n):
+            async for i, w in _tokens(n, token_delay):
                 yield f"data: {json.dumps({'text': w, 'token_ids': [i]})}\n\n"
-            final = {"text": "", "finish_reason": "length", "usage": usage(n), "speculative": spec(n)}
+            final = {
+                "text": "",
+                "finish_reason": "length",
+                "usage": _usage(n),
+                "speculative": _spec(n, accepted_length),
+            }
             yield f"data: {json.dumps(final)}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -106,58 +160,16 @@ def make_app(fail_every: int = 0, token_delay: float = 0.005, accepted_length: f
     async def openai(req: Request, chat: bool):
         body = await req.json()
         if should_fail():
-            return error()
+            return _error()
         if body.get("model") != MODEL:
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": f"unknown model {body.get('model')}",
-                        "type": "invalid_request_error",
-                        "param": "model",
-                    }
-                },
-                status_code=404,
-            )
+            return _unknown_model(body.get("model"))
         n = int(body.get("max_tokens", 16))
-        obj = "chat.completion" if chat else "text_completion"
         if not body.get("stream"):
             await asyncio.sleep(token_delay * n)
-            choice = {"index": 0, "finish_reason": "length"}
-            choice |= {"message": {"role": "assistant", "content": "x " * n}} if chat else {"text": "x " * n}
-            return {
-                "id": "c-1",
-                "object": obj,
-                "created": int(time.time()),
-                "model": MODEL,
-                "choices": [choice],
-                "usage": usage(n),
-                "speculative": spec(n),
-            }
-
+            return _openai_reply(n, chat, accepted_length)
         include_usage = (body.get("stream_options") or {}).get("include_usage")
-
-        async def sse():
-            async for _, w in tokens(n):
-                choice = {"index": 0, "finish_reason": None}
-                choice |= {"delta": {"content": w}} if chat else {"text": w}
-                chunk = {"id": "c-1", "object": obj + ".chunk", "model": MODEL, "choices": [choice]}
-                yield f"data: {json.dumps(chunk)}\n\n"
-            last = {"index": 0, "finish_reason": "length"}
-            last |= {"delta": {}} if chat else {"text": ""}
-            yield f"data: {json.dumps({'id': 'c-1', 'object': obj + '.chunk', 'model': MODEL, 'choices': [last]})}\n\n"
-            if include_usage:
-                u = {
-                    "id": "c-1",
-                    "object": obj + ".chunk",
-                    "model": MODEL,
-                    "choices": [],
-                    "usage": usage(n),
-                    "speculative": spec(n),
-                }
-                yield f"data: {json.dumps(u)}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        sse = _openai_sse(n, chat, include_usage, token_delay, accepted_length)
+        return StreamingResponse(sse, media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
     async def chat(req: Request):
