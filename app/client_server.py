@@ -158,6 +158,18 @@ def _responses(frame: dict, *codes: int) -> dict:
     return out
 
 
+def _frame_route(api: FastAPI, path: str, operation_id: str, body: type[BaseModel], frame: dict, codes: tuple):
+    """A POST that reads its body itself (JSON or a frame) and answers a frame (``frame``, its 200) or
+    one of the error statuses ``codes``."""
+    return api.post(
+        path,
+        operation_id=operation_id,
+        openapi_extra=_body(body),
+        response_class=Response,
+        responses=_responses(frame, *codes),
+    )
+
+
 SESSION_ID_PARAM = {"session_id": f"$response.header.{SESSION_HEADER}"}
 IDENTITY_LINKS = {
     "CreateSession": {
@@ -226,31 +238,24 @@ def install(api: FastAPI, readiness: Readiness) -> None:
         await readiness.admit()
         return (await cs.identity()).as_dict()
 
-    @api.post(
+    @_frame_route(
+        api,
         "/v1/cs/sessions",
-        operation_id="cs_create_session",
-        openapi_extra=_body(CreateSession),
-        response_class=Response,
-        responses=_responses(
-            _frame_response(
-                "round 0 of a new session: its first token and the prompt's features; the frame's header adds "
-                "`session_id`",
-                headers={
-                    SESSION_HEADER: {
-                        "description": "the session's id (as the frame header's `session_id`): the path of its "
-                        "verify and DELETE calls",
-                        "required": True,
-                        "schema": {"type": "string", "pattern": SESSION_ID},
-                    }
-                },
-                links=SESSION_LINKS,
-            ),
-            400,
-            404,
-            409,
-            429,
-            503,
+        "cs_create_session",
+        CreateSession,
+        _frame_response(
+            "round 0 of a new session: its first token and the prompt's features; the frame's header adds `session_id`",
+            headers={
+                SESSION_HEADER: {
+                    "description": "the session's id (as the frame header's `session_id`): the path of its "
+                    "verify and DELETE calls",
+                    "required": True,
+                    "schema": {"type": "string", "pattern": SESSION_ID},
+                }
+            },
+            links=SESSION_LINKS,
         ),
+        (400, 404, 409, 429, 503),
     )
     async def cs_create(request: Request):
         cs = _sessions()
@@ -276,20 +281,15 @@ def install(api: FastAPI, readiness: Readiness) -> None:
         )
         return _frame(reply, body.feature_codec, headers={SESSION_HEADER: sid}, session_id=sid)
 
-    @api.post(
+    @_frame_route(
+        api,
         "/v1/cs/sessions/{session_id}/verify",
-        operation_id="cs_verify_round",
-        openapi_extra=_body(VerifyRound),
-        response_class=Response,
-        responses=_responses(
-            _frame_response(
-                "the round's answer: accepted drafts, the target's token, the features of the newly committed positions"
-            ),
-            400,
-            404,
-            409,
-            503,
+        "cs_verify_round",
+        VerifyRound,
+        _frame_response(
+            "the round's answer: accepted drafts, the target's token, the features of the newly committed positions"
         ),
+        (400, 404, 409, 503),
     )
     async def cs_verify(session_id: str, request: Request):
         cs = _sessions()
