@@ -19,6 +19,8 @@ import httpx
 import pytest
 import yaml
 
+from tests.support.loadtest_args import loadtest_args
+
 if importlib.util.find_spec("locust") is None:  # never import Locust here: gevent patches ssl
     pytest.skip("locust is not installed", allow_module_level=True)
 
@@ -86,21 +88,7 @@ def test_smoke_load_local_cpu_cluster(local_cpu, tmp_path):
     out = tmp_path / "smoke"
     # one streaming chat user and one streaming /v1/generate user
     rc = runner.main(
-        [
-            "--host",
-            local_cpu,
-            "--users",
-            "2",
-            "--duration",
-            "12s",
-            "--max-tokens",
-            "64",
-            "--user-class",
-            "ChatStreamUser,GenerateStreamUser",
-            "--out",
-            str(out),
-            "--fail-on-failures",
-        ]
+        loadtest_args(local_cpu, "2", 64, out, "--duration", "12s", "--user-class", "ChatStreamUser,GenerateStreamUser")
     )
     s = json.loads((out / "summary.json").read_text())
     lv = s["levels"][0]
@@ -118,23 +106,7 @@ def test_soak_samples_the_local_cpu_cluster(local_cpu, tmp_path):
     from moa_serve.loadtest import runner
 
     out = tmp_path / "soak"
-    rc = runner.main(
-        [
-            "--host",
-            local_cpu,
-            "--users",
-            "2",
-            "--soak",
-            "14s",
-            "--soak-interval",
-            "4s",
-            "--max-tokens",
-            "32",
-            "--out",
-            str(out),
-            "--fail-on-failures",
-        ]
-    )
+    rc = runner.main(loadtest_args(local_cpu, "2", 32, out, "--soak", "14s", "--soak-interval", "4s"))
     assert rc == 0
     samples = [json.loads(line) for line in (out / "soak_samples.jsonl").read_text().splitlines()]
     assert len(samples) >= 3

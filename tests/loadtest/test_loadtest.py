@@ -26,6 +26,7 @@ if importlib.util.find_spec("locust") is None:  # never import Locust here: geve
 pytest.importorskip("matplotlib")
 
 from moa_serve.loadtest import report, runner, soak  # noqa: E402
+from tests.support.loadtest_args import loadtest_args  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SUPPORT = REPO / "tests" / "support"
@@ -88,23 +89,7 @@ def test_runner_all_user_classes(fake_server, tmp_path):
     out = tmp_path / "run"
     classes = ",".join(runner.USER_CLASSES)
     rc = runner.main(
-        [
-            "--host",
-            fake_server,
-            "--users",
-            "1,5",
-            "--duration",
-            "5s",
-            "--max-tokens",
-            "16",
-            "--user-class",
-            classes,
-            "--out",
-            str(out),
-            "--fail-on-failures",
-            "--label",
-            "fake",
-        ]
+        loadtest_args(fake_server, "1,5", 16, out, "--duration", "5s", "--user-class", classes, "--label", "fake")
     )
     assert rc == 0
     s = json.loads((out / "summary.json").read_text())
@@ -137,22 +122,7 @@ def test_runner_all_user_classes(fake_server, tmp_path):
 @pytest.mark.parametrize("fake_server", [2], indirect=True)
 def test_failures_are_counted(fake_server, tmp_path):
     out = tmp_path / "run"
-    rc = runner.main(
-        [
-            "--host",
-            fake_server,
-            "--users",
-            "2",
-            "--duration",
-            "4s",
-            "--max-tokens",
-            "8",
-            "--out",
-            str(out),
-            "--fail-on-failures",
-            "--no-warmup",
-        ]
-    )
+    rc = runner.main(loadtest_args(fake_server, "2", 8, out, "--duration", "4s", "--no-warmup"))
     assert rc == 1
     lv = json.loads((out / "summary.json").read_text())["levels"][0]
     assert lv["requests"] > 0 and 0 < lv["failures"] < lv["requests"]
@@ -325,24 +295,19 @@ def test_replica_processes_by_title(fake_replica):
 def test_soak_samples_and_reports(fake_server, fake_replica, tmp_path):
     out, results = tmp_path / "soak", tmp_path / "results"
     rc = runner.main(
-        [
-            "--host",
+        loadtest_args(
             fake_server,
-            "--users",
             "2",
+            8,
+            out,
             "--soak",
             "8s",
             "--soak-interval",
             "2s",
-            "--max-tokens",
-            "8",
-            "--out",
-            str(out),
             "--soak-results",
             str(results),
             "--no-warmup",
-            "--fail-on-failures",
-        ]
+        )
     )
     assert rc == 0
     samples = [json.loads(line) for line in (out / "soak_samples.jsonl").read_text().splitlines()]
