@@ -110,7 +110,7 @@ def library() -> ctypes.CDLL | None:
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 _why_not = str(e)
             else:
-                i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+                i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
                 lib.moa_packed_matmul.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32]
                 lib.moa_bf16dot_compiled.argtypes = []
                 lib.moa_bf16dot_compiled.restype = i32
@@ -119,49 +119,23 @@ def library() -> ctypes.CDLL | None:
                 lib.moa_int8_vnni(int(_vnni_wanted()))
                 lib.moa_q4_1_rows.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr]
                 lib.moa_q8_0_rows.argtypes = [ptr, ptr, i64, ptr, i64, ptr]
+                # the C signatures (qmatmul.c), each parameter named beside its type
+                # fmt: off
                 lib.moa_attention.argtypes = [
-                    ptr,
-                    i64,
-                    i64,
-                    i64,
-                    i64,
-                    ptr,
-                    ptr,
-                    i64,
-                    i64,
-                    i64,
-                    ptr,
-                    ptr,
-                    ptr,
-                    ctypes.c_float,
-                    ptr,
-                    i64,
-                    i32,
+                    ptr, i64, i64, i64, i64, ptr, ptr,  # q, n, H, KVH, hd, k, v
+                    i64, i64, i64, ptr, ptr, ptr,  # ss, hs, ps, slots, pos, store_at
+                    f32, ptr, i64, i32,  # scale, out, max_len, threads
                 ]
+                # fmt: on
                 lib.moa_attention_bf16.argtypes = lib.moa_attention.argtypes
+                # fmt: off
                 lib.moa_decoder_layers.argtypes = [
-                    ptr,
-                    i64,
-                    i64,
-                    i64,
-                    ptr,
-                    ctypes.c_float,
-                    i64,
-                    i64,
-                    i64,
-                    i64,
-                    ptr,
-                    ptr,
-                    ptr,
-                    ptr,
-                    ptr,
-                    i64,
-                    i64,
-                    i64,
-                    i64,
-                    i32,
-                    i32,
+                    ptr, i64, i64, i64, ptr, f32,  # x, n, H, layers, params, eps
+                    i64, i64, i64, i64, ptr, ptr,  # heads, kv_heads, hd, inter, cos, sin
+                    ptr, ptr, ptr, i64, i64, i64,  # slots, pos, store_at, ss, hs, ps
+                    i64, i32, i32,  # max_len, kv_bf16, threads
                 ]
+                # fmt: on
                 for f in (
                     lib.moa_packed_matmul,
                     lib.moa_q4_1_rows,
