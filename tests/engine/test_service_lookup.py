@@ -50,17 +50,20 @@ def repetitive_session(i: int, needs_features: bool) -> Session:
     )
 
 
-def test_prompt_lookup_drafts_in_the_service_without_a_drafter_pool():
-    log = []
+def serve(verifier, drafter, lookup: LookupTable, sessions: list[Session], **kw):
+    """Runs the sessions through a RoundService with this lookup table; returns it and the outputs."""
 
     async def main():
-        verifier = FakeVerifier()
-        svc, _ = make_service(verifier, None, lookup=SpyLookup(log, min_n=2, max_n=4))
-        ss = [repetitive_session(i, needs_features=False) for i in range(3)]
-        outs = await run_all(svc, ss)
-        return verifier, svc, ss, outs
+        svc, _ = make_service(verifier, drafter, lookup=lookup, **kw)
+        return svc, await run_all(svc, sessions)
 
-    verifier, svc, ss, outs = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_prompt_lookup_drafts_in_the_service_without_a_drafter_pool():
+    verifier = FakeVerifier()
+    ss = [repetitive_session(i, needs_features=False) for i in range(3)]
+    svc, outs = serve(verifier, None, SpyLookup([], min_n=2, max_n=4), ss)
     assert [o[0] for o in outs] == [reference(s.prompt, 16) for s in ss]
     first = [q for q in verifier.calls[0][1]]
     assert all(q.drafts == q.tokens[4:7] for q in first)  # the first round already drafts the repeat
@@ -72,25 +75,20 @@ def test_lookup_drafted_sessions_go_on_decoding_in_the_same_call():
     """Multi-step with prompt lookup: a session whose lookup draft is verified keeps decoding in the
     same call up to decode_steps tokens (no features to keep up), and the text is unchanged."""
 
-    async def main():
-        verifier = FakeVerifier()
-        # single-token matches: drafts in later rounds too (mostly wrong ones: corrections then go on)
-        svc, _ = make_service(verifier, None, lookup=SpyLookup([], min_n=1, max_n=3), decode_steps=4)
-        ss = [
-            Session(
-                f"s{i}",
-                [(i * 11 + j) % VOCAB for j in range(4)] * 2,
-                40,
-                num_speculative_tokens=3,
-                max_model_len=256,
-                drafter_needs_features=False,
-            )
-            for i in range(2)
-        ]
-        outs = await run_all(svc, ss)
-        return verifier, ss, outs
-
-    verifier, ss, outs = asyncio.run(main())
+    verifier = FakeVerifier()
+    ss = [
+        Session(
+            f"s{i}",
+            [(i * 11 + j) % VOCAB for j in range(4)] * 2,
+            40,
+            num_speculative_tokens=3,
+            max_model_len=256,
+            drafter_needs_features=False,
+        )
+        for i in range(2)
+    ]
+    # single-token matches: drafts in later rounds too (mostly wrong ones: corrections then go on)
+    _, outs = serve(verifier, None, SpyLookup([], min_n=1, max_n=3), ss, decode_steps=4)
     assert [o[0] for o in outs] == [reference(s.prompt, 40) for s in ss]
     multi = [q for _, reqs in verifier.calls for q in reqs if q.drafts and q.decode_steps == 4]
     assert multi and all(not q.want_features for q in multi)
@@ -99,15 +97,9 @@ def test_lookup_drafted_sessions_go_on_decoding_in_the_same_call():
 
 def test_hybrid_sends_the_drafter_only_the_sessions_lookup_did_not_draft():
     log = []
-
-    async def main():
-        verifier, drafter = LoggingVerifier(log), LoggingDrafter(log, wrong_every=2)
-        svc, _ = make_service(verifier, drafter, lookup=SpyLookup(log, min_n=1, max_n=3))
-        ss = [repetitive_session(i, needs_features=True) for i in range(4)]
-        outs = await run_all(svc, ss)
-        return verifier, drafter, ss, outs
-
-    verifier, drafter, ss, outs = asyncio.run(main())
+    verifier, drafter = LoggingVerifier(log), LoggingDrafter(log, wrong_every=2)
+    ss = [repetitive_session(i, needs_features=True) for i in range(4)]
+    _, outs = serve(verifier, drafter, SpyLookup(log, min_n=1, max_n=3), ss)
     assert [o[0] for o in outs] == [reference(s.prompt, 16) for s in ss]
     assert not verifier.errors and not drafter.errors
     assert {k for k, _ in log} == {"lookup", "drafter", "verify"}  # both drafted
