@@ -105,6 +105,16 @@ class RunnerOptions:
     # runs) or "off" (cuBLAS and SDPA: faster per call, lossless only in float32 and then up to ties)
     batch_invariant: str = "auto"
 
+    def __post_init__(self):
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
+            )
+        if self.batch_invariant not in ("auto", "off"):
+            raise ValueError(f"batch_invariant must be auto or off; got {self.batch_invariant!r}")
+        if self.static_forward not in ("auto", "on", "off"):
+            raise ValueError(f"static_forward must be auto, on or off; got {self.static_forward!r}")
+
 
 class TorchTargetRunner(TargetBackend):
     """``target``: the target's model directory or GGUF (a path, or a name under
@@ -145,18 +155,10 @@ class TorchTargetRunner(TargetBackend):
         self.arch = model.arch
         self.max_model_len = min(max_model_len, self.arch.max_position_embeddings)
         self.max_num_batched_tokens = options.max_num_batched_tokens
-        kv_dtype = self.dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES.get(kv_cache_dtype)
-        if kv_dtype is None:
-            raise ValueError(
-                f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}"
-            )
+        kv_dtype = self.dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype]
         self.cache = model.new_cache(max_sessions, self.max_model_len, kv_dtype)
         # batch-invariant attention (every token alone over its slot, fixed order, float32 sums over a
         # float32 or bfloat16 cache) where it runs: the C kernel on a CPU, Triton on a GPU
-        if options.batch_invariant not in ("auto", "off"):
-            raise ValueError(f"batch_invariant must be auto or off; got {options.batch_invariant!r}")
-        if options.static_forward not in ("auto", "on", "off"):
-            raise ValueError(f"static_forward must be auto, on or off; got {options.static_forward!r}")
         hd = self.arch.head_dim
         # (on a CPU only under Triton's interpreter: how the tests reach them)
         on_gpu_kernels = (
