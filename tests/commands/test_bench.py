@@ -1,27 +1,22 @@
 """``moa bench`` end to end on stories260k: JSON keys, markdown, chart, greedy identity in float32."""
 
-import json
-
 import pytest
 
 from moa_serve.cli import main
+from tests.support.moa_command import run_for_json, write_questions
 
 
 @pytest.mark.slow
 def test_bench_writes_results(tmp_path, stories_path, stories_drafter):
-    q = tmp_path / "q.jsonl"
-    q.write_text(
-        "\n".join(
-            json.dumps(r)
-            for r in [
-                {"question_id": 1, "category": "writing", "turns": ["Once upon a time", "Then what happened?"]},
-                {"question_id": 2, "category": "qa", "turns": ["Lily had a dog"]},
-            ]
-        )
-        + "\n"
+    q = write_questions(
+        tmp_path / "q.jsonl",
+        [
+            {"question_id": 1, "category": "writing", "turns": ["Once upon a time", "Then what happened?"]},
+            {"question_id": 2, "category": "qa", "turns": ["Lily had a dog"]},
+        ],
     )
     out = tmp_path / "r" / "results.json"
-    rc = main(
+    r = run_for_json(
         [
             "bench",
             "--target",
@@ -36,12 +31,9 @@ def test_bench_writes_results(tmp_path, stories_path, stories_drafter):
             "3",
             "--dtype",
             "float32",
-            "--out",
-            str(out),
-        ]
+        ],
+        out,
     )
-    assert rc == 0
-    r = json.loads(out.read_text())
     for key in ("mean_accepted_length", "speedup", "greedy_identical_fraction", "per_category"):
         assert key in r
     assert r["greedy_identical_fraction"] == 1.0
@@ -85,8 +77,7 @@ def test_drafter_labels_tell_same_named_checkpoints_apart():
 def test_bench_system_prompt_default_needs_a_template_that_has_one(tmp_path, stories_path, capsys):
     """--system-prompt default renders prompts as served chat requests are (the template's default
     system prompt); a target whose tokenizer has no such template is refused, naming the option."""
-    q = tmp_path / "q.jsonl"
-    q.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Lily had a dog"]}) + "\n")
+    q = write_questions(tmp_path / "q.jsonl", [{"question_id": 1, "category": "qa", "turns": ["Lily had a dog"]}])
     rc = main(
         [
             "bench",

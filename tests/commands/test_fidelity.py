@@ -1,7 +1,6 @@
 """``moa fidelity``: the divergence arithmetic, perplexity against transformers' own loss, and the
 command end to end on stories260k (no GGUF: every precision is float32 there, so all agree)."""
 
-import json
 import math
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 from moa_serve.cli import main
 from moa_serve.engine.in_process import SpeculativeEngine
 from moa_serve.measure.fidelity_run import agreement, first_divergence, score_text
+from tests.support.moa_command import run_for_json, write_questions
 
 
 def test_first_divergence_and_agreement():
@@ -55,9 +55,9 @@ def test_fidelity_command_on_stories260k(tmp_path, stories_path):
         {"question_id": 4, "category": "summarization", "turns": ["The sun was hot. Sue and Ben played in the sand."]},
         {"question_id": 5, "category": "rag", "turns": ["A cat sat on a mat. The cat was happy and sleepy."]},
     ]
-    q.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    write_questions(q, rows)
     out = tmp_path / "f" / "fidelity.json"
-    rc = main(
+    r = run_for_json(
         [
             "fidelity",
             "--target",
@@ -74,12 +74,9 @@ def test_fidelity_command_on_stories260k(tmp_path, stories_path):
             "32",
             "--max-model-len",
             "128",
-            "--out",
-            str(out),
-        ]
+        ],
+        out,
     )
-    assert rc == 0
-    r = json.loads(out.read_text())
     cfg = r["config"]
     # greedy prompts: one per category; perplexity texts: summarization / rag ones not among them
     assert cfg["greedy_prompts"] == [1, 3, 5] and cfg["ppl_texts"] == [4]
