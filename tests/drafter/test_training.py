@@ -3,6 +3,7 @@ baseline proposers' losslessness."""
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,19 @@ from moa_serve.drafter.training import masks
 from tests.conftest import SHARED
 
 DATA = SHARED / "data" / "train"
+
+
+def chat(*turns: str) -> list[dict]:
+    """A conversation of these turns, the user's and the assistant's by turns, the user's first."""
+    return [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]
+
+
+def write_toy_data(tmp_path, convs: list[list[dict]]) -> Path:
+    """A data folder holding the conversations as one toy.jsonl, one {"messages": ...} a line."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "toy.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    return data
 
 
 def _tiny_cfg(tmp_path, stories_path, **kw):
@@ -205,8 +219,6 @@ def test_regenerate_writes_target_replies_and_matching_originals(tmp_path, stori
     from moa_serve.drafter.training.data import prompt_ids
     from moa_serve.measure.regenerate_replies import regenerate
 
-    data = tmp_path / "data"
-    data.mkdir()
     convs = [
         [
             {"role": "user", "content": f"Tell me a story about a {w}."},
@@ -215,7 +227,7 @@ def test_regenerate_writes_target_replies_and_matching_originals(tmp_path, stori
         for w in ("cat", "dog", "bird", "frog", "tree")
     ]
     convs[2] += [{"role": "user", "content": "And then?"}, {"role": "assistant", "content": "The end."}]
-    (data / "toy.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    data = write_toy_data(tmp_path, convs)
 
     out = regenerate(
         str(stories_path), str(data), str(tmp_path / "out"), per_file=5, max_new_tokens=12, batch=2, dtype="float32"
@@ -242,23 +254,18 @@ def test_regenerate_all_turns_answers_each_turn_in_the_context_of_its_own_replie
     from moa_serve.drafter.training.data import load_conversations, prompt_ids
     from moa_serve.measure.regenerate_replies import pack, regenerate, unpack
 
-    data = tmp_path / "data"
-    data.mkdir()
     convs = [
-        [
-            {"role": "user", "content": "Tell me a story about a cat."},
-            {"role": "assistant", "content": "Dataset reply one."},
-            {"role": "user", "content": "And then?"},
-            {"role": "assistant", "content": "Dataset reply two."},
-            {"role": "user", "content": "How did it end?"},
-            {"role": "assistant", "content": "Dataset reply three."},
-        ],
-        [
-            {"role": "user", "content": "Tell me a story about a dog."},
-            {"role": "assistant", "content": "Dataset reply."},
-        ],
+        chat(
+            "Tell me a story about a cat.",
+            "Dataset reply one.",
+            "And then?",
+            "Dataset reply two.",
+            "How did it end?",
+            "Dataset reply three.",
+        ),
+        chat("Tell me a story about a dog.", "Dataset reply."),
     ]
-    (data / "toy.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    data = write_toy_data(tmp_path, convs)
     out = regenerate(
         str(stories_path),
         str(data),
@@ -319,18 +326,8 @@ def test_system_prompt_share_picks_a_stable_share_and_round_trips_through_a_pack
     assert all(gets_system_prompt(m, 0.7) for m, p in zip(msgs, picked) if p)  # a larger share holds it
     assert not any(gets_system_prompt(m, 0.0) for m in msgs) and all(gets_system_prompt(m, 1.0) for m in msgs)
 
-    data = tmp_path / "data"
-    data.mkdir()
-    convs = [
-        [
-            {"role": "user", "content": "Q1"},
-            {"role": "assistant", "content": "A1"},
-            {"role": "user", "content": "Q2"},
-            {"role": "assistant", "content": "A2"},
-        ],
-        [{"role": "user", "content": "Solo"}, {"role": "assistant", "content": "Dataset"}],
-    ]
-    (data / "toy.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    convs = [chat("Q1", "A1", "Q2", "A2"), chat("Solo", "Dataset")]
+    data = write_toy_data(tmp_path, convs)
     out = tmp_path / "out"
     (out / "self").mkdir(parents=True)
     sys_msg = {"role": "system", "content": system}
@@ -391,8 +388,6 @@ def test_regenerate_goes_on_where_an_earlier_run_stopped(tmp_path, stories_path)
     from moa_serve.drafter.training.data import load_conversations
     from moa_serve.measure.regenerate_replies import regenerate
 
-    data = tmp_path / "data"
-    data.mkdir()
     convs = [
         [
             {"role": "user", "content": f"Tell me a story about a {w} (prompt {i})."},
@@ -400,7 +395,7 @@ def test_regenerate_goes_on_where_an_earlier_run_stopped(tmp_path, stories_path)
         ]
         for i, w in enumerate(("cat", "dog", "bird", "frog", "tree", "fox", "owl"))
     ]
-    (data / "toy.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    data = write_toy_data(tmp_path, convs)
     out = tmp_path / "out"
     kw = dict(per_file=7, max_new_tokens=4, batch=2, dtype="float32")
     regenerate(str(stories_path), str(data), str(out), limit=3, **kw)
@@ -477,8 +472,6 @@ def test_system_prompted_drop_trains_on_the_conversations_without_one(tmp_path, 
     refused, naming the key."""
     from moa_serve.drafter.training.train import Trainer
 
-    data = tmp_path / "data"
-    data.mkdir()
     sys_msg = {"role": "system", "content": "You are a storyteller."}
     convs = [
         [
@@ -488,7 +481,7 @@ def test_system_prompted_drop_trains_on_the_conversations_without_one(tmp_path, 
         for w in ("cat", "dog", "bird", "frog", "tree", "fox")
     ]
     convs = [([sys_msg] if i % 3 == 0 else []) + c for i, c in enumerate(convs)]
-    (data / "toy.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    data = write_toy_data(tmp_path, convs)
     kw = dict(data_dir=str(data), data_files=None, per_file=0, drafters=["eagle"], max_len=64)
     assert len(Trainer(_tiny_cfg(tmp_path, stories_path, **kw)).examples) == 6
     assert len(Trainer(_tiny_cfg(tmp_path, stories_path, system_prompted="drop", **kw)).examples) == 4
