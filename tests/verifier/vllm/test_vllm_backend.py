@@ -5,6 +5,8 @@ target-only decoding when the drafter fails.
 
 CI installs vLLM (``.[vllm]``); there a missing vLLM is an error, never a silent skip."""
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -40,6 +42,11 @@ def plain():
     engine = VllmEngine(
         str(SMOLLM), None, VllmOptions(dtype="float32", max_model_len=1024, max_num_seqs=8, enforce_eager=True)
     )
+    yield from closed_after_use(engine)
+
+
+def closed_after_use(engine: VllmEngine) -> Iterator[VllmEngine]:
+    """A module fixture's engine: given to the module's tests, then closed."""
     yield engine
     engine.close()
 
@@ -92,8 +99,7 @@ def moa():
     finally:
         mp.undo()
         envs.disable_envs_cache()  # the engine froze the reading with inductor on: the later ones read anew
-    yield engine
-    engine.close()
+    yield from closed_after_use(engine)
 
 
 @pytest.fixture(scope="module")
@@ -209,9 +215,7 @@ def all_positions_drafter(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moa_all(all_positions_drafter):
-    engine = speculative_engine(all_positions_drafter, enforce_eager=True)
-    yield engine
-    engine.close()
+    yield from closed_after_use(speculative_engine(all_positions_drafter, enforce_eager=True))
 
 
 @pytest.fixture(scope="module")
@@ -253,9 +257,7 @@ EAGLE = str(REPO / "drafter" / "checkpoints" / "smollm2-135m-instruct-eagle")
 
 @pytest.fixture(scope="module")
 def eagle():
-    engine = speculative_engine(EAGLE)
-    yield engine
-    engine.close()
+    yield from closed_after_use(speculative_engine(EAGLE))
 
 
 def test_an_eagle_style_drafter_gets_the_final_hidden_states_kept_in_the_forward(eagle, prompts):
@@ -315,16 +317,12 @@ def latest_drafter(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moa_latest(latest_drafter):
-    engine = speculative_engine(latest_drafter, enforce_eager=True)
-    yield engine
-    engine.close()
+    yield from closed_after_use(speculative_engine(latest_drafter, enforce_eager=True))
 
 
 @pytest.fixture(scope="module")
 def moa_latest_hooked(latest_drafter):
-    engine = hooked_engine(latest_drafter)
-    yield engine
-    engine.close()
+    yield from closed_after_use(hooked_engine(latest_drafter))
 
 
 @pytest.mark.parametrize("path", ["moa", "moa_latest", "moa_latest_hooked"])
