@@ -131,6 +131,7 @@ class ProposerBase:
     def from_checkpoint(cls, cfg, state, parts, dt, device, max_sessions, max_model_len, draft_vocab):
         """The proposer of a loaded checkpoint (its config, state dict and the target's parts)."""
         raise NotImplementedError
+
     vocab_size: int
     draft_vocab: torch.Tensor | None
     stats: dict
