@@ -54,7 +54,10 @@ def _replica_name() -> str:
 class _Pool:
     pool_name = "pool"
 
-    def __init__(self):
+    def __init__(self, cfg: AppConfig, pool: PoolConfig):
+        """``pool``: this pool's section of ``cfg``; its threads are set for the process."""
+        self.cfg = cfg
+        _threads(pool)
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moa-forward")
         self._replica = _replica_name()
         self._metrics = PoolMetrics(self.pool_name)
@@ -118,10 +121,8 @@ class VerifierPool(_Pool):
     pool_name = "verifier"
 
     def __init__(self, cfg: AppConfig):
-        super().__init__()
-        self.cfg = cfg
-        pool = self.cfg.verifier_pool
-        _threads(pool)
+        super().__init__(cfg, cfg.verifier_pool)
+        pool = cfg.verifier_pool
         options = RunnerOptions(
             max_num_batched_tokens=pool.max_num_batched_tokens,
             packed_weights=self.cfg.packed_weights,
@@ -177,10 +178,8 @@ class DrafterPool(_Pool):
     pool_name = "drafter"
 
     def __init__(self, cfg: AppConfig):
-        super().__init__()
-        self.cfg = cfg
-        pool = self.cfg.drafter_pool
-        _threads(pool)
+        super().__init__(cfg, cfg.drafter_pool)
+        pool = cfg.drafter_pool
         # a hybrid's prompt lookup runs in the Router: the pool serves the trained drafter
         self.proposer = load_proposer(
             self.cfg.drafter_checkpoint,
