@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Hashable
 
 from moa_serve.engine.events import Tracked
-from moa_serve.engine.pool_calls import PoolCalls
+from moa_serve.engine.pool_calls import PoolCalls, resend_whole
 from moa_serve.engine.round_stats import ServiceStats
 from moa_serve.engine.session import Session
 from moa_serve.protocol import VerifyRequest, VerifyResult
@@ -90,8 +90,7 @@ class Lookahead:
             self.stats.lookahead_failures += 1
             log.warning("lookahead verify call failed (%s: %s); its sessions resync", type(exc).__name__, exc)
             self.drop(g, active)
-            for t in live:
-                t.session.verifier_base = 0
+            resend_whole([t.session for t in live])
             return None
         by_id = {t.session.id: t.session for t in live if len(t.session.tokens) == ahead.bases[t.session.id]}
         for t in live:

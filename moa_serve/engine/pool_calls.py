@@ -48,8 +48,9 @@ class Pools:
     cut: CutFn | None = None
 
 
-def _resend_whole(sessions: list[Session]) -> None:
-    """A verify call that failed (or timed out): the next attempt may reach another replica."""
+def resend_whole(sessions: list[Session]) -> None:
+    """After a verify call that failed (or timed out): the next attempt may reach another replica,
+    so the sessions' next request carries their whole token lists."""
     for s in sessions:
         s.verifier_base = 0
 
@@ -95,10 +96,10 @@ class PoolCalls:
             except asyncio.CancelledError:
                 raise
             except ValueError:
-                _resend_whole(sessions)
+                resend_whole(sessions)
                 raise
             except Exception as exc:
-                _resend_whole(sessions)
+                resend_whole(sessions)
                 if attempt == self.limits.verify_retries:
                     raise
                 self.stats.verify_retries += 1

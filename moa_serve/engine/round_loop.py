@@ -514,12 +514,6 @@ def verify_requests(
     return out
 
 
-def verify_failed(sessions: list[Session]) -> None:
-    """A verify call that failed (or timed out): the next attempt may reach another replica."""
-    for s in sessions:
-        s.verifier_base = 0
-
-
 def by_session(sessions: dict[str, Session], results: list[VerifyResult]) -> dict[str, VerifyResult]:
     """Results keyed by session id (a pool may answer in any order); strangers are dropped."""
     out = {}
