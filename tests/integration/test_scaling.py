@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 
 from moa_serve.deployments.affinity import SessionGroupRouter  # noqa: E402
 from moa_serve.deployments.assignment import GroupAssignment  # noqa: E402
 from moa_serve.deployments.autoscaling import SessionsPolicy  # noqa: E402
+from moa_serve.deployments.config import AppConfig  # noqa: E402
 from moa_serve.deployments.pools import _Pool  # noqa: E402
 from moa_serve.deployments.stats import CallStats  # noqa: E402
 from moa_serve.protocol import PoolReply  # noqa: E402
@@ -164,7 +166,15 @@ class Pool(_Pool):
     pool_name = "unit"
 
     def __init__(self, backend):
-        super().__init__()
+        cfg = AppConfig.model_validate(
+            {
+                "target": "stories260k",
+                "drafter": "lookup",
+                "router": {"session_groups": 1},
+                "verifier_pool": {"torch_threads": torch.get_num_threads()},
+            }
+        )
+        super().__init__(cfg, cfg.verifier_pool)
         self.backend = backend
 
     async def forward(self, requests, tag, seconds=0.0):
