@@ -63,6 +63,7 @@ class _Pool:
         self._metrics = PoolMetrics(self.pool_name)
         self._seen: dict[str, float] = {}  # session id -> last use (monotonic)
         self.calls = 0
+        self.engine = None  # what the calls run on: the subclass sets its runner or proposer
 
     # ------------------------------------------------------------------ the worker thread
     async def _run(self, method: str, fn, *args, shield: bool = False) -> PoolReply:
@@ -106,14 +107,20 @@ class _Pool:
     async def record_routing_stats(self) -> dict[str, float]:
         return {"sessions": float(self.active_sessions())}
 
-    async def _release(self, backend, session_ids: list[str]) -> PoolReply:
+    # ------------------------------------------------------------------ calls both pools answer
+    async def release(self, session_ids: list[str], group=None) -> PoolReply:
+        """Frees the sessions' caches on ``self.engine`` (the runner or the proposer), behind any
+        running call; a caller that gives up does not cancel it."""
         self._release_ids(session_ids)
 
         def release_all():
             for sid in session_ids:
-                backend.release(sid)
+                self.engine.release(sid)
 
         return await self._run("release", release_all, shield=True)
+
+    def _info(self) -> dict:
+        return {"replica": self._replica, "active_sessions": self.active_sessions(), "calls": self.calls}
 
 
 @serve.deployment(name="VerifierPool")
@@ -133,7 +140,7 @@ class VerifierPool(_Pool):
             batch_invariant=self.cfg.batch_invariant,
             load_format=self.cfg.load_format,
         )
-        self.runner = TorchTargetRunner(
+        self.runner = self.engine = TorchTargetRunner(
             self.cfg.target,
             self.cfg.dtype,
             self.cfg.device,
@@ -150,9 +157,6 @@ class VerifierPool(_Pool):
         self._touch(requests)
         return await self._run("verify", self.runner.verify, requests)
 
-    async def release(self, session_ids: list[str], group=None) -> PoolReply:
-        return await self._release(self.runner, session_ids)
-
     async def cut_steps(self, group=None) -> None:
         """A newcomer waits for the group's next verify call: the running one stops its multi-step
         decoding after its current forward. Runs here, on the event loop, not behind the call in
@@ -161,14 +165,12 @@ class VerifierPool(_Pool):
 
     async def info(self, group=None) -> dict:
         return {
-            "replica": self._replica,
+            **self._info(),
             "max_model_len": self.runner.max_model_len,
             "free_slots": self.runner.free_slots,
             "sessions": len(self.runner.sessions),
             "retained_slots": len(self.runner.retained),
             "runner": dict(self.runner.stats),
-            "active_sessions": self.active_sessions(),
-            "calls": self.calls,
             "target_fingerprint": self.target_fingerprint,
         }
 
@@ -181,7 +183,7 @@ class DrafterPool(_Pool):
         super().__init__(cfg, cfg.drafter_pool)
         pool = cfg.drafter_pool
         # a hybrid's prompt lookup runs in the Router: the pool serves the trained drafter
-        self.proposer = load_proposer(
+        self.proposer = self.engine = load_proposer(
             self.cfg.drafter_checkpoint,
             target=self.cfg.target,
             dtype=self.cfg.dtype,
@@ -196,13 +198,5 @@ class DrafterPool(_Pool):
         self._touch(requests)
         return await self._run("propose", self.proposer.propose, requests)
 
-    async def release(self, session_ids: list[str], group=None) -> PoolReply:
-        return await self._release(self.proposer, session_ids)
-
     async def info(self, group=None) -> dict:
-        return {
-            "replica": self._replica,
-            "sessions": len(self.proposer.sessions),
-            "active_sessions": self.active_sessions(),
-            "calls": self.calls,
-        }
+        return {**self._info(), "sessions": len(self.proposer.sessions)}

@@ -175,14 +175,11 @@ class Pool(_Pool):
             }
         )
         super().__init__(cfg, cfg.verifier_pool)
-        self.backend = backend
+        self.engine = backend
 
     async def forward(self, requests, tag, seconds=0.0):
         self._touch(requests)
-        return await self._run("verify", self.backend.forward, tag, seconds)
-
-    async def release(self, ids):
-        return await self._release(self.backend, ids)
+        return await self._run("verify", self.engine.forward, tag, seconds)
 
 
 @dataclass
