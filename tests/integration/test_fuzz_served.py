@@ -62,7 +62,7 @@ def test_the_stateful_phase_follows_the_links_into_client_server_sessions(fuzzed
     cs = fuzzed["health_after"]["client_server"]
     assert cs["created"] > 0 and cs["closed"] > 0, cs
     # how many sessions the fuzzer leaves open depends on its pace; where they outnumber the seats,
-    # waiting requests took seats back (ClientSessions.reclaim; tests/client/test_cs_protocol.py checks it alone)
+    # waiting requests took seats back (ClientSessions.reclaim; tests/client_server/test_protocol.py checks it alone)
     assert cs["created"] - cs["closed"] <= SEATS or cs["reclaimed"] > 0, cs
 
 

@@ -9,7 +9,7 @@ from moa_serve.client import DeviceDrafter
 from moa_serve.drafter.checkpoint import init_drafter
 from moa_serve.drafter.spec import DrafterSpec
 from moa_serve.engine.in_process import SpeculativeEngine
-from tests.client.test_cs_client import generator
+from tests.client.test_end_to_end import generator
 from tests.support.cs_harness import serving
 
 PROMPTS = ["Once upon a time", "The little dog"]
