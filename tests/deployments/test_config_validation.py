@@ -19,29 +19,14 @@ from moa_serve.deployments.config import (
     reservations,
     session_warnings,
 )
+from moa_serve.synthetic import SHAPES
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "deployments" / "configs"
 GiB = 2**30
 
-# the public config.json of meta-llama/Meta-Llama-3-8B-Instruct (the fields the arithmetic reads)
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 128000,
-    "eos_token_id": 128009,
-}
+# Meta-Llama-3-8B-Instruct's config.json, the shape moa_serve/shapes ships
+LLAMA3_8B = json.loads((SHAPES / "llama-3-8b-shape" / "config.json").read_text())
 
 
 def args_of(name: str) -> dict:

@@ -23,19 +23,8 @@ from tools.gpu.report import markdown
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
 
-LLAMA3_8B = dict(
-    model_type="llama",
-    vocab_size=128256,
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=14336,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    max_position_embeddings=8192,
-    tie_word_embeddings=False,
-)
+# Meta-Llama-3-8B-Instruct's config.json, the shape moa_serve/shapes ships
+LLAMA3_8B = json.loads((synthetic.SHAPES / "llama-3-8b-shape" / "config.json").read_text())
 TOY_LLAMA = dict(  # Llama-3-8B's config at toy size
     LLAMA3_8B,
     vocab_size=512,
