@@ -16,7 +16,7 @@ from ray import serve  # noqa: E402
 from moa_serve.deployments.app import build_app  # noqa: E402
 from moa_serve.engine.in_process import SpeculativeEngine  # noqa: E402
 from tests.support.chat_model import with_chat_template  # noqa: E402
-from tests.support.ray_harness import kill_replica  # noqa: E402
+from tests.support.ray_harness import READY_TIMEOUT_S, kill_replica  # noqa: E402
 from tools.prompts import STORY_PROMPTS  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def app_args(target, drafter, **router):
     }
 
 
-def serve_locally(apps, ready_timeout_s: float, poll_s: float):
+def serve_locally(apps, poll_s: float, ready_timeout_s: float = READY_TIMEOUT_S):
     """Ray (2 CPUs) and Serve on a free loopback port, running ``apps`` ((application, name,
     route_prefix) each); waits for ``/readyz`` at the root, yields the base URL, then shuts down."""
     port = free_port()
@@ -92,7 +92,6 @@ def cluster(target, stories_drafter):
                 "/tight",
             ),
         ],
-        ready_timeout_s=120,
         poll_s=0.5,
     )
 
@@ -342,7 +341,7 @@ def test_client_disconnect_frees_the_session(cluster):
             gateway, router = s["gateway"]["aborted"] > before["gateway"]["aborted"], s["aborted"] > before["aborted"]
             if gateway and router and s["active_sessions"] == 0:
                 break
-            assert time.time() < deadline, f"aborted at the Gateway: {gateway}, at the Router: {router}; {json.dumps(s)}"
+            assert time.time() < deadline, f"aborted at the Gateway {gateway}, at the Router {router}: {json.dumps(s)}"
             time.sleep(0.2)
 
 

@@ -34,7 +34,7 @@ def high_throughput_mode(monkeypatch):
 def test_streams_run_through_an_update_that_replaces_every_replica_unchanged(tmp_path, high_throughput_mode):
     if shutil.which("serve") is None:
         pytest.skip("no `serve` command")
-    with serve_run(REPO / "deployments" / "configs" / "local-cpu.yaml", tmp_path, 120) as url:
+    with serve_run(REPO / "deployments" / "configs" / "local-cpu.yaml", tmp_path) as url:
         log = (tmp_path / "serve.log").read_text(errors="replace")
         dashboard = re.search(r"dashboard at \S*(http://[0-9.]+:\d+)", log).group(1)
         reference = updates.streams(url, STREAMS, MAX_TOKENS)

@@ -66,7 +66,7 @@ def served_config(target, out):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, stories_chat):
     out = tmp_path_factory.mktemp("lm-eval-serve")
-    with serve_run(served_config(stories_chat, out), out, 120) as url:
+    with serve_run(served_config(stories_chat, out), out) as url:
         with httpx.Client(timeout=5) as c:
             for _ in range(120):
                 if c.get(url + "/plain/readyz").status_code == 200:

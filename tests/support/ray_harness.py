@@ -13,6 +13,10 @@ import ray
 
 from moa_serve.loadtest import runner
 
+# how long a test waits for a cluster to be ready: long enough that only a start that hangs fails
+# (a start's time depends on the machine and its load; the runner prints it: ready after N s)
+READY_TIMEOUT_S = 300
+
 
 def kill_replica(deployment: str) -> None:
     """Kills one replica of the ``moa`` application's ``deployment`` (no restart by Ray itself:
@@ -23,7 +27,7 @@ def kill_replica(deployment: str) -> None:
 
 
 @contextlib.contextmanager
-def serve_run(config: Path, out: Path, ready_timeout_s: float):
+def serve_run(config: Path, out: Path, ready_timeout_s: float = READY_TIMEOUT_S):
     """``serve run CONFIG`` as a subprocess in its own session (its own local Ray), served on a
     free loopback port; waits for ``/readyz`` 200 and yields the base URL. Afterwards every process
     of that session is killed by PID (no graceful drain: nothing is left to serve), never
