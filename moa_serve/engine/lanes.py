@@ -179,5 +179,8 @@ class LaneLink:
     async def _cancel_quietly(self, session_id: str) -> None:
         try:
             await self._cancel(session_id)
-        except Exception as exc:  # noqa: BLE001 - its replica died: nothing left to abort
-            log.debug("cancelling %s failed: %s", session_id, exc)
+        except asyncio.CancelledError:
+            log.warning("cancelling %s on its Router was itself cancelled (it runs there to its end)", session_id)
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. its replica died: nothing left to abort there
+            log.warning("cancelling %s on its Router failed: %s: %s", session_id, type(exc).__name__, exc)
